@@ -1,0 +1,44 @@
+"""Entry point of the ``sglang.srt.plugins`` group: wires the plugin into sglang through HookRegistry.
+
+sglang calls ``register()`` in every process (CLI, engine, each scheduler subprocess) before it
+builds anything. Two tiers of hooks:
+
+* Server-argument hooks are always registered: they add ``--enable-nsa-prefill-cp-shared-kv`` and
+  validate it. With the flag off they only add the (default False) flag.
+* Runtime hooks (capacity, allocator, CP HiRadixCache, owner-filtered writes, peer-page reads,
+  load-back quota) are registered only in processes started after the flag was validated on: the
+  validation sets ``CP_SHARED_KV_ENV`` in the launching process, and spawned scheduler processes
+  inherit it. With the flag off no runtime hook exists, so the serving path is stock sglang.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+from sglang_cp_shared_kv.server_args import (
+    cp_shared_kv_enabled_in_env,
+    register_server_args_hooks,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    register_server_args_hooks(HookRegistry)
+    if cp_shared_kv_enabled_in_env():
+        register_runtime_hooks(HookRegistry)
+
+
+def register_runtime_hooks(registry=HookRegistry) -> None:
+    """Hooks that change what the server does; only with the flag on (see module docstring)."""
+    from sglang_cp_shared_kv.managers import prefill_load_back_quota
+    from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache
+    from sglang_cp_shared_kv.model_executor import cp_shared_kv_capacity, cp_shared_kv_runtime
+
+    cp_shared_kv_capacity.register_hooks(registry)
+    cp_hiradix_cache.register_hooks(registry)
+    prefill_load_back_quota.register_hooks(registry)
+    cp_shared_kv_runtime.register_hooks(registry)
+    logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

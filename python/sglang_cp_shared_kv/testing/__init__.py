@@ -1,0 +1,1 @@
+"""Helpers for running the plugin's tests and simulations on machines without CUDA."""
