@@ -1,0 +1,123 @@
+"""Host-backup state of one radix node under CP shared KV.
+
+A radix node's ``value`` stays the full *logical* loc tensor (identical on every rank). Its host copy is
+sharded: each rank backs up only the positions whose logical page it owns, into its own *physical* host
+slots. ``CpHiCacheNodeMetadata`` records that per rank, in units that survive eviction of the device locs:
+
+* ``logical_len``: tokens the node represents (the same on every rank).
+* ``owned_positions``: node-local token positions (``0 .. logical_len-1``) this rank holds on host, sorted.
+  Positions, not logical locs: the locs are freed when the node leaves the device, and the load-back
+  allocates new ones.
+* ``host_indices``: this rank's host slots, ``host_indices[i]`` holding position ``owned_positions[i]``.
+* ``owner_ranks``: for every position, the rank that holds it on host (the same on every rank). Load-back
+  must place position ``p`` on a logical page owned by ``owner_ranks[p]`` again, because only that rank
+  has its bytes; the owners are recorded here so that every rank can ask the (rank-independent) allocator
+  for the same placement.
+
+All tensors are CPU tensors (tree bookkeeping is CPU-side and long-lived nodes must not pin device memory):
+``owned_positions`` and ``host_indices`` int64, ``owner_ranks`` int8. A rank may own nothing in a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpHiCacheNodeMetadata:
+    logical_len: int
+    owned_positions: torch.Tensor
+    host_indices: torch.Tensor
+    owner_ranks: torch.Tensor
+
+    def __post_init__(self):
+        if isinstance(self.logical_len, bool) or not isinstance(self.logical_len, int):
+            raise TypeError(f"logical_len must be an int, got {type(self.logical_len).__name__}")
+        if self.logical_len < 0:
+            raise ValueError(f"logical_len must be >= 0, got {self.logical_len}")
+        _check_cpu_vector("owned_positions", self.owned_positions, torch.int64)
+        _check_cpu_vector("host_indices", self.host_indices, torch.int64)
+        _check_cpu_vector("owner_ranks", self.owner_ranks, torch.int8)
+        if len(self.owned_positions) != len(self.host_indices):
+            raise ValueError(
+                f"owned_positions ({len(self.owned_positions)}) and host_indices "
+                f"({len(self.host_indices)}) must have the same length"
+            )
+        if len(self.owner_ranks) != self.logical_len:
+            raise ValueError(
+                f"owner_ranks must have one entry per position ({self.logical_len}), "
+                f"got {len(self.owner_ranks)}"
+            )
+        positions = self.owned_positions
+        if positions.numel():
+            if int(positions[0]) < 0 or int(positions[-1]) >= self.logical_len:
+                raise ValueError(
+                    f"owned_positions must lie in [0, {self.logical_len}), got "
+                    f"[{int(positions[0])}, {int(positions[-1])}]"
+                )
+            if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+                raise ValueError("owned_positions must be strictly increasing")
+        if self.owner_ranks.numel() and int(self.owner_ranks.min()) < 0:
+            raise ValueError("owner_ranks must be >= 0")
+
+    @property
+    def num_owned(self) -> int:
+        """Positions (= physical host slots) this rank holds for the node."""
+        return len(self.owned_positions)
+
+    def split(self, split_len: int) -> Tuple["CpHiCacheNodeMetadata", "CpHiCacheNodeMetadata"]:
+        """Metadata of ``[0, split_len)`` and of ``[split_len, logical_len)``, the latter rebased to 0.
+
+        Host slots follow their positions (selected by mask, not by taking the first ``split_len``
+        entries): a rank holds only a subset of the positions, so slot i is not position i.
+        """
+        if isinstance(split_len, bool) or not isinstance(split_len, int):
+            raise TypeError(f"split_len must be an int, got {type(split_len).__name__}")
+        if split_len < 0 or split_len > self.logical_len:
+            raise ValueError(f"split_len must be in [0, {self.logical_len}], got {split_len}")
+        in_parent = self.owned_positions < split_len
+        in_child = ~in_parent
+        parent = CpHiCacheNodeMetadata(
+            logical_len=split_len,
+            owned_positions=self.owned_positions[in_parent],
+            host_indices=self.host_indices[in_parent],
+            owner_ranks=self.owner_ranks[:split_len],
+        )
+        child = CpHiCacheNodeMetadata(
+            logical_len=self.logical_len - split_len,
+            owned_positions=self.owned_positions[in_child] - split_len,
+            host_indices=self.host_indices[in_child],
+            owner_ranks=self.owner_ranks[split_len:],
+        )
+        return parent, child
+
+    @classmethod
+    def concat(cls, parts: Sequence["CpHiCacheNodeMetadata"]) -> "CpHiCacheNodeMetadata":
+        """One metadata for consecutive nodes (a load-back path); positions are shifted by the
+        logical lengths before them."""
+        if not parts:
+            raise ValueError("concat needs at least one metadata")
+        offsets = torch.tensor([0] + [p.logical_len for p in parts[:-1]], dtype=torch.int64)
+        offsets = torch.cumsum(offsets, 0)
+        return cls(
+            logical_len=sum(p.logical_len for p in parts),
+            owned_positions=torch.cat(
+                [p.owned_positions + int(off) for p, off in zip(parts, offsets)]
+            ),
+            host_indices=torch.cat([p.host_indices for p in parts]),
+            owner_ranks=torch.cat([p.owner_ranks for p in parts]),
+        )
+
+
+def _check_cpu_vector(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {tensor.device}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
