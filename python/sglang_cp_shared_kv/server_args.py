@@ -1,0 +1,205 @@
+"""``--enable-nsa-prefill-cp-shared-kv``: the flag, its fail-fast validation, and its environment carrier.
+
+Why an environment variable: ``plugin.register()`` runs in every process before any ``ServerArgs``
+exists there, so it cannot read the flag to decide whether to add the runtime hooks. The launching
+process validates the flag while it builds ``ServerArgs`` and exports ``SGLANG_CP_SHARED_KV=1``;
+scheduler processes are spawned later, inherit it, and register the runtime hooks (see plugin.py).
+
+Why four hooks: ``ServerArgs`` is a dataclass and our flag is not one of its fields.
+
+* ``add_cli_args`` (AFTER) adds the argparse flag, so ``sglang serve`` and
+  ``python -m sglang.launch_server`` accept it, and the latter lists it in ``--help``.
+* ``__init__`` (AROUND) accepts the keyword (``Engine(**kwargs)`` builds ``ServerArgs(**kwargs)``),
+  stores it as an instance attribute before the dataclass ``__init__`` runs ``__post_init__``, and
+  validates afterwards, once sglang has settled every value (``__post_init__`` rewrites
+  ``page_size`` and ``attn_cp_size`` for DSA models).
+* ``from_cli_args`` (AROUND) keeps dataclass fields only and so drops ours: copy the parsed value
+  onto the built object and validate again.
+* ``check_server_args`` (BEFORE) runs in the engine right before it spawns schedulers: validate
+  again in case the attribute was set on an object that was already built.
+
+The value is a plain instance attribute, so it survives pickling to the scheduler processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from sglang.srt.plugins.hook_registry import HookType
+
+logger = logging.getLogger(__name__)
+
+CP_SHARED_KV_ENV = "SGLANG_CP_SHARED_KV"
+CP_SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+CP_SHARED_KV_FIELD = "enable_nsa_prefill_cp_shared_kv"
+
+# The NSA indexer stores K in 64-token pages; a shared-KV page must be exactly one indexer page so
+# that KV and indexer K of a page live on the same rank. sglang sets 64 for DSA models on CUDA.
+CP_SHARED_KV_PAGE_SIZE = 64
+
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+
+def cp_shared_kv_enabled_in_env() -> bool:
+    """True in processes launched after the flag was validated on (see module docstring)."""
+    return os.environ.get(CP_SHARED_KV_ENV) == "1"
+
+
+def register_server_args_hooks(registry) -> None:
+    registry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args_after, HookType.AFTER)
+    registry.register(f"{_SERVER_ARGS}.__init__", _init_around, HookType.AROUND)
+    registry.register(f"{_SERVER_ARGS}.from_cli_args", _from_cli_args_around, HookType.AROUND)
+    registry.register(
+        f"{_SERVER_ARGS}.check_server_args", _check_server_args_before, HookType.BEFORE
+    )
+
+
+def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        CP_SHARED_KV_FLAG,
+        action="store_true",
+        default=False,
+        help="With --enable-nsa-prefill-context-parallel (NSA models: DeepSeek-V3.2, GLM-5): keep one "
+        "KV cache shared by the context-parallel group, each rank storing every cp_size-th page, "
+        "instead of a full replica per rank; works with host-only HiCache (--enable-hierarchical-cache). "
+        "Provided by the sglang-cp-shared-kv plugin.",
+    )
+
+
+def _init_around(original, server_args, *args, **kwargs) -> None:
+    server_args.enable_nsa_prefill_cp_shared_kv = kwargs.pop(CP_SHARED_KV_FIELD, False)
+    original(server_args, *args, **kwargs)
+    validate_cp_shared_kv_server_args(server_args)
+
+
+def _from_cli_args_around(original, cls, args: argparse.Namespace):
+    server_args = original(cls, args)
+    server_args.enable_nsa_prefill_cp_shared_kv = getattr(args, CP_SHARED_KV_FIELD, False)
+    validate_cp_shared_kv_server_args(server_args)
+    return server_args
+
+
+def _check_server_args_before(server_args) -> None:
+    validate_cp_shared_kv_server_args(server_args)
+
+
+def validate_cp_shared_kv_server_args(server_args) -> None:
+    """Raise ``ValueError`` for combinations stage 1 cannot serve; export or clear the env carrier."""
+    enabled = getattr(server_args, CP_SHARED_KV_FIELD, False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{CP_SHARED_KV_FLAG} must be True or False, got {enabled!r}")
+    if not enabled:
+        if cp_shared_kv_enabled_in_env():
+            logger.warning(
+                "%s=1 is set but %s is off: unsetting it so no shared-KV hook runs",
+                CP_SHARED_KV_ENV,
+                CP_SHARED_KV_FLAG,
+            )
+        os.environ.pop(CP_SHARED_KV_ENV, None)
+        return
+
+    problems = _unsupported_combinations(server_args)
+    if problems:
+        raise ValueError(
+            f"{CP_SHARED_KV_FLAG} cannot be used here:\n  - " + "\n  - ".join(problems)
+        )
+    os.environ[CP_SHARED_KV_ENV] = "1"
+    logger.info(
+        "%s: on (attn_cp_size=%s, page_size=%s, hierarchical cache %s)",
+        CP_SHARED_KV_FLAG,
+        server_args.attn_cp_size,
+        server_args.page_size,
+        "on" if server_args.enable_hierarchical_cache else "off",
+    )
+
+
+def _unsupported_combinations(server_args) -> list[str]:
+    """One message per offending setting, each naming its flag."""
+    problems = []
+    if not server_args.enable_nsa_prefill_context_parallel:
+        problems.append(f"{CP_SHARED_KV_FLAG} requires --enable-nsa-prefill-context-parallel")
+    if server_args.nsa_prefill_cp_mode != "round-robin-split":
+        problems.append(
+            f"--nsa-prefill-cp-mode {server_args.nsa_prefill_cp_mode}: only round-robin-split is supported"
+        )
+    if server_args.hicache_storage_backend is not None:
+        problems.append(
+            f"--hicache-storage-backend {server_args.hicache_storage_backend}: HiCache storage backends "
+            "are not supported with page-sharded KV (host-only --enable-hierarchical-cache is)"
+        )
+    if server_args.enable_hisparse:
+        problems.append("--enable-hisparse: the HiSparse NSA KV pool is not supported")
+    if server_args.enable_lmcache:
+        problems.append("--enable-lmcache: LMCache reads the device pool by logical loc")
+    if server_args.disaggregation_mode != "null":
+        problems.append(
+            f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation transfers whole "
+            "pages by page id and is not supported with page-sharded KV"
+        )
+    if server_args.speculative_algorithm is not None:
+        problems.append(
+            f"--speculative-algorithm {server_args.speculative_algorithm}: the draft model's KV pool is "
+            "not sharded (MTP/EAGLE unsupported)"
+        )
+    if server_args.pp_size > 1:
+        problems.append(f"--pipeline-parallel-size {server_args.pp_size}: only 1 is supported")
+    problems += _platform_problems(server_args)
+    problems += _model_problems(server_args)
+    return problems
+
+
+def _platform_problems(server_args) -> list[str]:
+    """Device and page size; unset values (a ``dummy`` model path resolves nothing) are not judged."""
+    from sglang.srt.utils import is_hip
+
+    problems = []
+    if server_args.device is not None and server_args.device != "cuda":
+        problems.append(f"--device {server_args.device}: only CUDA is supported")
+    elif is_hip():
+        problems.append("ROCm: the HIP KV write path bypasses the owner filter; only CUDA is supported")
+    page_size = server_args.page_size
+    if page_size is not None and (
+        isinstance(page_size, bool)
+        or not isinstance(page_size, int)
+        or page_size != CP_SHARED_KV_PAGE_SIZE
+    ):
+        problems.append(
+            f"--page-size {page_size!r}: must be {CP_SHARED_KV_PAGE_SIZE} (one NSA indexer page per "
+            "shared-KV page)"
+        )
+    return problems
+
+
+def _model_problems(server_args) -> list[str]:
+    """The model must be NSA and sglang must have set up NSA prefill CP for it.
+
+    ``__post_init__`` loads the model config for every real model path (an unloadable config has
+    already failed there) and caches it as ``model_config``. It skips that for ``--model-path
+    dummy``/``none`` and for remote-instance model paths, and so do we.
+    """
+    from sglang.srt.configs.model_config import is_deepseek_nsa
+
+    model_config = vars(server_args).get("model_config")
+    if model_config is None:
+        if server_args.model_path.lower() not in ("dummy", "none"):
+            logger.warning(
+                "%s: model config of %s is not loaded; its architecture is not checked",
+                CP_SHARED_KV_FLAG,
+                server_args.model_path,
+            )
+        return []
+    hf_config = model_config.hf_config
+    architectures = getattr(hf_config, "architectures", None) or ["<unknown>"]
+    if not is_deepseek_nsa(hf_config):
+        return [
+            f"--model-path {server_args.model_path}: {architectures[0]} is not an NSA model "
+            "(DeepSeek-V3.2 / GLM-5 with index_topk)"
+        ]
+    if server_args.enable_nsa_prefill_context_parallel and server_args.attn_cp_size <= 1:
+        return [
+            f"--model-path {server_args.model_path}: sglang did not set up NSA prefill context "
+            f"parallelism for {architectures[0]} (attn_cp_size is {server_args.attn_cp_size})"
+        ]
+    return []

@@ -1,0 +1,195 @@
+"""``--enable-nsa-prefill-cp-shared-kv``: parsing, the keyword form, fail-fast validation, env carrier.
+
+The server-args hooks are applied through ``HookRegistry`` only inside ``applied_hooks`` so that
+other tests in the same process see stock sglang.
+"""
+
+import json
+import os
+import pickle
+import tempfile
+import unittest
+from argparse import ArgumentParser
+from unittest import mock
+
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.server_args import (
+    CP_SHARED_KV_ENV,
+    CP_SHARED_KV_FLAG,
+    register_server_args_hooks,
+)
+from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
+
+CP_ON = dict(enable_nsa_prefill_context_parallel=True, enable_nsa_prefill_cp_shared_kv=True)
+
+# Tiny configs: only what sglang's ServerArgs reads (architecture, index_topk, sizes).
+GLM5_LIKE_CONFIG = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 4,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+}
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+}
+
+
+def _model_dir(root, name, config):
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+class TestCpSharedKVServerArgs(CustomTestCase):
+    FLAG_OFF_ARGV = ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--page-size", "64"]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.stock_flag_off_args = prepare_server_args(cls.FLAG_OFF_ARGV)  # before any hook
+        cls._tmp = tempfile.TemporaryDirectory()
+        cls.glm5_path = _model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
+        cls.llama_path = _model_dir(cls._tmp.name, "llama", LLAMA_CONFIG)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._tmp.cleanup()
+
+    def setUp(self):
+        self._saved_env = os.environ.pop(CP_SHARED_KV_ENV, None)
+        hooks = applied_hooks(register_server_args_hooks)
+        hooks.__enter__()
+        self.addCleanup(hooks.__exit__, None, None, None)
+
+    def tearDown(self):
+        os.environ.pop(CP_SHARED_KV_ENV, None)
+        if self._saved_env is not None:
+            os.environ[CP_SHARED_KV_ENV] = self._saved_env
+
+    def assertRejected(self, *flags, **kwargs):
+        with self.assertRaises(ValueError) as ctx:
+            ServerArgs(**kwargs)
+        message = str(ctx.exception)
+        for flag in (CP_SHARED_KV_FLAG,) + flags:
+            self.assertIn(flag, message)
+        self.assertNotEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
+
+    # ---- parsing and carriers ----
+
+    def test_sglang_parser_lists_and_parses_the_flag(self):
+        parser = ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        self.assertIn(CP_SHARED_KV_FLAG, parser.format_help())
+
+        args = prepare_server_args(
+            ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", CP_SHARED_KV_FLAG]
+        )
+        self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
+        self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
+        # Scheduler processes receive ServerArgs pickled.
+        self.assertIs(pickle.loads(pickle.dumps(args)).enable_nsa_prefill_cp_shared_kv, True)
+
+    def test_keyword_form_used_by_engine(self):
+        args = ServerArgs(model_path="dummy", **CP_ON)
+        self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
+        self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
+
+    def test_flag_off_leaves_stock_args_and_clears_env(self):
+        os.environ[CP_SHARED_KV_ENV] = "1"  # e.g. left over from an earlier launch in this process
+        hooked = prepare_server_args(self.FLAG_OFF_ARGV)
+        self.assertIs(hooked.enable_nsa_prefill_cp_shared_kv, False)
+        self.assertIs(ServerArgs(model_path="dummy").enable_nsa_prefill_cp_shared_kv, False)
+        self.assertIsNone(os.environ.get(CP_SHARED_KV_ENV))
+        self.assertEqual(hooked, self.stock_flag_off_args)  # dataclass equality: every sglang field
+
+    def test_validation_runs_again_before_launch(self):
+        args = ServerArgs(model_path="dummy")
+        args.enable_nsa_prefill_cp_shared_kv = True  # set after construction, CP still off
+        with self.assertRaises(ValueError) as ctx:
+            args.check_server_args()
+        self.assertIn("--enable-nsa-prefill-context-parallel", str(ctx.exception))
+
+    # ---- fail fast ----
+
+    def test_requires_nsa_prefill_context_parallel(self):
+        self.assertRejected(
+            "--enable-nsa-prefill-context-parallel",
+            model_path="dummy",
+            enable_nsa_prefill_cp_shared_kv=True,
+        )
+        with self.assertRaises(ValueError):
+            prepare_server_args(["--model-path", "dummy", CP_SHARED_KV_FLAG])
+
+    def test_rejects_unsupported_combinations(self):
+        cases = [
+            (("--hicache-storage-backend file",), dict(hicache_storage_backend="file")),
+            (("--enable-hisparse",), dict(enable_hisparse=True)),
+            (("--nsa-prefill-cp-mode in-seq-split",), dict(nsa_prefill_cp_mode="in-seq-split")),
+            (("--speculative-algorithm EAGLE",), dict(speculative_algorithm="EAGLE")),
+            (("--pipeline-parallel-size 2",), dict(pp_size=2)),
+            (("--enable-lmcache",), dict(enable_lmcache=True)),
+            (("--device cpu",), dict(device="cpu")),
+            (("--page-size 32",), dict(page_size=32)),
+            (("--page-size 0",), dict(page_size=0)),
+            (("--page-size '64'",), dict(page_size="64")),
+        ]
+        for flags, extra in cases:
+            with self.subTest(extra=extra):
+                self.assertRejected(*flags, model_path="dummy", **CP_ON, **extra)
+
+    def test_rejects_pd_disaggregation(self):
+        for mode in ("prefill", "decode"):
+            with self.subTest(mode=mode):
+                self.assertRejected(
+                    f"--disaggregation-mode {mode}",
+                    model_path="dummy",
+                    disaggregation_mode=mode,
+                    **CP_ON,
+                )
+
+    def test_rejects_non_nsa_model(self):
+        self.assertRejected(
+            f"--model-path {self.llama_path}",
+            "LlamaForCausalLM",
+            model_path=self.llama_path,
+            tp_size=8,
+            device="cuda",
+            **CP_ON,
+        )
+
+    def test_accepts_nsa_model_with_the_values_sglang_settles(self):
+        # sglang's DSA branch reads the GPU generation to pick the KV dtype and NSA backends.
+        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+            args = ServerArgs(model_path=self.glm5_path, tp_size=8, device="cuda", **CP_ON)
+        self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
+        self.assertEqual(args.page_size, 64)
+        self.assertEqual(args.attn_cp_size, 8)
+        self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
+
+
+if __name__ == "__main__":
+    unittest.main()
