@@ -1,0 +1,366 @@
+"""Paged allocator over the logical KV address space of a CP group sharing one page-sharded cache.
+
+Every rank of the CP group runs the same scheduler on the same batches, so every rank holds an
+identical instance of this allocator and must take identical decisions. Nothing below depends on
+``cp_rank``: it is only carried in ``layout`` for callers that map the logical locs handed out to
+their own physical rows.
+
+Which logical pages exist (arithmetic in ``CpSharedKVLayout``): each rank's pool holds
+``physical_size`` tokens in physical pages ``1..num_physical_pages``, plus sglang's dummy page 0 that
+padded tokens write. Logical page ``q`` lives on rank ``q % cp_size`` as physical page
+``q // cp_size``, so the pages handed out are ``cp_size .. cp_size * (num_physical_pages + 1) - 1``,
+``size = cp_size * physical_size`` logical tokens. Logical pages ``0..cp_size-1`` are physical page 0
+on every rank and are never handed out.
+
+Placement: free pages are kept per owner rank. Taking ``n`` pages happens in two steps:
+
+1. Quotas (``_owner_quotas``): one page at a time from the owner with the most free pages, ties in
+   cyclic rank order starting at the first page's preferred owner. An allocation never widens the gap
+   between the ranks' used physical pages beyond ``max(gap before, 1)``, so a pool that has only been
+   allocated from stays within one page on every rank; frees can open the gap, later allocations
+   close it first.
+2. Assignment (``_assign_owners``): a new page at page index ``j`` of its request prefers owner
+   ``j % cp_size`` (the page-level twin of the round-robin CP token split). Pages get their preferred
+   owner while its quota lasts; the rest fill the leftover quotas round-robin. So a request allocated
+   in one extend, or grown by decode, on a balanced pool has page ``j`` on owner ``j % cp_size``, and
+   every run of its pages (a radix node) is within one page per owner. With concurrent requests and
+   arbitrary chunking this is best effort: the quotas of step 1 win.
+
+Out-of-memory contract: the exact number of new pages is computed from the CPU length twins first;
+if it does not fit, ``alloc`` / ``alloc_extend`` / ``alloc_decode`` return ``None`` with every free
+list and ``available_size()`` untouched (stock 0.5.11 launches its Triton kernel over the free list
+before it checks).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+
+
+class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+    """``PagedTokenToKVPoolAllocator`` handing out logical locs of the CP group (module docstring).
+
+    ``size`` is logical tokens (``cp_size * kvcache.size``); ``get_kvcache()`` is this rank's physical
+    pool. State lives in ``free_pages_by_owner`` / ``release_pages_by_owner``: logical page ids, one
+    tensor per owner rank, on ``device``. The stock flat ``free_pages`` / ``release_pages`` stay
+    ``None``: every method that used them is overridden. Tensors in these lists are never modified in
+    place, which is what makes ``backup_state`` a cheap snapshot.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache,
+        need_sort: bool,
+        cp_size: int,
+        cp_rank: int,
+    ):
+        self.layout = CpSharedKVLayout(cp_size, cp_rank, page_size)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        # Tokens of this rank's pool, excluding the dummy page 0.
+        self.physical_size = kvcache.size
+        if self.physical_size % page_size != 0:
+            raise ValueError(
+                f"{FLAG}: the physical KV pool size ({self.physical_size} tokens) must be a "
+                f"multiple of page_size ({page_size})"
+            )
+        if size != cp_size * self.physical_size:
+            raise ValueError(
+                f"{FLAG}: logical allocator size must be cp_size x physical pool size "
+                f"({cp_size} x {self.physical_size}), got {size}"
+            )
+        self.num_physical_pages = self.physical_size // page_size
+        # The base constructor sets num_pages (logical pages handed out) and calls clear().
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    # ---- state ----
+
+    def clear(self):
+        # Owner r holds logical pages r + k * cp_size for its physical pages k = 1..num_physical_pages.
+        self.free_pages_by_owner: List[torch.Tensor] = [
+            torch.arange(
+                self.cp_size + rank,
+                self.cp_size * (self.num_physical_pages + 1),
+                self.cp_size,
+                dtype=torch.int64,
+                device=self.device,
+            )
+            for rank in range(self.cp_size)
+        ]
+        self.release_pages_by_owner: List[torch.Tensor] = [
+            self._empty_pages() for _ in range(self.cp_size)
+        ]
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def available_size(self) -> int:
+        """Free logical tokens, released-but-unsorted pages included (as stock)."""
+        return (
+            _count(self.free_pages_by_owner) + _count(self.release_pages_by_owner)
+        ) * self.page_size
+
+    def backup_state(self):
+        return (list(self.free_pages_by_owner), list(self.release_pages_by_owner))
+
+    def restore_state(self, state):
+        free_pages_by_owner, release_pages_by_owner = state
+        self.free_pages_by_owner = list(free_pages_by_owner)
+        self.release_pages_by_owner = list(release_pages_by_owner)
+
+    def merge_and_sort_free(self):
+        for rank in range(self.cp_size):
+            if len(self.release_pages_by_owner[rank]) > 0:
+                merged = torch.cat(
+                    (self.free_pages_by_owner[rank], self.release_pages_by_owner[rank])
+                )
+                self.free_pages_by_owner[rank] = torch.sort(merged).values
+                self.release_pages_by_owner[rank] = self._empty_pages()
+
+    def debug_print(self) -> str:
+        free = [len(p) for p in self.free_pages_by_owner]
+        released = [len(p) for p in self.release_pages_by_owner]
+        return f"free pages by owner={free}, released pages by owner={released}"
+
+    # ---- allocation ----
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Whole pages for ``need_size`` (page-aligned) tokens; page k prefers owner k % cp."""
+        if need_size % self.page_size != 0:
+            raise ValueError(
+                f"{FLAG}: alloc needs a page-aligned size, got {need_size} tokens "
+                f"(page_size {self.page_size})"
+            )
+        num_pages = need_size // self.page_size
+        if not self._make_room(num_pages):
+            return None
+        pages = self._take_pages(np.arange(num_pages, dtype=np.int64) % self.cp_size)
+        return (
+            pages[:, None] * self.page_size
+            + torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        ).reshape(-1)
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> Optional[torch.Tensor]:
+        """Locs for tokens ``prefix_len..seq_len-1`` of each request, as stock: first the rest of the
+        request's partially filled last page (continuing ``last_loc``), then new pages."""
+        return self._alloc_tokens(
+            np.asarray(prefix_lens_cpu, dtype=np.int64),
+            np.asarray(seq_lens_cpu, dtype=np.int64),
+            last_loc,
+            extend_num_tokens,
+        )
+
+    def alloc_decode(
+        self,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+    ) -> Optional[torch.Tensor]:
+        """One loc per request, for token ``seq_len - 1`` (``seq_lens`` already counts it, stock)."""
+        seq = np.asarray(seq_lens_cpu, dtype=np.int64)
+        return self._alloc_tokens(seq - 1, seq, last_loc, len(seq))
+
+    def _alloc_tokens(
+        self,
+        prefix_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        last_loc: torch.Tensor,
+        num_tokens: int,
+    ) -> Optional[torch.Tensor]:
+        # Every decision is taken on the host from the CPU length twins (identical on every rank, no
+        # device sync); the device only does index arithmetic on last_loc and on the pages taken.
+        page_size = self.page_size
+        extend_lens = seq_lens - prefix_lens
+        if int(extend_lens.sum()) != num_tokens:
+            raise ValueError(
+                f"{FLAG}: {num_tokens} tokens requested but seq_lens - prefix_lens sums to "
+                f"{int(extend_lens.sum())}"
+            )
+        # Pages a request holds before/after this call; the last one held before may be partial.
+        pages_before = (prefix_lens + page_size - 1) // page_size
+        new_pages_per_req = (seq_lens + page_size - 1) // page_size - pages_before
+        num_new_pages = int(new_pages_per_req.sum())
+        if not self._make_room(num_new_pages):
+            return None
+
+        first_new_slot = np.cumsum(new_pages_per_req) - new_pages_per_req
+        req_of_page = np.repeat(np.arange(len(seq_lens)), new_pages_per_req)
+        page_index_in_req = (
+            pages_before[req_of_page] + np.arange(num_new_pages) - first_new_slot[req_of_page]
+        )
+        new_pages = self._take_pages(page_index_in_req % self.cp_size)
+
+        # One entry per output token: its request and its position in the request.
+        req_of_token = np.repeat(np.arange(len(seq_lens)), extend_lens)
+        first_token = np.cumsum(extend_lens) - extend_lens
+        pos = prefix_lens[req_of_token] + np.arange(num_tokens) - first_token[req_of_token]
+        in_held_page = pos < pages_before[req_of_token] * page_size
+        new_slot = first_new_slot[req_of_token] + pos // page_size - pages_before[req_of_token]
+        plan = torch.from_numpy(
+            np.stack(
+                (
+                    req_of_token,
+                    pos - prefix_lens[req_of_token],
+                    np.where(in_held_page, 0, new_slot),
+                    pos % page_size,
+                    in_held_page,
+                )
+            ).astype(np.int64)
+        ).to(self.device, non_blocking=True)
+
+        req_d, offset_in_held_d, new_slot_d, slot_in_page_d, in_held_page_d = plan
+        held = last_loc.to(torch.int64)[req_d] + 1 + offset_in_held_d
+        if num_new_pages == 0:
+            return held
+        fresh = new_pages[new_slot_d] * page_size + slot_in_page_d
+        return torch.where(in_held_page_d.bool(), held, fresh)
+
+    def _make_room(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` can be taken; merges released pages only when they make it fit."""
+        num_free = _count(self.free_pages_by_owner)
+        if num_pages <= num_free:
+            return True
+        if num_pages > num_free + _count(self.release_pages_by_owner):
+            return False
+        self.merge_and_sort_free()
+        return True
+
+    def _take_pages(self, preferred_owner: np.ndarray) -> torch.Tensor:
+        """Pop one free logical page per entry of ``preferred_owner``, in that order.
+
+        The caller has checked that they fit (``_make_room``). Returns int64 page ids on ``device``.
+        """
+        num_pages = len(preferred_owner)
+        if num_pages == 0:
+            return self._empty_pages()
+        quotas = _owner_quotas(
+            [p.shape[0] for p in self.free_pages_by_owner],
+            num_pages,
+            tie_start=int(preferred_owner[0]),
+        )
+        owner = _assign_owners(preferred_owner, quotas)
+        # Pages from an owner come off the head of its free list, in page order.
+        take_index = np.empty(num_pages, dtype=np.int64)
+        taken = []
+        num_taken = 0
+        for rank, quota in enumerate(quotas):
+            if quota == 0:
+                continue
+            take_index[owner == rank] = num_taken + np.arange(quota)
+            taken.append(self.free_pages_by_owner[rank][:quota])
+            self.free_pages_by_owner[rank] = self.free_pages_by_owner[rank][quota:]
+            num_taken += quota
+        take_index = torch.from_numpy(take_index).to(self.device, non_blocking=True)
+        return torch.cat(taken)[take_index]
+
+    # ---- free ----
+
+    def free(self, free_index: torch.Tensor):
+        """Give the pages of logical locs ``free_index`` back to their owners (freed first, stock)."""
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        pages = torch.unique(free_index.to(torch.int64) // self.page_size)
+        owner = pages % self.cp_size
+        counts = torch.bincount(owner, minlength=self.cp_size).tolist()
+        pages_by_owner = torch.split(pages[torch.argsort(owner, stable=True)], counts)
+        target = self.release_pages_by_owner if self.need_sort else self.free_pages_by_owner
+        for rank, freed in enumerate(pages_by_owner):
+            if len(freed) > 0:
+                target[rank] = torch.cat((freed, target[rank]))
+        if self.debug_mode:
+            self._check_free_lists()
+
+    def _check_free_lists(self):
+        lowest, highest = self.cp_size, self.cp_size * (self.num_physical_pages + 1) - 1
+        for rank in range(self.cp_size):
+            pages = torch.cat((self.free_pages_by_owner[rank], self.release_pages_by_owner[rank]))
+            assert bool((pages % self.cp_size == rank).all()), "page on the wrong owner list"
+            assert bool(((pages >= lowest) & (pages <= highest)).all()), "page out of range"
+            assert len(torch.unique(pages)) == len(pages), "page freed twice"
+
+    # ---- unsupported ----
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        raise ValueError(
+            f"{FLAG}: KV cache CPU offload (get_cpu_copy, used by PD-disaggregation decode) is not "
+            "supported: a request's logical pages are sharded across the CP ranks"
+        )
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        raise ValueError(
+            f"{FLAG}: KV cache CPU offload (load_cpu_copy, used by PD-disaggregation decode) is not "
+            "supported: a request's logical pages are sharded across the CP ranks"
+        )
+
+    def _empty_pages(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+
+def _count(pages_by_owner: Sequence[torch.Tensor]) -> int:
+    return sum(p.shape[0] for p in pages_by_owner)
+
+
+def _owner_quotas(free_pages: List[int], num_pages: int, tie_start: int) -> List[int]:
+    """Pages to take from each owner: one at a time from the owner with the most free pages, ties in
+    cyclic rank order from ``tie_start``. Closed form: lower every owner above a common level to it,
+    then take one more from the first owners (in tie order) sitting at that level."""
+    # Lowering the k fullest owners to a level L takes (sum of their free pages) - k * L pages. Find
+    # the first k for which lowering them to the next owner's count would cover the demand; the level
+    # is then the smallest L whose take does not exceed it.
+    ordered = sorted(free_pages, reverse=True) + [0]
+    top_total = 0
+    for k in range(1, len(free_pages) + 1):
+        top_total += ordered[k - 1]
+        if top_total - k * ordered[k] >= num_pages:
+            level = -(-(top_total - num_pages) // k)
+            break
+    else:
+        raise AssertionError("demand exceeds free pages; _make_room must run first")
+    quotas = [max(0, f - level) for f in free_pages]
+    remaining = num_pages - sum(quotas)
+    cp_size = len(free_pages)
+    for step in range(cp_size):
+        rank = (tie_start + step) % cp_size
+        if remaining > 0 and free_pages[rank] >= level:
+            quotas[rank] += 1
+            remaining -= 1
+    return quotas
+
+
+def _assign_owners(preferred_owner: np.ndarray, quotas: List[int]) -> np.ndarray:
+    """Owner of each page: its preferred owner while that quota lasts (in page order), else the
+    leftover quotas dealt round-robin to the remaining pages in page order."""
+    owner = np.full(len(preferred_owner), -1, dtype=np.int64)
+    leftover = []
+    for rank, quota in enumerate(quotas):
+        granted = np.flatnonzero(preferred_owner == rank)[:quota]
+        owner[granted] = rank
+        leftover.append(quota - len(granted))
+    # Deal round by round: one page per owner that still has leftover quota, in rank order.
+    ranks = np.repeat(np.arange(len(quotas)), leftover)
+    rounds = np.concatenate([np.arange(n) for n in leftover])
+    owner[owner < 0] = ranks[np.lexsort((ranks, rounds))]
+    return owner
