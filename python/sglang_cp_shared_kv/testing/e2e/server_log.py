@@ -1,0 +1,103 @@
+"""Scan an ``sglang serve`` log: error lines, and the capacity lines sglang 0.5.11 prints at startup.
+
+sglang formats every process's log as ``[<time><prefix>] <message>`` (``configure_logger``); a
+scheduler's prefix names its ranks, e.g. `` ATTN_CP3 TP3``. The level is not printed, so errors
+are recognised by content. Capacity lines (one per rank):
+  * ``KV Cache is allocated. #tokens: N, KV size: X GB``: the device pool of that rank, in
+    *physical* rows (``KVCache._finalize_allocation_log``);
+  * ``Allocating X GB host memory for hierarchical KV cache.`` and ``Allocating X GB host memory for
+    NSA indexer (layout=...)``: that rank's HiCache host pools (``memory_pool_host.py``);
+  * ``max_total_num_tokens=N, ...``: the scheduler's device capacity, printed by TP0 only; under
+    shared KV this is the *logical* capacity of the CP group.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+# A finding of one of these kinds fails the smoke.
+ERROR_PATTERNS = (
+    ("scheduler exception", re.compile(r"Scheduler hit an exception")),
+    ("traceback", re.compile(r"Traceback \(most recent call last\)")),
+    ("assertion", re.compile(r"\bAssertionError\b")),
+    ("exception", re.compile(r"\b(RuntimeError|ValueError|IndexError|KeyError|TypeError)\b")),
+    ("cuda error", re.compile(r"CUDA error|illegal memory access|device-side assert")),
+    ("nccl error", re.compile(r"NCCL (error|WARN .*timeout)|Watchdog caught collective operation timeout")),
+    ("http error", re.compile(r"\[http_server\] Error")),
+    ("fatal", re.compile(r"Fatal Python error|Segmentation fault|core dumped|Killed\b")),
+)
+# Reported, but a server may legitimately print them (sglang falls back to recomputing).
+NOTICE_PATTERNS = (
+    ("load-back failed", re.compile(r"load_back: FAILED to load")),
+    ("retract", re.compile(r"KV cache pool is full\. Retract requests")),
+)
+
+_PREFIX = re.compile(r"^\[[^\]]*?(?P<prefix>(?: [A-Z_]+\d+)+)\]")
+_TP = re.compile(r"\bTP(\d+)\b")
+_KV_POOL = re.compile(r"KV Cache is allocated\. #tokens: (\d+), KV size: ([0-9.]+) GB")
+_HOST_KV = re.compile(r"Allocating ([0-9.]+) GB host memory for hierarchical KV cache")
+_HOST_INDEXER = re.compile(r"Allocating ([0-9.]+) GB host memory for NSA indexer")
+_MAX_TOTAL = re.compile(r"max_total_num_tokens=(\d+)")
+
+
+@dataclass(frozen=True)
+class LogFinding:
+    line_no: int  # 1-based
+    kind: str
+    fatal: bool
+    tp_rank: Optional[int]
+    text: str
+
+
+@dataclass
+class CapacityLines:
+    """Startup figures per TP rank (``None`` key: a line without a rank prefix)."""
+
+    device_pool_tokens: Dict[Optional[int], int] = field(default_factory=dict)  # physical rows
+    device_pool_gb: Dict[Optional[int], float] = field(default_factory=dict)
+    host_kv_gb: Dict[Optional[int], float] = field(default_factory=dict)
+    host_indexer_gb: Dict[Optional[int], float] = field(default_factory=dict)
+    scheduler_max_total_num_tokens: Optional[int] = None  # logical, from TP0's line
+
+
+def tp_rank_of(line: str) -> Optional[int]:
+    match = _PREFIX.match(line)
+    if not match:
+        return None
+    tp = _TP.search(match.group("prefix"))
+    return int(tp.group(1)) if tp else None
+
+
+def scan_for_errors(
+    lines: Sequence[str], ignore: Iterable[str] = ()
+) -> List[LogFinding]:
+    """Every line matching an error or notice pattern, unless it matches one of ``ignore`` (regexes)."""
+    ignore_res = [re.compile(p) for p in ignore]
+    findings = []
+    for no, line in enumerate(lines, start=1):
+        if any(r.search(line) for r in ignore_res):
+            continue
+        for patterns, fatal in ((ERROR_PATTERNS, True), (NOTICE_PATTERNS, False)):
+            hit = next((kind for kind, regex in patterns if regex.search(line)), None)
+            if hit:
+                findings.append(LogFinding(no, hit, fatal, tp_rank_of(line), line.rstrip("\n")))
+                break
+    return findings
+
+
+def parse_capacity_lines(lines: Sequence[str]) -> CapacityLines:
+    out = CapacityLines()
+    for line in lines:
+        rank = tp_rank_of(line)
+        if m := _KV_POOL.search(line):
+            out.device_pool_tokens[rank] = int(m.group(1))
+            out.device_pool_gb[rank] = float(m.group(2))
+        elif m := _HOST_KV.search(line):
+            out.host_kv_gb[rank] = float(m.group(1))
+        elif m := _HOST_INDEXER.search(line):
+            out.host_indexer_gb[rank] = float(m.group(1))
+        elif (m := _MAX_TOTAL.search(line)) and "chunked_prefill_size=" in line:
+            out.scheduler_max_total_num_tokens = int(m.group(1))
+    return out

@@ -1,0 +1,123 @@
+"""The smoke's server-log scan against lines sglang itself prints, formatted by sglang's logger setup.
+
+The capacity lines come from building sglang's real NSA device pool and NSA HiCache host pools on
+the CPU inside a scheduler-style logger (``configure_logger`` with a rank prefix); the error lines
+from sglang's own exception formatting.
+"""
+
+import io
+import logging
+import sys
+import types
+import unittest
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+
+register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
+
+TP_RANK = 3
+PREFIX = f" ATTN_CP{TP_RANK} TP{TP_RANK}"  # what configure_scheduler_process builds for CP 8 x TP 8
+PAGE = 64
+POOL_TOKENS = 64 * PAGE
+LAYERS = 8
+
+
+def sglang_log_lines(emit) -> list:
+    """Lines that ``emit()`` logs through sglang's ``configure_logger`` with a scheduler prefix."""
+    from sglang.srt.utils.common import configure_logger
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    buffer, saved_stderr = io.StringIO(), sys.stderr
+    sys.stderr = buffer  # basicConfig binds its handler to the current sys.stderr
+    try:
+        configure_logger(types.SimpleNamespace(log_level="info"), prefix=PREFIX)
+    finally:
+        sys.stderr = saved_stderr
+    try:
+        emit()
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    return buffer.getvalue().splitlines()
+
+
+class TestSmokeServerLog(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        sgl_kernel_cpu_shim.install()
+        import torch
+
+        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+        from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, NSAIndexerPoolHost
+        from sglang.utils import get_exception_traceback
+
+        pools = {}
+
+        def startup_and_failure():
+            pools["device"] = NSATokenToKVPool(
+                size=POOL_TOKENS, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16,
+                qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", index_head_dim=128,
+                enable_memory_saver=False, kv_cache_dim=576,
+            )  # fmt: skip
+            pools["host"] = MLATokenToKVPoolHost(pools["device"], 2.0, 0, PAGE, "layer_first", pin_memory=False)
+            pools["indexer"] = NSAIndexerPoolHost(pools["device"], pools["host"], "layer_first", pin_memory=False)
+            scheduler_logger = logging.getLogger("sglang.srt.managers.scheduler")
+            # The format of Scheduler.__init__'s capacity line (printed by TP0 only).
+            scheduler_logger.info(
+                "max_total_num_tokens=131072, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+                "max_running_requests=48, context_len=32768, available_gpu_mem=40.12 GB"
+            )
+            logging.getLogger("sglang.srt.mem_cache.hiradix_cache").warning(
+                "load_back: FAILED to load %d tokens for node %d even after eviction (evictable_size=%d)",
+                8064, 17, 0,
+            )  # fmt: skip
+            try:
+                assert False, "logical loc 70000 out of physical range"
+            except AssertionError:
+                # As run_scheduler_process reports a crash.
+                scheduler_logger.error(f"Scheduler hit an exception: {get_exception_traceback()}")
+
+        cls.lines = sglang_log_lines(startup_and_failure)
+        cls.pools = pools
+
+    def test_capacity_lines_give_the_pools_sglang_built(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+
+        capacity = parse_capacity_lines(self.lines)
+        device, host, indexer = self.pools["device"], self.pools["host"], self.pools["indexer"]
+        self.assertEqual(capacity.device_pool_tokens, {TP_RANK: device.size})
+        self.assertEqual(capacity.host_kv_gb, {TP_RANK: round(host.size * host.size_per_token / 1e9, 2)})
+        self.assertEqual(set(capacity.host_indexer_gb), {TP_RANK})
+        self.assertGreater(capacity.host_kv_gb[TP_RANK], 0)
+        self.assertEqual(capacity.scheduler_max_total_num_tokens, 131072)
+        self.assertGreater(indexer.size_per_token, 0)
+
+    def test_errors_are_found_with_their_rank_and_startup_lines_are_not(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors, tp_rank_of
+
+        findings = scan_for_errors(self.lines)
+        fatal = [f for f in findings if f.fatal]
+        self.assertEqual(fatal[0].kind, "scheduler exception")
+        self.assertEqual(fatal[0].tp_rank, TP_RANK)
+        self.assertIn("assertion", {f.kind for f in fatal})  # the traceback's last line
+        notices = [f for f in findings if not f.fatal]
+        self.assertEqual([f.kind for f in notices], ["load-back failed"])
+        flagged = {f.line_no for f in findings}
+        for no, line in enumerate(self.lines, start=1):
+            if "Allocating" in line or "KV Cache is allocated" in line or "max_total_num_tokens=" in line:
+                self.assertNotIn(no, flagged, line)
+                self.assertEqual(tp_rank_of(line), TP_RANK)
+
+    def test_ignore_patterns_silence_known_lines(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors
+
+        ignored = scan_for_errors(self.lines, ignore=[r"load_back: FAILED"])
+        self.assertNotIn("load-back failed", {f.kind for f in ignored})
+        self.assertTrue(any(f.fatal for f in ignored))
+
+
+if __name__ == "__main__":
+    unittest.main()
