@@ -1,0 +1,205 @@
+"""What one smoke run observed, the checks it must pass, and the comparison between runs.
+
+Checks of one run (each failure is one line of text; any failure makes the smoke exit non-zero):
+  * every planned request returned ``max_new_tokens`` greedy tokens without error;
+  * a replayed request reproduced its original's output token for token;
+  * the run evicted from device, served prompt tokens from host and loaded back
+    (``evicted_tokens`` / ``load_back_tokens`` counters and per-request ``cached_tokens_details``);
+  * the server log holds no error line (see ``server_log.ERROR_PATTERNS``).
+Between runs (shared KV off vs on), greedy outputs must be equal request by request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, round_pairs
+from sglang_cp_shared_kv.testing.e2e.server_log import CapacityLines, LogFinding
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    name: str
+    prompt_tokens: int
+    output_ids: List[int]
+    cached_tokens: int
+    cached_device_tokens: int
+    cached_host_tokens: int
+    ttft_s: Optional[float]
+    e2e_s: float
+    # Metric deltas around this request; counters are summed over ranks (server_metrics docstring).
+    metric_deltas: Dict[str, float] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @staticmethod
+    def from_response(index, name, prompt_tokens, result, metric_deltas) -> "RequestRecord":
+        meta = result.meta_info or {}
+        details = meta.get("cached_tokens_details") or {}
+        return RequestRecord(
+            index=index,
+            name=name,
+            prompt_tokens=prompt_tokens,
+            output_ids=list(result.output_ids),
+            cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+            cached_device_tokens=int(details.get("device", 0) or 0),
+            cached_host_tokens=int(details.get("host", 0) or 0),
+            ttft_s=result.ttft_s,
+            e2e_s=result.e2e_s,
+            metric_deltas=dict(metric_deltas),
+            error=result.error,
+        )
+
+
+@dataclass
+class RunReport:
+    """One server launch: mode, capacities seen, per-request records, log findings, failures."""
+
+    mode: str  # "shared-kv-off" / "shared-kv-on"
+    command: List[str]
+    log_path: str
+    tp_size: int
+    records: List[RequestRecord] = field(default_factory=list)
+    findings: List[LogFinding] = field(default_factory=list)
+    capacity: Dict[str, Any] = field(default_factory=dict)
+    failures: List[str] = field(default_factory=list)
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first differing token (or the shorter length if one is a prefix), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def request_failures(plan: RequestPlan, records: Sequence[RequestRecord]) -> List[str]:
+    failures = []
+    by_index = {r.index: r for r in records}
+    for planned in plan.requests:
+        record = by_index.get(planned.index)
+        if record is None:
+            failures.append(f"#{planned.index} {planned.name}: not run")
+        elif record.error:
+            failures.append(f"#{planned.index} {planned.name}: {record.error}")
+        elif len(record.output_ids) != plan.max_new_tokens:
+            failures.append(
+                f"#{planned.index} {planned.name}: {len(record.output_ids)} output tokens, "
+                f"expected {plan.max_new_tokens}"
+            )
+    for planned in plan.requests:
+        if planned.replay_of is None:
+            continue
+        original, replay = by_index.get(planned.replay_of), by_index.get(planned.index)
+        if not original or not replay or original.error or replay.error:
+            continue
+        diff = first_difference(original.output_ids, replay.output_ids)
+        if diff is not None:
+            failures.append(
+                f"#{planned.index} {planned.name}: replay of #{planned.replay_of} differs at output "
+                f"token {diff} (cached {replay.cached_tokens}, from host {replay.cached_host_tokens})"
+            )
+    return failures
+
+
+def hicache_activity(records: Sequence[RequestRecord]) -> Dict[str, float]:
+    totals: Dict[str, float] = {}
+    for r in records:
+        for key, value in r.metric_deltas.items():
+            totals[key] = totals.get(key, 0.0) + value
+    totals["requests_with_host_hits"] = sum(1 for r in records if r.cached_host_tokens > 0)
+    totals["host_hit_tokens_from_responses"] = sum(r.cached_host_tokens for r in records)
+    return totals
+
+
+def hicache_failures(activity: Dict[str, float]) -> List[str]:
+    failures = []
+    if activity.get("evicted_tokens", 0) <= 0:
+        failures.append("no device eviction observed (sglang:evicted_tokens_total did not grow)")
+    if activity.get("load_back_tokens", 0) <= 0:
+        failures.append("no host load-back observed (sglang:load_back_tokens_total did not grow)")
+    if activity.get("requests_with_host_hits", 0) <= 0:
+        failures.append("no request was served from host (meta_info.cached_tokens_details.host)")
+    return failures
+
+
+def log_failures(findings: Sequence[LogFinding]) -> List[str]:
+    return [f"server log line {f.line_no} ({f.kind}): {f.text[:300]}" for f in findings if f.fatal]
+
+
+def compare_runs(plan: RequestPlan, reference: RunReport, candidate: RunReport) -> List[str]:
+    """Request-by-request greedy equality of ``candidate`` against ``reference``."""
+    ref = {r.index: r for r in reference.records}
+    cand = {r.index: r for r in candidate.records}
+    failures = []
+    for planned in plan.requests:
+        a, b = ref.get(planned.index), cand.get(planned.index)
+        if a is None or b is None or a.error or b.error:
+            failures.append(f"#{planned.index} {planned.name}: missing in one run, cannot compare")
+            continue
+        diff = first_difference(a.output_ids, b.output_ids)
+        if diff is not None:
+            failures.append(
+                f"#{planned.index} {planned.name}: {candidate.mode} differs from {reference.mode} at "
+                f"output token {diff}: {a.output_ids[diff:diff + 4]} vs {b.output_ids[diff:diff + 4]}"
+            )
+    return failures
+
+
+def capacity_figures(
+    server_info: Dict[str, Any], lines: CapacityLines, host_total_tokens_by_rank: Dict[str, float]
+) -> Dict[str, Any]:
+    """Logical device capacity of the CP group, physical pool per rank, host memory per rank."""
+    logical = server_info.get("max_total_num_tokens", lines.scheduler_max_total_num_tokens)
+    physical = sorted(set(v for k, v in lines.device_pool_tokens.items() if k is not None))
+    host_gb = {
+        str(rank): round(lines.host_kv_gb.get(rank, 0.0) + lines.host_indexer_gb.get(rank, 0.0), 3)
+        for rank in sorted(set(lines.host_kv_gb) | set(lines.host_indexer_gb), key=lambda r: (r is None, r))
+    }
+    figures: Dict[str, Any] = {
+        "logical_device_tokens_per_cp_group": logical,
+        "physical_device_tokens_per_rank": physical,
+        "device_pool_gb_per_rank": sorted(set(v for k, v in lines.device_pool_gb.items() if k is not None)),
+        "host_memory_gb_per_rank": host_gb,
+        "host_pool_tokens_per_rank": {k: int(v) for k, v in sorted(host_total_tokens_by_rank.items())},
+    }
+    if logical is not None and len(physical) == 1:
+        figures["logical_over_physical"] = round(logical / physical[0], 3)
+    return figures
+
+
+def capacity_failures(shared_kv: bool, tp_size: int, figures: Dict[str, Any]) -> List[str]:
+    """Shared KV must expose cp_size x the physical pool as logical capacity; without it, 1 x."""
+    ratio = figures.get("logical_over_physical")
+    if ratio is None:
+        return []
+    expected = tp_size if shared_kv else 1  # round-robin NSA prefill CP: cp_size == tp_size
+    if abs(ratio - expected) > 1e-6:
+        return [f"logical capacity is {ratio} x the physical pool per rank, expected {expected}"]
+    return []
+
+
+def ttft_summary(plan: RequestPlan, records: Sequence[RequestRecord]) -> List[Dict[str, Any]]:
+    """Per prefix: TTFT of the cold round-1 prefill vs the round-2 request whose prefix came from host."""
+    by_index = {r.index: r for r in records}
+    rows = []
+    for cold, reuse in round_pairs(plan):
+        a, b = by_index.get(cold.index), by_index.get(reuse.index)
+        if not a or not b or a.ttft_s is None or b.ttft_s is None or b.cached_host_tokens <= 0:
+            continue
+        rows.append(
+            {
+                "prefix_tokens": cold.prefix_tokens,
+                "recomputed_request": a.name,
+                "recomputed_ttft_ms": round(a.ttft_s * 1e3, 2),
+                "from_host_request": b.name,
+                "from_host_ttft_ms": round(b.ttft_s * 1e3, 2),
+                "host_tokens": b.cached_host_tokens,
+                "device_tokens": b.cached_device_tokens,
+            }
+        )
+    return rows
