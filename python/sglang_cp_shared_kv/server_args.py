@@ -117,13 +117,13 @@ def validate_cp_shared_kv_server_args(server_args) -> None:
 
 def _unsupported_combinations(server_args) -> list[str]:
     """One message per offending setting, each naming its flag."""
+    # What the shared-KV runtime cannot serve (CUDA graphs, in-seq-split, speculative decoding,
+    # ...) is listed by the runtime itself, next to the reasons.
+    from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import unsupported_server_args
+
     problems = []
     if not server_args.enable_nsa_prefill_context_parallel:
         problems.append(f"{CP_SHARED_KV_FLAG} requires --enable-nsa-prefill-context-parallel")
-    if server_args.nsa_prefill_cp_mode != "round-robin-split":
-        problems.append(
-            f"--nsa-prefill-cp-mode {server_args.nsa_prefill_cp_mode}: only round-robin-split is supported"
-        )
     if server_args.hicache_storage_backend is not None:
         problems.append(
             f"--hicache-storage-backend {server_args.hicache_storage_backend}: HiCache storage backends "
@@ -133,18 +133,18 @@ def _unsupported_combinations(server_args) -> list[str]:
         problems.append("--enable-hisparse: the HiSparse NSA KV pool is not supported")
     if server_args.enable_lmcache:
         problems.append("--enable-lmcache: LMCache reads the device pool by logical loc")
+    if server_args.enable_return_routed_experts:
+        problems.append(
+            "--enable-return-routed-experts: its host buffer is indexed by loc and sized physically"
+        )
     if server_args.disaggregation_mode != "null":
         problems.append(
             f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation transfers whole "
             "pages by page id and is not supported with page-sharded KV"
         )
-    if server_args.speculative_algorithm is not None:
-        problems.append(
-            f"--speculative-algorithm {server_args.speculative_algorithm}: the draft model's KV pool is "
-            "not sharded (MTP/EAGLE unsupported)"
-        )
     if server_args.pp_size > 1:
         problems.append(f"--pipeline-parallel-size {server_args.pp_size}: only 1 is supported")
+    problems += unsupported_server_args(server_args)
     problems += _platform_problems(server_args)
     problems += _model_problems(server_args)
     return problems

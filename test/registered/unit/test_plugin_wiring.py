@@ -91,7 +91,8 @@ LAUNCHER = textwrap.dedent(
             result["serve_error"] = str(e)
 
         args = prepare_server_args(
-            ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", FLAG]
+            ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--disable-cuda-graph",
+             FLAG]
         )
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             result["child"] = pool.apply(scheduler_like, (args,))

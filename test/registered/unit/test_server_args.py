@@ -25,7 +25,12 @@ from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
-CP_ON = dict(enable_nsa_prefill_context_parallel=True, enable_nsa_prefill_cp_shared_kv=True)
+# The smallest valid combination on a server (CUDA-graph decode cannot run the page gather).
+CP_ON = dict(
+    enable_nsa_prefill_context_parallel=True,
+    enable_nsa_prefill_cp_shared_kv=True,
+    disable_cuda_graph=True,
+)
 
 # Tiny configs: only what sglang's ServerArgs reads (architecture, index_topk, sizes).
 GLM5_LIKE_CONFIG = {
@@ -106,7 +111,8 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         self.assertIn(CP_SHARED_KV_FLAG, parser.format_help())
 
         args = prepare_server_args(
-            ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", CP_SHARED_KV_FLAG]
+            ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--disable-cuda-graph",
+             CP_SHARED_KV_FLAG]
         )
         self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
         self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
@@ -148,8 +154,10 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         cases = [
             (("--hicache-storage-backend file",), dict(hicache_storage_backend="file")),
             (("--enable-hisparse",), dict(enable_hisparse=True)),
-            (("--nsa-prefill-cp-mode in-seq-split",), dict(nsa_prefill_cp_mode="in-seq-split")),
-            (("--speculative-algorithm EAGLE",), dict(speculative_algorithm="EAGLE")),
+            (("--nsa-prefill-cp-mode round-robin-split",), dict(nsa_prefill_cp_mode="in-seq-split")),
+            (("speculative decoding",), dict(speculative_algorithm="EAGLE")),
+            (("--disable-cuda-graph",), dict(disable_cuda_graph=False)),
+            (("--enable-return-routed-experts",), dict(enable_return_routed_experts=True)),
             (("--pipeline-parallel-size 2",), dict(pp_size=2)),
             (("--enable-lmcache",), dict(enable_lmcache=True)),
             (("--device cpu",), dict(device="cpu")),
@@ -159,7 +167,7 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         ]
         for flags, extra in cases:
             with self.subTest(extra=extra):
-                self.assertRejected(*flags, model_path="dummy", **CP_ON, **extra)
+                self.assertRejected(*flags, model_path="dummy", **{**CP_ON, **extra})
 
     def test_rejects_pd_disaggregation(self):
         for mode in ("prefill", "decode"):
