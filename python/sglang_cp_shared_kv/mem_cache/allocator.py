@@ -26,10 +26,13 @@ Placement: free pages are kept per owner rank. Taking ``n`` pages happens in two
    every run of its pages (a radix node) is within one page per owner. With concurrent requests and
    arbitrary chunking this is best effort: the quotas of step 1 win.
 
-Out-of-memory contract: the exact number of new pages is computed from the CPU length twins first;
-if it does not fit, ``alloc`` / ``alloc_extend`` / ``alloc_decode`` return ``None`` with every free
-list and ``available_size()`` untouched (stock 0.5.11 launches its Triton kernel over the free list
-before it checks).
+``alloc_with_owners`` skips both steps: HiCache load-back names the owner of every page (the rank
+whose host pool holds it), so the pages restored keep the balance they had when backed up.
+
+Out-of-memory contract: the exact number of new pages (per owner for ``alloc_with_owners``) is
+computed from CPU data first; if it does not fit, the ``alloc*`` methods return ``None`` with every
+free list and ``available_size()`` untouched (stock 0.5.11 launches its Triton kernel over the free
+list before it checks).
 """
 
 from __future__ import annotations
@@ -146,11 +149,26 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         num_pages = need_size // self.page_size
         if not self._make_room(num_pages):
             return None
-        pages = self._take_pages(np.arange(num_pages, dtype=np.int64) % self.cp_size)
-        return (
-            pages[:, None] * self.page_size
-            + torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        ).reshape(-1)
+        return self._page_locs(self._take_pages(np.arange(num_pages) % self.cp_size))
+
+    def alloc_with_owners(self, page_owners: torch.Tensor) -> Optional[torch.Tensor]:
+        """Whole pages, page k on owner rank ``page_owners[k]``; ``None`` (nothing touched) if an
+        owner lacks free pages.
+
+        For HiCache load-back: a page's KV sits in the host pool of the rank that owned it when it was
+        backed up, so its new logical page must have that same owner. No balance choice is left.
+        """
+        owners = page_owners.cpu().numpy().astype(np.int64)
+        if len(owners) and not (0 <= owners.min() and owners.max() < self.cp_size):
+            raise ValueError(f"{FLAG}: page owners must be ranks in [0, {self.cp_size})")
+        demand = np.bincount(owners, minlength=self.cp_size).tolist()
+        free = [p.shape[0] for p in self.free_pages_by_owner]
+        if any(d > f for d, f in zip(demand, free)):
+            released = [p.shape[0] for p in self.release_pages_by_owner]
+            if any(d > f + r for d, f, r in zip(demand, free, released)):
+                return None
+            self.merge_and_sort_free()
+        return self._page_locs(self._pop_pages(owners, demand))
 
     def alloc_extend(
         self,
@@ -246,21 +264,23 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return True
 
     def _take_pages(self, preferred_owner: np.ndarray) -> torch.Tensor:
-        """Pop one free logical page per entry of ``preferred_owner``, in that order.
-
-        The caller has checked that they fit (``_make_room``). Returns int64 page ids on ``device``.
-        """
-        num_pages = len(preferred_owner)
-        if num_pages == 0:
+        """Pop one free logical page per entry of ``preferred_owner``, in that order (balance rule of
+        the module docstring). The caller has checked that they fit (``_make_room``)."""
+        if len(preferred_owner) == 0:
             return self._empty_pages()
         quotas = _owner_quotas(
             [p.shape[0] for p in self.free_pages_by_owner],
-            num_pages,
+            len(preferred_owner),
             tie_start=int(preferred_owner[0]),
         )
-        owner = _assign_owners(preferred_owner, quotas)
-        # Pages from an owner come off the head of its free list, in page order.
-        take_index = np.empty(num_pages, dtype=np.int64)
+        return self._pop_pages(_assign_owners(preferred_owner, quotas), quotas)
+
+    def _pop_pages(self, owner: np.ndarray, quotas: Sequence[int]) -> torch.Tensor:
+        """Logical page ids (int64, on ``device``) for pages on ``owner``; ``quotas[r]`` counts owner r.
+
+        Pages from an owner come off the head of its free list, in page order.
+        """
+        take_index = np.empty(len(owner), dtype=np.int64)
         taken = []
         num_taken = 0
         for rank, quota in enumerate(quotas):
@@ -270,6 +290,8 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             taken.append(self.free_pages_by_owner[rank][:quota])
             self.free_pages_by_owner[rank] = self.free_pages_by_owner[rank][quota:]
             num_taken += quota
+        if not taken:
+            return self._empty_pages()
         take_index = torch.from_numpy(take_index).to(self.device, non_blocking=True)
         return torch.cat(taken)[take_index]
 
@@ -314,6 +336,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             f"{FLAG}: KV cache CPU offload (load_cpu_copy, used by PD-disaggregation decode) is not "
             "supported: a request's logical pages are sharded across the CP ranks"
         )
+
+    def _page_locs(self, pages: torch.Tensor) -> torch.Tensor:
+        """All locs of logical ``pages``, page by page."""
+        slots = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        return (pages[:, None] * self.page_size + slots).reshape(-1)
 
     def _empty_pages(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)

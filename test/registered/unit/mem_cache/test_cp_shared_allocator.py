@@ -68,15 +68,22 @@ class Workload:
         self.rng = random.Random(seed)
         self.reqs = []  # held logical locs per live request (lists of ints)
         self.ooms = 0
-        self.ever_freed = False
+        self.gap_opened = False  # by a free or an owner-pinned load-back
 
     def run(self, steps):
-        ops = [self.new_requests, self.chunk, self.decode, self.free, self.alloc_pages]
-        weights = [3, 2, 4, 2, 1]
+        ops = [
+            self.new_requests,
+            self.chunk,
+            self.decode,
+            self.free,
+            self.alloc_pages,
+            self.load_back,
+        ]
+        weights = [3, 2, 4, 2, 1, 1]
         for _ in range(steps):
             self.rng.choices(ops, weights)[0]()
 
-    def call(self, fn):
+    def call(self, fn, balanced=True):
         """Apply ``fn`` to every allocator; check the OOM contract or the balance rule."""
         a = self.main
         before_lists, before_avail, before_free = snapshot(a), a.available_size(), free_counts(a)
@@ -93,7 +100,7 @@ class Workload:
             if not a.need_sort:
                 self.test.assertTrue(same_lists(snapshot(a), before_lists))
             return None
-        if not a.need_sort:
+        if balanced and not a.need_sort:
             self.check_balance(before_free, free_counts(a))
         return outs[0].tolist()
 
@@ -105,7 +112,7 @@ class Workload:
                 self.test.assertGreaterEqual(after[r] + 1, max(after), (before, after))
         spread_before, spread_after = max(before) - min(before), max(after) - min(after)
         self.test.assertLessEqual(spread_after, max(spread_before, 1))
-        if not self.ever_freed:
+        if not self.gap_opened:
             self.test.assertLessEqual(spread_after, 1)
 
     def new_requests(self):
@@ -144,6 +151,19 @@ class Workload:
         if out is not None:
             self.reqs.append(out)
 
+    def load_back(self):
+        # HiCache load-back: every page goes back to a named owner
+        owners = torch.tensor(
+            [self.rng.randrange(self.main.cp_size) for _ in range(self.rng.randint(1, 4))]
+        )
+        out = self.call(lambda x: x.alloc_with_owners(owners), balanced=False)
+        if out is None:
+            return
+        ps, cp = self.main.page_size, self.main.cp_size
+        self.test.assertEqual([loc // ps % cp for loc in out[::ps]], owners.tolist())
+        self.reqs.append(out)
+        self.gap_opened = True
+
     def free(self):
         if not self.reqs:
             return
@@ -158,7 +178,7 @@ class Workload:
                 x.free_group_end()
             else:
                 x.free(locs)
-        self.ever_freed = True
+        self.gap_opened = True
 
     def check_state(self):
         a, t = self.main, self.test
@@ -299,6 +319,33 @@ class TestCPSharedAllocatorOutOfMemory(CustomTestCase):
         self.assertEqual(len(out), 4 * 12 - len(held))
         self.assertEqual(a.available_size(), 0)
         self.assertIsNone(decode(a, [held + out.tolist()]))
+
+
+class TestAllocWithOwners(CustomTestCase):
+    def test_pages_land_on_the_named_owners(self):
+        a = make_allocator(cp_size=4, num_physical_pages=3, page_size=4)
+        owners = torch.tensor([2, 2, 0, 3])
+        locs = a.alloc_with_owners(owners).tolist()
+        pages = [loc // 4 for loc in locs[::4]]
+        self.assertEqual([p % 4 for p in pages], [2, 2, 0, 3])
+        self.assertEqual(locs, [p * 4 + s for p in pages for s in range(4)])
+        self.assertEqual(free_counts(a), [2, 3, 1, 2])
+
+    def test_short_owner_fails_untouched_even_when_total_fits(self):
+        a = make_allocator(cp_size=2, num_physical_pages=3, page_size=4)
+        lists = snapshot(a)
+        self.assertIsNone(a.alloc_with_owners(torch.tensor([1, 1, 1, 1])))  # 6 free, owner 1 has 3
+        self.assertTrue(same_lists(snapshot(a), lists))
+        self.assertEqual(a.available_size(), a.size)
+        with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv"):
+            a.alloc_with_owners(torch.tensor([2]))
+
+    def test_need_sort_merges_released_pages_of_the_owner(self):
+        a = make_allocator(cp_size=2, num_physical_pages=2, page_size=4, need_sort=True)
+        held = a.alloc(16)
+        a.free(held[:8])  # pages on owners 0 and 1 go to the release lists
+        self.assertEqual(a.alloc_with_owners(torch.tensor([1])).tolist(), held[4:8].tolist())
+        self.assertEqual(a.available_size(), 4)
 
 
 class TestCPSharedAllocatorProperties(CustomTestCase):
