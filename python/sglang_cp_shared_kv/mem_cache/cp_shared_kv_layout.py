@@ -66,6 +66,18 @@ class CpSharedKVLayout:
         page = torch.div(physical_locs, self.page_size, rounding_mode="floor")
         return (page * self.cp_size + self.cp_rank) * self.page_size + physical_locs % self.page_size
 
+    def physical_locs_or_dummy(self, logical_locs: torch.Tensor) -> torch.Tensor:
+        """Physical rows for owned locs; every other loc goes to its slot of physical page 0.
+
+        Physical page 0 is the dummy page on every rank, so writing a whole batch through this
+        map stores owned rows and sinks the rest. Same shape, no host sync (CUDA-graph safe).
+        """
+        return torch.where(
+            self.owned_by_this_rank(logical_locs),
+            self._to_physical(logical_locs),
+            logical_locs % self.page_size,
+        )
+
     def _to_physical(self, logical_locs: torch.Tensor) -> torch.Tensor:
         """The bijection without the ownership check (valid only for owned locs)."""
         page = torch.div(logical_locs, self.page_size, rounding_mode="floor")

@@ -1,0 +1,322 @@
+"""Runtime of NSA prefill CP with a shared, page-sharded KV cache: the state the hooks share.
+
+Each rank's ``NSATokenToKVPool`` stores only the logical pages it owns (physical rows, see
+``CpSharedKVLayout``). ``CpSharedKVRuntime``, attached to that pool, makes it serve the whole
+logical pool:
+
+1. Writes (``owner_filtered_writes``): every store of MLA latent KV or indexer K keeps only owned
+   locs, as physical rows; other rows sink into the dummy page 0.
+2. Plan (``peer_page_reads``, once per forward): from the unfiltered batch, which pages every rank
+   reads and where they go in the gather scratch; the backend's index tables are rewritten to
+   scratch locs (``PeerPagePlan``).
+3. Per layer, right after the layer's store (which every rank runs for the whole batch): rows
+   written by this forward are copied into the scratch locally, and one all-gather over the
+   attention CP group brings the other referenced pages from their owners
+   (``gather_peer_pages``). Attention and the indexer then read the scratch through the pool
+   getters.
+
+Lifecycle hooks here: reserve the scratch's memory before sglang sizes the pool, and build the
+runtime once the pool, allocator and attention backend exist. Anything this runtime cannot serve
+correctly (CUDA-graph decode, speculative decoding, in-seq-split, ...) raises a ``ValueError``
+naming the flags at startup; ``unsupported_server_args`` lists those rules for server-args
+validation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.model_executor.gather_scratch import (
+    SCRATCH_LAYER,
+    SCRATCH_LAYER_ID,
+    create_gather_scratch,
+    reserve_scratch_bytes,
+)
+from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
+from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+_RUNTIME_ATTR = "_cp_shared_kv_runtime"
+
+
+def runtime_of(pool) -> Optional["CpSharedKVRuntime"]:
+    """The runtime serving ``pool``; None for every other pool (the scratch itself included)."""
+    return getattr(pool, _RUNTIME_ATTR, None)
+
+
+class CpSharedKVRuntime:
+    """Per-process state shared by the hooks; constructing it attaches it to ``pool``.
+
+    Every rank runs the same batches (the CP group is the TP group and schedules identically), so
+    plans, and with them the decision to enter each collective, agree across ranks.
+    """
+
+    def __init__(
+        self,
+        pool: NSATokenToKVPool,
+        layout: CpSharedKVLayout,
+        scratch: NSATokenToKVPool,
+        cp_group: dist.ProcessGroup,
+    ):
+        if scratch.size < layout.cp_size * pool.size:
+            raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")
+        self.pool = pool
+        self.layout = layout
+        self.scratch = scratch
+        self.cp_group = cp_group
+        # Logical page ids that can exist: cp_size x (physical pages + the dummy page 0).
+        self.num_logical_pages = layout.cp_size * (pool.size // pool.page_size + 1)
+        self.scratch_num_pages = scratch.size // scratch.page_size + 1
+        self.plan: Optional[PeerPagePlan] = None
+        # Layer whose pages the scratch holds, set once that layer's store assembled it; a read of
+        # any other layer is a bug (a read without the store that triggers the gather).
+        self.kv_layer_in_scratch: Optional[int] = None
+        self.index_layer_in_scratch: Optional[int] = None
+        # True while an indexer store runs sglang's original into the physical pool: its fused
+        # path fetches the buffer through ``get_index_k_with_scale_buffer``, which must then
+        # return the physical buffer rather than the scratch.
+        self.writing_physical = False
+        setattr(pool, _RUNTIME_ATTR, self)
+
+    # ---- plan ----
+
+    def begin_forward(self, forward_batch) -> PeerPagePlan:
+        """Plan the pages of ``forward_batch`` (called from the backend's metadata init)."""
+        mode = forward_batch.forward_mode
+        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        if mode.is_decode_or_idle():
+            new_token_counts = [1] * len(seq_lens)
+        elif mode.is_extend() and not (mode.is_target_verify() or mode.is_draft_extend()):
+            new_token_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        else:
+            raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
+        self.plan = build_peer_page_plan(
+            layout=self.layout,
+            req_to_token=forward_batch.req_to_token_pool.req_to_token,
+            req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=seq_lens,
+            new_token_counts=new_token_counts,
+            num_logical_pages=self.num_logical_pages,
+            scratch_num_pages=self.scratch_num_pages,
+        )
+        self.kv_layer_in_scratch = None
+        self.index_layer_in_scratch = None
+        return self.plan
+
+    # ---- writes (see owner_filtered_writes) ----
+
+    def store_mla_kv(self, original, layer, logical_locs, cache_k_nope, cache_k_rope) -> None:
+        """``set_mla_kv_buffer`` of the whole batch: owned rows to the pool, then assemble the scratch."""
+        self._refuse_graph_capture()
+        physical_locs = self.layout.physical_locs_or_dummy(logical_locs)
+        original(self.pool, layer, physical_locs, cache_k_nope, cache_k_rope)
+        plan = self.plan
+        if plan is None:  # no forward planned yet: nothing can read the scratch
+            return
+        fill_locs = plan.fill_locs(logical_locs)
+        original(self.scratch, SCRATCH_LAYER, fill_locs, cache_k_nope, cache_k_rope)
+        layer_index = self.wait_for_layer(layer.layer_id)
+        gather_peer_pages(
+            plan,
+            as_pages(self.pool.kv_buffer[layer_index], self.pool.page_size),
+            as_pages(self.scratch.kv_buffer[SCRATCH_LAYER_ID], self.scratch.page_size),
+            self.cp_group,
+        )
+        self.kv_layer_in_scratch = layer.layer_id
+
+    def store_index_k(self, original, indexer, forward_batch, layer_id, key, act_quant) -> None:
+        """``Indexer._store_index_k_cache`` of the whole batch, same scheme as ``store_mla_kv``.
+
+        sglang reads the locs from ``forward_batch.out_cache_loc`` (and the pool from
+        ``forward_batch.token_to_kv_pool``) on all three of its branches, so both are swapped
+        around each call and restored afterwards.
+        """
+        self._refuse_graph_capture()
+        logical_locs = forward_batch.out_cache_loc
+        pool = forward_batch.token_to_kv_pool
+        plan = self.plan
+        try:
+            forward_batch.out_cache_loc = self.layout.physical_locs_or_dummy(logical_locs)
+            self.writing_physical = True
+            original(indexer, forward_batch, layer_id, key, act_quant=act_quant)
+            self.writing_physical = False
+            if plan is not None:
+                forward_batch.out_cache_loc = plan.fill_locs(logical_locs)
+                forward_batch.token_to_kv_pool = self.scratch
+                original(indexer, forward_batch, SCRATCH_LAYER_ID, key, act_quant=act_quant)
+        finally:
+            self.writing_physical = False
+            forward_batch.out_cache_loc = logical_locs
+            forward_batch.token_to_kv_pool = pool
+        if plan is None:
+            return
+        layer_index = self.wait_for_layer(layer_id)
+        gather_peer_pages(
+            plan,
+            self.pool.index_k_with_scale_buffer[layer_index],
+            self.scratch.index_k_with_scale_buffer[SCRATCH_LAYER_ID],
+            self.cp_group,
+        )
+        self.index_layer_in_scratch = layer_id
+
+    # ---- reads (see peer_page_reads) ----
+
+    def require_kv_layer(self, layer_id: int) -> None:
+        if self.kv_layer_in_scratch != layer_id:
+            raise RuntimeError(
+                f"{FLAG}: KV of layer {layer_id} read before its store assembled the scratch "
+                f"(scratch holds layer {self.kv_layer_in_scratch})"
+            )
+
+    def require_index_layer(self, layer_id: int) -> None:
+        if self.index_layer_in_scratch != layer_id:
+            raise RuntimeError(
+                f"{FLAG}: indexer K of layer {layer_id} read before its store assembled the "
+                f"scratch (scratch holds layer {self.index_layer_in_scratch})"
+            )
+
+    def wait_for_layer(self, layer_id: int) -> int:
+        """Wait for HiCache's load-back of this layer (as the pool getters do); return its index.
+
+        Needed before packing pages for the gather: the packed pages may be the ones being loaded.
+        """
+        layer_index = layer_id - self.pool.start_layer
+        if self.pool.layer_transfer_counter is not None:
+            self.pool.layer_transfer_counter.wait_until(layer_index)
+        return layer_index
+
+    def _refuse_graph_capture(self) -> None:
+        if torch.device(self.pool.device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"{FLAG} cannot run inside CUDA graphs (per-forward gather sizes vary); use "
+                f"--disable-cuda-graph and --disable-piecewise-cuda-graph"
+            )
+
+
+# ---- startup ----
+
+
+def unsupported_server_args(server_args) -> List[str]:
+    """Why this runtime cannot serve ``server_args`` (empty when it can). For startup validation."""
+    reasons = []
+    if not server_args.disable_cuda_graph:
+        reasons.append(
+            f"{FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
+            f"variable-size page gather"
+        )
+    if not server_args.disable_piecewise_cuda_graph:
+        # sglang already turns them off for GLM-5 / DeepseekV32 architectures; a V3.2 checkpoint
+        # that resolves to DeepseekV3ForCausalLM would capture extend forwards in graphs.
+        reasons.append(f"{FLAG} requires --disable-piecewise-cuda-graph")
+    if server_args.nsa_prefill_cp_mode != "round-robin-split":
+        reasons.append(f"{FLAG} supports only --nsa-prefill-cp-mode round-robin-split")
+    if server_args.speculative_algorithm is not None:
+        reasons.append(f"{FLAG} does not support speculative decoding (the draft pool is not sharded)")
+    if server_args.enable_two_batch_overlap:
+        reasons.append(f"{FLAG} does not support --enable-two-batch-overlap (one plan per forward)")
+    if server_args.enable_pdmux:
+        reasons.append(f"{FLAG} does not support --enable-pdmux")
+    if server_args.enable_torch_compile:
+        reasons.append(f"{FLAG} does not support --enable-torch-compile")
+    if (
+        server_args.kv_cache_dtype.startswith("fp8")
+        and server_args.nsa_prefill_backend in ("flashmla_sparse", "flashmla_auto")
+        and "trtllm" not in (server_args.nsa_prefill_backend, server_args.nsa_decode_backend)
+    ):
+        reasons.append(
+            f"{FLAG} does not support fp8 KV with --nsa-prefill-backend "
+            f"{server_args.nsa_prefill_backend} (its RAGGED top-k checks logical locs against the "
+            f"physical pool size); use flashmla_kv"
+        )
+    return reasons
+
+
+def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **kwargs):
+    """AFTER ``_profile_available_bytes``: hold back the scratch's bytes from the KV budget."""
+    if model_runner.is_draft_worker:
+        return None
+    from sglang.srt.layers.dp_attention import get_attention_cp_size
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+    server_args = model_runner.server_args
+    page_size = server_args.page_size
+    unreserved_tokens = (
+        create_memory_pool_configurator(model_runner)
+        .calculate_pool_sizes(available_bytes, page_size)
+        .max_total_num_tokens
+    )
+    if server_args.max_total_tokens is not None:
+        unreserved_tokens = min(unreserved_tokens, server_args.max_total_tokens)
+    kv_row_bytes = model_runner.calculate_mla_kv_cache_dim() * model_runner.kv_cache_dtype.itemsize
+    reserve = reserve_scratch_bytes(
+        available_bytes, unreserved_tokens, get_attention_cp_size(), kv_row_bytes, page_size
+    )
+    logger.info(
+        "CP shared KV: reserved %.2f GB of %.2f GB KV memory for the gather scratch",
+        reserve / (1 << 30),
+        available_bytes / (1 << 30),
+    )
+    return available_bytes - reserve
+
+
+def attach_runtime(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.init_attention_backend``: pool, allocator and backend exist now."""
+    pool = model_runner.token_to_kv_pool
+    if runtime_of(pool) is not None:
+        return None
+    from sglang.srt.layers.dp_attention import (
+        get_attention_cp_group,
+        get_attention_cp_rank,
+        get_attention_cp_size,
+    )
+    from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+
+    reasons = unsupported_server_args(model_runner.server_args)
+    if model_runner.is_draft_worker:
+        reasons.append(f"{FLAG} does not support speculative decoding (draft worker)")
+    if type(pool) is not NSATokenToKVPool:
+        reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    layout = CpSharedKVLayout(get_attention_cp_size(), get_attention_cp_rank(), pool.page_size)
+    allocator = model_runner.token_to_kv_pool_allocator
+    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator) or allocator.layout != layout:
+        raise ValueError(
+            f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator with layout "
+            f"{layout}, got {type(allocator).__name__}"
+        )
+    scratch = create_gather_scratch(pool, layout.cp_size)
+    CpSharedKVRuntime(pool, layout, scratch, get_attention_cp_group().device_group)
+    logger.info(
+        "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens",
+        layout.cp_rank,
+        layout.cp_size,
+        pool.size,
+        layout.cp_size * pool.size,
+    )
+    return None
+
+
+def register_hooks(registry) -> None:
+    from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+
+    mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
+    registry.register(
+        f"{mixin}._profile_available_bytes", reserve_scratch_before_pool_sizing, HookType.AFTER
+    )
+    registry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
+        attach_runtime,
+        HookType.AFTER,
+    )
+    owner_filtered_writes.register_hooks(registry)
+    peer_page_reads.register_hooks(registry)

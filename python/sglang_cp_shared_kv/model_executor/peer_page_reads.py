@@ -1,0 +1,112 @@
+"""Reads of peer pages: attention and the NSA indexer read the gather scratch, not the shard.
+
+* ``NativeSparseAttnBackend.init_forward_metadata`` (AFTER): plan the forward's pages
+  (``CpSharedKVRuntime.begin_forward``) and rewrite the index tables in the frozen ``NSAMetadata``
+  (``dataclasses.replace``): ``page_table_1`` and ``page_table_1_flattened`` hold token locs,
+  ``real_page_table`` page ids; all become scratch locs / pages. Under round-robin CP the tables are
+  already filtered to this rank's requests; the remap is elementwise, and the plan covers the whole
+  unfiltered batch, so that is fine.
+* Pool getters (AROUND), called by the kernels after the layer's store assembled the scratch:
+  ``get_key_buffer`` (attention, all impls), ``get_index_k_with_scale_buffer`` (paged indexer in
+  decode; the fused indexer store also calls it, see ``CpSharedKVRuntime.writing_physical``) and
+  ``get_index_k_scale_buffer`` (ragged indexer in prefill) return the scratch's buffers, after the
+  original's HiCache per-layer wait.
+* Readers this runtime does not serve raise: ``get_index_k_continuous`` /
+  ``get_index_k_scale_continuous`` (in-seq-split CP and the non-CUDA indexer), ``get_mla_kv_buffer``
+  (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
+
+_POOL = "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool"
+_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
+
+
+def remap_forward_metadata(result, backend, forward_batch, *args, **kwargs):
+    runtime = runtime_of(forward_batch.token_to_kv_pool)
+    if runtime is None:
+        return None
+    plan = runtime.begin_forward(forward_batch)
+    metadata = backend.forward_metadata
+    flattened = metadata.page_table_1_flattened
+    backend.forward_metadata = dataclasses.replace(
+        metadata,
+        page_table_1=plan.remap_token_locs(metadata.page_table_1),
+        real_page_table=plan.remap_pages(metadata.real_page_table),
+        page_table_1_flattened=None if flattened is None else plan.remap_token_locs(flattened),
+    )
+    return None
+
+
+def get_key_buffer(original, pool, layer_id):
+    buffer = original(pool, layer_id)
+    runtime = runtime_of(pool)
+    if runtime is None:
+        return buffer
+    runtime.require_kv_layer(layer_id)
+    return original(runtime.scratch, SCRATCH_LAYER_ID)
+
+
+def get_index_k_with_scale_buffer(original, pool, layer_id):
+    buffer = original(pool, layer_id)
+    runtime = runtime_of(pool)
+    if runtime is None or runtime.writing_physical:
+        return buffer
+    runtime.require_index_layer(layer_id)
+    return original(runtime.scratch, SCRATCH_LAYER_ID)
+
+
+def get_index_k_scale_buffer(
+    original, pool, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len
+):
+    runtime = runtime_of(pool)
+    if runtime is None:
+        return original(pool, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len)
+    runtime.wait_for_layer(layer_id)
+    runtime.require_index_layer(layer_id)
+    # ``page_indices`` is the remapped ``real_page_table``: scratch pages.
+    return original(
+        runtime.scratch, SCRATCH_LAYER_ID, seq_len_tensor, page_indices, seq_len_sum, max_seq_len
+    )
+
+
+def refuse_when_served(name: str):
+    def refuse(original, pool, *args, **kwargs):
+        if runtime_of(pool) is not None:
+            raise ValueError(
+                f"{FLAG} does not serve NSATokenToKVPool.{name} (in-seq-split CP, the non-CUDA "
+                f"indexer and the dense MHA path are unsupported)"
+            )
+        return original(pool, *args, **kwargs)
+
+    return refuse
+
+
+def refuse_cuda_graph(*args, **kwargs):
+    raise ValueError(
+        f"{FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
+        f"variable-size page gather"
+    )
+
+
+def register_hooks(registry) -> None:
+    registry.register(f"{_BACKEND}.init_forward_metadata", remap_forward_metadata, HookType.AFTER)
+    for method in (
+        "init_forward_metadata_capture_cuda_graph",
+        "init_forward_metadata_replay_cuda_graph",
+        "init_forward_metadata_replay_cuda_graph_from_precomputed",
+    ):
+        registry.register(f"{_BACKEND}.{method}", refuse_cuda_graph, HookType.BEFORE)
+    registry.register(f"{_POOL}.get_key_buffer", get_key_buffer, HookType.AROUND)
+    registry.register(
+        f"{_POOL}.get_index_k_with_scale_buffer", get_index_k_with_scale_buffer, HookType.AROUND
+    )
+    registry.register(f"{_POOL}.get_index_k_scale_buffer", get_index_k_scale_buffer, HookType.AROUND)
+    for name in ("get_index_k_continuous", "get_index_k_scale_continuous", "get_mla_kv_buffer"):
+        registry.register(f"{_POOL}.{name}", refuse_when_served(name), HookType.AROUND)
