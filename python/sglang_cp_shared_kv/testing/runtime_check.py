@@ -1,0 +1,244 @@
+"""One rank of an end-to-end check of the CP shared KV runtime against a replicated pool.
+
+Every rank of a CP group (processes joined by a ``torch.distributed`` group) runs ``run_rank`` with
+the same seed. It builds this rank's ``NSATokenToKVPool`` shard with a ``CpSharedKVRuntime`` and a
+replicated pool of the full logical size that no runtime serves, then replays three forwards of a
+small serving story through sglang's own store methods with our hooks applied (``apply_hooks``):
+
+1. EXTEND of two fresh requests (every page is new: nothing to gather);
+2. EXTEND of a request whose first page is a cached prefix of another, plus the second chunk of a
+   request whose first chunk ended mid-page (old, new and mixed pages), with padded tokens;
+3. DECODE of the three requests (one opens a new page) plus a padded request (req_to_token row 0).
+
+After each layer's stores it compares, bit for bit, what the kernels would read (the remapped
+``NSAMetadata`` tables into the getters' buffers) with the replicated pool, and at the end this
+rank's physical rows with the replicated rows of the logical locs they hold. Used by the gloo
+unit test and ``scripts/gpu/check_cp_shared_kv_runtime.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
+from sglang.srt.layers.attention.nsa_backend import NSAMetadata
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
+from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
+from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
+
+PAGE_SIZE = 64
+KV_DIMS = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 656)}
+
+
+@dataclass
+class RankResult:
+    rows_compared: int = 0
+    mismatches: int = 0
+
+    def compare(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        """Row-wise bit comparison (dim 0 = rows)."""
+        actual = actual.contiguous().view(torch.uint8).reshape(actual.shape[0], -1)
+        expected = expected.contiguous().view(torch.uint8).reshape(expected.shape[0], -1)
+        self.rows_compared += actual.shape[0]
+        self.mismatches += int((actual != expected).any(dim=1).sum())
+
+
+def apply_hooks() -> None:
+    """Patch sglang with our write and read hooks (process-wide: call in a dedicated process)."""
+    owner_filtered_writes.register_hooks(HookRegistry)
+    peer_page_reads.register_hooks(HookRegistry)
+    HookRegistry.apply_hooks()
+
+
+class _Story:
+    """Requests, their logical pages (as the shared allocator would hand them out) and forwards."""
+
+    def __init__(self, layout: CpSharedKVLayout, physical_pages: int, rng: random.Random, device):
+        self.layout = layout
+        # Allocatable logical pages: cp_size .. cp_size*(physical_pages+1)-1 (pages below are dummy).
+        self.free_pages = list(range(layout.cp_size, layout.cp_size * (physical_pages + 1)))
+        rng.shuffle(self.free_pages)
+        self.req_to_token = torch.zeros((4, 512), dtype=torch.int32, device=device)
+        self.seq_lens = [0, 0, 0, 0]  # row 0 is sglang's padding row
+
+    def append(self, req: int, num_tokens: int) -> list:
+        """Allocate ``num_tokens`` new logical locs for ``req`` (page-aligned positions)."""
+        locs = []
+        for position in range(self.seq_lens[req], self.seq_lens[req] + num_tokens):
+            if position % PAGE_SIZE == 0:
+                page = self.free_pages.pop()
+            else:
+                page = int(self.req_to_token[req, position - 1]) // PAGE_SIZE
+            loc = page * PAGE_SIZE + position % PAGE_SIZE
+            self.req_to_token[req, position] = loc
+            locs.append(loc)
+        self.seq_lens[req] += num_tokens
+        return locs
+
+    def share_prefix(self, dst: int, src: int, num_tokens: int) -> None:
+        self.req_to_token[dst, :num_tokens] = self.req_to_token[src, :num_tokens]
+        self.seq_lens[dst] = num_tokens
+
+
+def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device):
+    return SimpleNamespace(
+        forward_mode=mode,
+        seq_lens_cpu=torch.tensor([story.seq_lens[r] if r else 1 for r in reqs]),
+        extend_seq_lens_cpu=list(new_counts),
+        req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=device),
+        req_to_token_pool=SimpleNamespace(req_to_token=story.req_to_token),
+        out_cache_loc=torch.tensor(out_locs, dtype=torch.int64, device=device),
+        token_to_kv_pool=pool,
+    )
+
+
+def nsa_metadata_for(page_table_1: torch.Tensor) -> NSAMetadata:
+    """A real ``NSAMetadata`` whose index tables come from ``page_table_1``; other fields are dummies."""
+    unused = torch.zeros(1, dtype=torch.int32, device=page_table_1.device)
+    return NSAMetadata(
+        page_size=PAGE_SIZE,
+        cache_seqlens_int32=unused,
+        max_seq_len_q=1,
+        max_seq_len_k=page_table_1.shape[1],
+        cu_seqlens_q=unused,
+        cu_seqlens_k=unused,
+        page_table_1=page_table_1,
+        real_page_table=page_table_1[:, ::PAGE_SIZE] // PAGE_SIZE,
+        nsa_cache_seqlens_int32=unused,
+        nsa_cu_seqlens_q=unused,
+        nsa_cu_seqlens_k=unused,
+        nsa_extend_seq_lens_list=[],
+        nsa_seqlens_expanded=unused,
+    )
+
+
+def make_nsa_pool(size, dtype_name, num_layers, device) -> NSATokenToKVPool:
+    dtype, kv_cache_dim = KV_DIMS[dtype_name]
+    return NSATokenToKVPool(
+        size=size,
+        page_size=PAGE_SIZE,
+        kv_lora_rank=512,
+        dtype=dtype,
+        qk_rope_head_dim=64,
+        layer_num=num_layers,
+        device=device,
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=kv_cache_dim,
+    )
+
+
+def run_rank(
+    cp_rank: int,
+    cp_size: int,
+    group: dist.ProcessGroup,
+    *,
+    device: str,
+    dtype_name: str,
+    act_quant,
+    seed: int = 0,
+    num_layers: int = 2,
+    physical_pages: int = 6,
+) -> RankResult:
+    """Run the story on this rank (hooks must be applied); return what was compared."""
+    layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
+    shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
+    # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
+    # so the replica needs that many pages of rows.
+    replica_pages = cp_size * (physical_pages + 1)
+    replica = make_nsa_pool((replica_pages - 1) * PAGE_SIZE, dtype_name, num_layers, device)
+    CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, cp_size), group)
+    rng = random.Random(seed)
+    data = torch.Generator().manual_seed(seed)
+    story = _Story(layout, physical_pages, rng, device)
+    result = RankResult()
+    backend = SimpleNamespace(forward_metadata=None)
+    indexer = IndexerStub()
+
+    def run_forward(mode, reqs, new_counts, out_locs):
+        batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device)
+        replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, replica, device)
+        seq_lens = batch.seq_lens_cpu.tolist()
+        logical_table = story.req_to_token[batch.req_pool_indices, : max(seq_lens)]
+        backend.forward_metadata = nsa_metadata_for(logical_table)
+        peer_page_reads.remap_forward_metadata(None, backend, batch)
+        metadata = backend.forward_metadata
+        num_tokens = len(out_locs)
+        for layer_id in range(num_layers):
+            layer = SimpleNamespace(layer_id=layer_id)
+            nope = torch.randn(num_tokens, 1, 512, generator=data).to(torch.bfloat16).to(device)
+            rope = torch.randn(num_tokens, 1, 64, generator=data).to(torch.bfloat16).to(device)
+            key = torch.randn(num_tokens, 128, generator=data).to(torch.bfloat16).to(device)
+            for pool_batch in (batch, replica_batch):
+                pool = pool_batch.token_to_kv_pool
+                pool.set_mla_kv_buffer(layer, pool_batch.out_cache_loc, nope, rope)
+                Indexer._store_index_k_cache(
+                    indexer, pool_batch, layer_id, key, act_quant=act_quant
+                )
+            _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, replica, result)
+
+    # 1. Two fresh requests.
+    run_forward(ForwardMode.EXTEND, [1, 2], [70, 128], story.append(1, 70) + story.append(2, 128))
+    # 2. Request 3 hits request 1's first page as cached prefix; request 1's second chunk starts
+    #    mid-page; three padded tokens (loc 0).
+    story.share_prefix(3, 1, PAGE_SIZE)
+    out_locs = story.append(1, 40) + story.append(3, 50) + [0, 0, 0]
+    run_forward(ForwardMode.EXTEND, [1, 3], [40, 50], out_locs)
+    # 3. Decode; request 2 opens a new page; one padded request (row 0).
+    out_locs = story.append(1, 1) + story.append(2, 1) + story.append(3, 1) + [0]
+    run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
+
+    _check_shard(layout, shard, replica, num_layers, result)
+    return result
+
+
+def _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, replica, result):
+    # Padded requests (req_to_token row 0) read the dummy page, as in stock sglang: not compared.
+    rows = [row for row, req in enumerate(reqs) if req != 0]
+    real_lens = [seq_lens[row] for row in rows]
+    scratch_kv = shard.get_key_buffer(layer_id)
+    replica_kv = replica.get_key_buffer(layer_id)
+    for row, seq_len in zip(rows, real_lens):
+        scratch_locs = metadata.page_table_1[row, :seq_len].long()
+        result.compare(scratch_kv[scratch_locs], replica_kv[logical_table[row, :seq_len].long()])
+
+    device = logical_table.device
+    seq_len_tensor = torch.tensor(real_lens, device=device)
+    rows_t = torch.tensor(rows, device=device)
+    scratch_pages = metadata.real_page_table[rows_t]
+    logical_pages = logical_table[rows_t, ::PAGE_SIZE] // PAGE_SIZE
+    totals = (sum(real_lens), max(real_lens))
+    # Prefill indexer read (ragged): the hooked getter and sglang's gather kernel.
+    k, s = shard.get_index_k_scale_buffer(layer_id, seq_len_tensor, scratch_pages, *totals)
+    k_ref, s_ref = replica.get_index_k_scale_buffer(layer_id, seq_len_tensor, logical_pages, *totals)
+    result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
+    # Decode indexer read (paged): the whole buffer from the hooked getter, addressed by page.
+    buffer = shard.get_index_k_with_scale_buffer(layer_id)
+    k, s = get_k_and_s_torch(shard, buffer, scratch_pages, seq_len_tensor, *totals)
+    buffer = replica.get_index_k_with_scale_buffer(layer_id)
+    k_ref, s_ref = get_k_and_s_torch(replica, buffer, logical_pages, seq_len_tensor, *totals)
+    result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
+
+
+def _check_shard(layout, shard, replica, num_layers, result) -> None:
+    """Each real physical row holds exactly the replicated row of the logical loc it stores."""
+    physical_locs = torch.arange(PAGE_SIZE, shard.size + PAGE_SIZE, device=shard.kv_buffer[0].device)
+    logical_locs = layout.physical_locs_to_logical(physical_locs)
+    for layer in range(num_layers):
+        result.compare(shard.kv_buffer[layer][physical_locs], replica.kv_buffer[layer][logical_locs])
+        pages = torch.arange(1, shard.size // PAGE_SIZE + 1, device=physical_locs.device)
+        logical_pages = layout.physical_locs_to_logical(pages * PAGE_SIZE) // PAGE_SIZE
+        result.compare(
+            shard.index_k_with_scale_buffer[layer][pages],
+            replica.index_k_with_scale_buffer[layer][logical_pages],
+        )

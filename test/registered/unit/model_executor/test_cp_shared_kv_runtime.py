@@ -1,0 +1,147 @@
+"""Runtime startup: what it refuses (with the flag named), how it attaches, which sglang names it hooks."""
+
+import pkgutil
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    attach_runtime,
+    runtime_of,
+    unsupported_server_args,
+)
+from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
+
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+
+
+def _server_args(**overrides):
+    args = dict(
+        disable_cuda_graph=True,
+        disable_piecewise_cuda_graph=True,
+        nsa_prefill_cp_mode="round-robin-split",
+        speculative_algorithm=None,
+        enable_two_batch_overlap=False,
+        enable_pdmux=False,
+        enable_torch_compile=False,
+        kv_cache_dtype="fp8_e4m3",
+        nsa_prefill_backend="flashmla_kv",
+        nsa_decode_backend="flashmla_kv",
+    )
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+class TestUnsupportedServerArgs(CustomTestCase):
+    def test_supported_defaults(self):
+        self.assertEqual(unsupported_server_args(_server_args()), [])
+        bf16 = _server_args(kv_cache_dtype="bfloat16", nsa_prefill_backend="flashmla_sparse",
+                            nsa_decode_backend="fa3")
+        self.assertEqual(unsupported_server_args(bf16), [])
+
+    def test_each_unsupported_setting_is_named(self):
+        cases = {
+            "--disable-cuda-graph": dict(disable_cuda_graph=False),
+            "--disable-piecewise-cuda-graph": dict(disable_piecewise_cuda_graph=False),
+            "round-robin-split": dict(nsa_prefill_cp_mode="in-seq-split"),
+            "speculative": dict(speculative_algorithm="EAGLE"),
+            "--enable-two-batch-overlap": dict(enable_two_batch_overlap=True),
+            "--enable-pdmux": dict(enable_pdmux=True),
+            "--enable-torch-compile": dict(enable_torch_compile=True),
+            "flashmla_sparse": dict(nsa_prefill_backend="flashmla_sparse"),
+            "flashmla_auto": dict(nsa_prefill_backend="flashmla_auto"),
+        }
+        for expected, override in cases.items():
+            reasons = unsupported_server_args(_server_args(**override))
+            self.assertEqual(len(reasons), 1, override)
+            self.assertIn(expected, reasons[0])
+            self.assertIn("--enable-nsa-prefill-cp-shared-kv", reasons[0])
+        # fp8 with a trtllm decode backend stores 576-wide rows: top-k stays PAGED, accepted.
+        trtllm = _server_args(nsa_prefill_backend="flashmla_sparse", nsa_decode_backend="trtllm")
+        self.assertEqual(unsupported_server_args(trtllm), [])
+
+
+class TestAttachRuntime(CustomTestCase):
+    def _model_runner(self, pool, allocator, **overrides):
+        return SimpleNamespace(
+            token_to_kv_pool=pool,
+            token_to_kv_pool_allocator=allocator,
+            server_args=_server_args(**overrides),
+            is_draft_worker=False,
+        )
+
+    def _attach(self, model_runner, cp_rank=1):
+        group = SimpleNamespace(device_group="cp-device-group")
+        with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=2), \
+             mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_rank", return_value=cp_rank), \
+             mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group):
+            attach_runtime(None, model_runner)
+
+    def _allocator(self, pool, cp_rank=1):
+        return CPSharedPagedTokenToKVPoolAllocator(
+            2 * pool.size, PAGE_SIZE, torch.int64, "cpu", pool, False, 2, cp_rank
+        )
+
+    def test_attaches_once_with_a_logical_size_scratch(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        runner = self._model_runner(pool, self._allocator(pool))
+        self._attach(runner)
+        runtime = runtime_of(pool)
+        self.assertEqual((runtime.layout.cp_size, runtime.layout.cp_rank), (2, 1))
+        self.assertEqual(runtime.scratch.size, 2 * pool.size)
+        self.assertEqual(runtime.cp_group, "cp-device-group")
+        self.assertIsNone(runtime_of(runtime.scratch))
+        self._attach(runner)
+        self.assertIs(runtime_of(pool), runtime)
+
+    def test_refusals_name_the_flag(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
+        cases = [
+            ("--disable-cuda-graph", self._model_runner(pool, self._allocator(pool), disable_cuda_graph=False)),
+            ("CPSharedPagedTokenToKVPoolAllocator", self._model_runner(pool, object())),
+            ("layout", self._model_runner(pool, self._allocator(pool, cp_rank=0))),
+        ]
+        draft = self._model_runner(pool, self._allocator(pool))
+        draft.is_draft_worker = True
+        cases.append(("draft worker", draft))
+        hisparse_like = type("HiSparseNSATokenToKVPool", (NSATokenToKVPool,), {})
+        other = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
+        other.__class__ = hisparse_like
+        cases.append(("HiSparseNSATokenToKVPool", self._model_runner(other, self._allocator(other))))
+        for expected, runner in cases:
+            with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv") as raised:
+                self._attach(runner)
+            self.assertIn(expected, str(raised.exception))
+            self.assertIsNone(runtime_of(runner.token_to_kv_pool))
+
+
+class TestHookTargets(CustomTestCase):
+    def test_every_target_resolves_in_sglang(self):
+        registered = []
+        registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
+        cp_shared_kv_runtime.register_hooks(registry)
+        self.assertEqual(len(registered), len(set(registered)))
+        for target in registered:
+            owner, name = target.rsplit(".", 1)
+            self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)), target)
+        for expected in (
+            "NSATokenToKVPool.set_mla_kv_buffer",
+            "Indexer._store_index_k_cache",
+            "NSATokenToKVPool.get_key_buffer",
+            "NSATokenToKVPool.get_index_k_scale_buffer",
+            "NativeSparseAttnBackend.init_forward_metadata",
+            "ModelRunnerKVCacheMixin._profile_available_bytes",
+            "ModelRunner.init_attention_backend",
+        ):
+            self.assertTrue(any(t.endswith(expected) for t in registered), expected)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,114 @@
+"""Gather scratch budget: the bytes reserved before pool sizing always hold the scratch allocated after."""
+
+import random
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    reserve_scratch_before_pool_sizing,
+)
+from sglang_cp_shared_kv.model_executor.gather_scratch import (
+    create_gather_scratch,
+    reserve_scratch_bytes,
+    scratch_bytes,
+)
+from sglang_cp_shared_kv.testing.runtime_check import KV_DIMS, make_nsa_pool
+
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+
+PAGE = 64
+
+
+def _kv_row_bytes(dtype_name):
+    dtype, kv_cache_dim = KV_DIMS[dtype_name]
+    return kv_cache_dim * dtype.itemsize
+
+
+def _pool_tokens(available_bytes, cell_bytes):
+    """What sglang's DefaultPoolConfigurator gives the pool for ``available_bytes``."""
+    return available_bytes // cell_bytes // PAGE * PAGE
+
+
+class TestScratchSize(CustomTestCase):
+    def test_formula_matches_the_allocated_scratch(self):
+        for dtype_name in ("bf16", "fp8"):
+            pool = make_nsa_pool(5 * PAGE, dtype_name, 3, "cpu")
+            scratch = create_gather_scratch(pool, cp_size=3)
+            self.assertEqual(scratch.size, 15 * PAGE)
+            self.assertEqual(scratch.layer_num, 1)
+            self.assertEqual(scratch.kv_cache_dim, pool.kv_cache_dim)
+            self.assertEqual(scratch.nsa_kv_cache_store_fp8, pool.nsa_kv_cache_store_fp8)
+            self.assertEqual(
+                scratch.get_kv_size_bytes(),
+                scratch_bytes(15 * PAGE, _kv_row_bytes(dtype_name), PAGE),
+            )
+
+
+class TestReservation(CustomTestCase):
+    def test_pool_sized_from_the_rest_leaves_room_for_its_scratch(self):
+        rng = random.Random(0)
+        for _ in range(500):
+            dtype_name = rng.choice(["bf16", "fp8"])
+            cp_size = rng.choice([2, 4, 8])
+            layers = rng.randrange(2 * cp_size, 80)  # the scratch is cp_size layers' worth
+            # sglang's configurator counts 576 latent values per token, even for fp8 656-byte rows.
+            cell = layers * (576 * KV_DIMS[dtype_name][0].itemsize + 132)
+            available = rng.randrange(cell * PAGE * (cp_size + 2), cell * 10**6)
+            unreserved = _pool_tokens(available, cell)
+            row = _kv_row_bytes(dtype_name)
+            reserve = reserve_scratch_bytes(available, unreserved, cp_size, row, PAGE)
+            pool_tokens = _pool_tokens(available - reserve, cell)
+            self.assertLessEqual(scratch_bytes(cp_size * pool_tokens, row, PAGE), reserve)
+            self.assertGreater(pool_tokens, 0)
+
+    def test_too_little_memory_names_the_flags(self):
+        with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv.*mem-fraction-static"):
+            reserve_scratch_bytes(10**6, 10**4, 8, 656, PAGE)
+
+
+class TestReservationHook(CustomTestCase):
+    CELL = 78 * (576 + 132)
+
+    def _model_runner(self, max_total_tokens=None, is_draft_worker=False):
+        return SimpleNamespace(
+            is_draft_worker=is_draft_worker,
+            server_args=SimpleNamespace(page_size=PAGE, max_total_tokens=max_total_tokens),
+            calculate_mla_kv_cache_dim=lambda: 656,
+            kv_cache_dtype=torch.float8_e4m3fn,
+        )
+
+    def _run(self, model_runner, available):
+        configurator = SimpleNamespace(
+            calculate_pool_sizes=lambda b, page: SimpleNamespace(
+                max_total_num_tokens=_pool_tokens(b, self.CELL)
+            )
+        )
+        with mock.patch(
+            "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
+            return_value=configurator,
+        ), mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=8):
+            return reserve_scratch_before_pool_sizing(available, model_runner, 0)
+
+    def test_returns_the_budget_minus_the_scratch_of_the_unreserved_pool(self):
+        available = 40 << 30
+        left = self._run(self._model_runner(), available)
+        expected = scratch_bytes(8 * _pool_tokens(available, self.CELL), 656, PAGE)
+        self.assertEqual(available - left, expected)
+        # GLM-5 fp8 shape (78 layers, cp 8): about 11% of the KV budget.
+        self.assertAlmostEqual((available - left) / available, 8 * 788 / self.CELL, delta=0.01)
+
+    def test_user_token_cap_bounds_the_reservation(self):
+        left = self._run(self._model_runner(max_total_tokens=64 * 1000), 40 << 30)
+        self.assertEqual((40 << 30) - left, scratch_bytes(8 * 64 * 1000, 656, PAGE))
+
+    def test_draft_worker_untouched(self):
+        self.assertIsNone(self._run(self._model_runner(is_draft_worker=True), 40 << 30))
+
+
+if __name__ == "__main__":
+    unittest.main()
