@@ -196,6 +196,9 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     ) -> Optional[torch.Tensor]:
         """One loc per request, for token ``seq_len - 1`` (``seq_lens`` already counts it, stock)."""
         seq = np.asarray(seq_lens_cpu, dtype=np.int64)
+        if not ((seq - 1) % self.page_size == 0).any():
+            # The common step: every request continues inside its last page.
+            return last_loc.to(torch.int64) + 1
         return self._alloc_tokens(seq - 1, seq, last_loc, len(seq))
 
     def _alloc_tokens(
