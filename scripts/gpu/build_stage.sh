@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Builds HERE (CPU machine) what a GPU job needs beyond the GPU machine's Python 3.12 image, as
+# parts small enough to travel with one `device` call each (working tree + carry <= 64 MiB):
+#
+#   .gpu_stage/part-K/   cp312 wheels, the trimmed sglang-kernel tarball, MANIFEST ("part K of N")
+#
+# What is staged is scripts/gpu/stage_requirements.txt, found by trying imports
+# (scripts/gpu/stage_probe.py; `--reprobe` runs it again, ~7 min). Each requirement is downloaded as
+# a cp312 manylinux wheel at the version installed here; where that version has no cp312 wheel
+# (old releases predate Python 3.12) the newest cp312 release is taken and reported.
+# sglang-kernel 0.4.2 is a cp310-abi3 wheel of 1.1 GB; it is packed from this machine's install of
+# the same wheel without flash_ops.abi3.so (1 GB, flash attention) and sm100/ (Blackwell).
+# Our plugin is not staged: it travels with the repo (PYTHONPATH=python, see remote_env.sh). GPU
+# jobs import it directly; none needs the `sglang.srt.plugins` entry point.
+#
+# Usage: scripts/gpu/build_stage.sh [--reprobe]     (PART_LIMIT_MB=60 by default)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+HERE="$REPO/scripts/gpu"
+STAGE="$REPO/.gpu_stage"
+DOWNLOADS="$STAGE/downloads"
+PART_LIMIT_MB="${PART_LIMIT_MB:-60}"
+REQUIREMENTS="$HERE/stage_requirements.txt"
+KERNEL_DIST="sglang-kernel"
+KERNEL_VERSION="0.4.2"
+start_s=$(date +%s)
+
+if [[ "${1:-}" == "--reprobe" ]]; then
+  python3 "$HERE/stage_probe.py" > "$REQUIREMENTS.new"
+  mv "$REQUIREMENTS.new" "$REQUIREMENTS"
+fi
+
+mkdir -p "$DOWNLOADS"
+rm -rf "$STAGE"/part-*
+
+platforms=()
+for n in $(seq 39 -1 5); do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+platforms+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+download() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d "$DOWNLOADS" "$1"
+}
+
+# 1. cp312 wheels of the requirements (pip skips files already in DOWNLOADS).
+: > "$STAGE/substitutions.txt"
+while IFS= read -r req; do
+  [[ -z "$req" || "$req" == \#* ]] && continue
+  name="${req%%==*}"
+  [[ "$name" == "$KERNEL_DIST" ]] && continue
+  if ! download "$req" 2>/dev/null; then
+    download "$name"
+    echo "$req has no cp312 wheel; staged the newest cp312 release of $name" | tee -a "$STAGE/substitutions.txt"
+  fi
+done < "$REQUIREMENTS"
+
+# 2. sglang-kernel, trimmed, from this machine's install (an abi3 wheel: the same files for cp312).
+site_packages="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+installed_kernel="$(python3 -c "import importlib.metadata as m; print(m.version('$KERNEL_DIST'))")"
+if [[ "$installed_kernel" != "$KERNEL_VERSION" ]]; then
+  echo "build_stage: $KERNEL_DIST $installed_kernel installed here, need $KERNEL_VERSION" >&2
+  exit 1
+fi
+kernel_tar="$DOWNLOADS/sgl_kernel-$KERNEL_VERSION-trimmed.tar.xz"
+if [[ ! -f "$kernel_tar" ]]; then
+  tar -C "$site_packages" -cJf "$kernel_tar" \
+    --exclude='sgl_kernel/flash_ops.abi3.so' --exclude='sgl_kernel/sm100' --exclude='__pycache__' \
+    sgl_kernel "sglang_kernel-$KERNEL_VERSION.dist-info"
+fi
+
+# 3. Keep only what the requirement list names (older downloads of other versions are dropped), then
+#    split into parts of at most PART_LIMIT_MB, largest first (first fit).
+python3 - "$REQUIREMENTS" "$DOWNLOADS" "$STAGE" "$PART_LIMIT_MB" "$KERNEL_DIST" <<'EOF'
+import pathlib, re, shutil, sys
+
+requirements, downloads, stage, limit_mb, kernel_dist = sys.argv[1:]
+limit = int(limit_mb) * 1024 * 1024
+norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()
+wanted = {norm(l.split("==")[0]) for l in open(requirements) if l.strip() and not l.startswith("#")}
+wanted.discard(norm(kernel_dist))
+by_name = {}
+for f in sorted(pathlib.Path(downloads).iterdir()):
+    if f.suffix == ".whl":
+        by_name.setdefault(norm(f.name.split("-")[0]), []).append(f)
+missing = wanted - set(by_name)
+if missing:
+    sys.exit(f"build_stage: no wheel downloaded for {sorted(missing)}")
+files = [max(by_name[n], key=lambda f: f.stat().st_mtime) for n in sorted(wanted)]
+files += list(pathlib.Path(downloads).glob("*.tar.xz"))
+files.sort(key=lambda f: f.stat().st_size, reverse=True)
+parts = []
+for f in files:
+    size = f.stat().st_size
+    if size > limit:
+        sys.exit(f"build_stage: {f.name} ({size >> 20} MiB) is over the part limit")
+    for part in parts:
+        if part["bytes"] + size <= limit:
+            break
+    else:
+        part = {"bytes": 0, "files": []}
+        parts.append(part)
+    part["bytes"] += size
+    part["files"].append(f)
+for k, part in enumerate(parts, start=1):
+    d = pathlib.Path(stage) / f"part-{k}"
+    d.mkdir()
+    for f in part["files"]:
+        shutil.copy2(f, d / f.name)
+    names = "\n".join(sorted(f.name for f in part["files"]))
+    (d / "MANIFEST").write_text(f"part {k} of {len(parts)}\n{names}\n")
+    print(f"part-{k}: {len(part['files'])} files, {part['bytes'] / 2**20:.1f} MiB")
+EOF
+
+tree_bytes=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+echo "working tree that travels with every call: $((tree_bytes / 1024)) KiB (+ one part <= ${PART_LIMIT_MB} MiB)"
+echo "staging built in $(( $(date +%s) - start_s )) s"
