@@ -1,8 +1,9 @@
 """Prefill admission passes its remaining token budget to HiCache load-back (design README fix 1).
 
 Everything runs through the real ``PrefillAdder`` and the real ``HiRadixCache`` tree logic (match,
-insert, evict, lock, ``init_load_back``/``load_back``) over a real paged allocator. Only the transfer
-controller is a stub: it hands out and frees device slots, which is all the budget depends on.
+insert, evict, lock, ``init_load_back``/``load_back``) over our CP allocator, so budgets are logical
+tokens. Only the transfer controller is a stub: it takes and frees device slots, which is all the
+budget depends on.
 """
 
 import unittest
@@ -17,7 +18,6 @@ sgl_kernel_cpu_shim.install()  # before hiradix_cache imports memory_pool_host
 import sglang.srt.server_args as sglang_server_args  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache  # noqa: E402
@@ -28,12 +28,17 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from sglang.test.test_utils import CustomTestCase  # noqa: E402
 
 from sglang_cp_shared_kv.managers import prefill_load_back_quota  # noqa: E402
+from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
+    CPSharedPagedTokenToKVPoolAllocator,
+)
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
 PAGE = 4
-POOL_TOKENS = 64 * PAGE
+CP_SIZE = 4
+PHYSICAL_TOKENS = 16 * PAGE  # per rank
+POOL_TOKENS = CP_SIZE * PHYSICAL_TOKENS  # logical, what the scheduler budgets with
 
 
 class _TransferControllerStub:
@@ -108,13 +113,19 @@ class TestPrefillLoadBackQuota(CustomTestCase):
     def tearDownClass(cls):
         sglang_server_args._global_server_args = cls._saved_global_args
 
-    def _admission_round(self):
-        """One prefill round: ``first`` is admitted, then ``second`` whose prefix sits on the host.
-
-        Returns what a caller needs to compare a stock and a hooked run of the same round.
+    def _admission_round(self, cp_rank=0):
+        """One prefill round on ``cp_rank``: ``first`` is admitted, then ``second`` whose prefix
+        sits on the host. Returns what a caller needs to compare runs of the same round.
         """
-        allocator = PagedTokenToKVPoolAllocator(
-            POOL_TOKENS, PAGE, torch.int64, "cpu", kvcache=None, need_sort=False
+        allocator = CPSharedPagedTokenToKVPoolAllocator(
+            POOL_TOKENS,
+            PAGE,
+            torch.int64,
+            "cpu",
+            kvcache=SimpleNamespace(size=PHYSICAL_TOKENS),
+            need_sort=False,
+            cp_size=CP_SIZE,
+            cp_rank=cp_rank,
         )
         tree = _HiRadixCacheWithStubController(
             CacheInitParams(
@@ -154,16 +165,18 @@ class TestPrefillLoadBackQuota(CustomTestCase):
     def test_load_back_receives_the_admission_budget_and_stock_passes_none(self):
         stock = self._admission_round()
         with applied_hooks(prefill_load_back_quota.register_hooks):
-            hooked = self._admission_round()
+            hooked = [self._admission_round(cp_rank) for cp_rank in range(CP_SIZE)]
 
         # Stock 0.5.11: the all-or-nothing gate in load_back gets no quota, so it can never refuse.
         self.assertEqual(stock.tree.mem_quotas_seen, [None])
 
-        # Before `second`: 256 free tokens, `first` promised 100 input + 20 new + 1 page.
+        # Before `second`: 256 free logical tokens, `first` promised 100 input + 20 new + 1 page.
         remaining_before_second = POOL_TOKENS - (100 + 20 + PAGE)
         # `second` needs, besides its 32-token load-back: 8 new input + 10 new + 1 page.
         expected_quota = remaining_before_second - (8 + 10 + PAGE)
-        self.assertEqual(hooked.tree.mem_quotas_seen, [expected_quota])
+        self.assertGreater(expected_quota, PHYSICAL_TOKENS)  # only a logical budget is this large
+        for rank_run in hooked:  # every rank takes the same decision, no collective needed
+            self.assertEqual(rank_run.tree.mem_quotas_seen, [expected_quota])
 
     def test_load_back_that_fits_is_admitted_exactly_as_stock(self):
         stock = self._admission_round()
