@@ -12,6 +12,13 @@ from types import SimpleNamespace
 import torch
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import (
+    alloc_paged_token_slots_decode,
+    alloc_paged_token_slots_extend,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import (
@@ -19,7 +26,7 @@ from sglang_cp_shared_kv.mem_cache.allocator import (
     _owner_quotas,
 )
 
-register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 def make_allocator(cp_size, num_physical_pages, page_size, cp_rank=0, need_sort=False):
@@ -398,14 +405,6 @@ class TestWithStockRadixCache(CustomTestCase):
         """sglang's own alloc_paged_token_slots_extend/decode over a real RadixCache: eviction frees
         logical pages back to their owners and available + evictable + protected + held == size, the
         scheduler's leak check with max_total_num_tokens = size."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.common import (
-            alloc_paged_token_slots_decode,
-            alloc_paged_token_slots_extend,
-        )
-        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-
         ps = 4
         a = make_allocator(cp_size=2, num_physical_pages=6, page_size=ps)
         tree = RadixCache(
