@@ -9,6 +9,9 @@ builds anything. Two tiers of hooks:
   load-back quota) are registered only in processes started after the flag was validated on: the
   validation sets ``CP_SHARED_KV_ENV`` in the launching process, and spawned scheduler processes
   inherit it. With the flag off no runtime hook exists, so the serving path is stock sglang.
+
+One test-only hook exists besides: the e2e smoke's dummy-weight init
+(``testing/e2e/dummy_weights.py``), registered only when the smoke sets its environment variable.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ def register() -> None:
     register_server_args_hooks(HookRegistry)
     if cp_shared_kv_enabled_in_env():
         register_runtime_hooks(HookRegistry)
+
+    from sglang_cp_shared_kv.testing.e2e import dummy_weights
+
+    if dummy_weights.smoke_dummy_init_enabled_in_env():
+        dummy_weights.register_hooks(HookRegistry)
 
 
 def register_runtime_hooks(registry=HookRegistry) -> None:
