@@ -78,6 +78,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 
 
 def request_failures(plan: RequestPlan, records: Sequence[RequestRecord]) -> List[str]:
+    if not records:
+        return [f"none of the {len(plan.requests)} planned requests ran"]
     failures = []
     by_index = {r.index: r for r in records}
     for planned in plan.requests:
@@ -133,6 +135,8 @@ def log_failures(findings: Sequence[LogFinding]) -> List[str]:
 
 def compare_runs(plan: RequestPlan, reference: RunReport, candidate: RunReport) -> List[str]:
     """Request-by-request greedy equality of ``candidate`` against ``reference``."""
+    if not reference.records or not candidate.records:
+        return [f"cannot compare {candidate.mode} with {reference.mode}: a run has no outputs"]
     ref = {r.index: r for r in reference.records}
     cand = {r.index: r for r in candidate.records}
     failures = []

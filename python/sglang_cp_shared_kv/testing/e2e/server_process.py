@@ -1,0 +1,209 @@
+"""Launch ``sglang serve`` on loopback, wait for it, talk to it, and always take it down.
+
+The server runs in its own session (process group), so stopping it reaches the tokenizer,
+detokenizer and every scheduler process it spawned without touching anything else; stop() sends
+SIGTERM to that group, waits, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+LOOPBACK = "127.0.0.1"
+SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What one ``sglang serve`` launch of the smoke needs; ``command()`` renders it."""
+
+    model_path: str
+    tp_size: int
+    shared_kv: bool
+    port: int
+    physical_tokens_per_rank: int  # --max-total-tokens: sglang caps the per-rank pool before CP scaling
+    hicache_ratio: float
+    mem_fraction_static: Optional[float] = None
+    load_format: Optional[str] = None
+    extra_args: Sequence[str] = ()
+
+    def command(self) -> List[str]:
+        cmd = [
+            "sglang", "serve",
+            "--model-path", self.model_path,
+            "--tp", str(self.tp_size),
+            "--host", LOOPBACK,
+            "--port", str(self.port),
+            "--enable-nsa-prefill-context-parallel",
+            "--enable-hierarchical-cache",
+            "--hicache-ratio", f"{self.hicache_ratio:g}",
+            "--max-total-tokens", str(self.physical_tokens_per_rank),
+            "--enable-metrics",
+            "--log-level", "info",
+            # The shared-KV runtime gathers peer pages per forward and cannot run in CUDA graphs
+            # (its startup validation requires both flags); the reference run uses the same so the
+            # two servers differ by the shared-KV flag only.
+            "--disable-cuda-graph",
+            "--disable-piecewise-cuda-graph",
+        ]  # fmt: skip
+        if self.shared_kv:
+            cmd.append(SHARED_KV_FLAG)
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", f"{self.mem_fraction_static:g}"]
+        if self.load_format is not None:
+            cmd += ["--load-format", self.load_format]
+        return cmd + list(self.extra_args)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class SglangServer:
+    """``with SglangServer(cmd, log_path, env) as server:`` starts it; leaving the block stops it."""
+
+    def __init__(self, command: Sequence[str], port: int, log_path: Path, env: Dict[str, str]):
+        self.command = list(command)
+        self.base_url = f"http://{LOOPBACK}:{port}"
+        self.log_path = Path(log_path)
+        self.env = env
+        self.process: Optional[subprocess.Popen] = None
+        self.log_bytes_before_stop: Optional[int] = None
+
+    def __enter__(self) -> "SglangServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        try:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        finally:
+            log.close()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll ``/health`` until 200; fail early if the server process exits."""
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(f"server exited with code {self.process.returncode}; see {self.log_path}")
+            try:
+                if requests.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise ServerError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self, grace_s: float = 30) -> None:
+        if self.process is None:
+            return
+        if self.log_bytes_before_stop is None:
+            self.log_bytes_before_stop = self.log_path.stat().st_size if self.log_path.exists() else 0
+        if self.process.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        # Children (schedulers) can outlive the leader for a moment; they share its group.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def log_lines_before_stop(self) -> List[str]:
+        """Log lines written while the server ran (shutdown noise after stop() is left out)."""
+        data = self.log_path.read_bytes()
+        if self.log_bytes_before_stop is not None:
+            data = data[: self.log_bytes_before_stop]
+        return data.decode("utf-8", errors="replace").splitlines()
+
+    def get_json(self, path: str, timeout_s: float = 30) -> Dict[str, Any]:
+        import requests
+
+        response = requests.get(self.base_url + path, timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def get_text(self, path: str, timeout_s: float = 30) -> str:
+        import requests
+
+        response = requests.get(self.base_url + path, timeout=timeout_s)
+        response.raise_for_status()
+        return response.text
+
+
+@dataclass
+class GenerateResult:
+    output_ids: List[int]
+    meta_info: Dict[str, Any]
+    ttft_s: Optional[float]  # client side: request sent -> first streamed chunk
+    e2e_s: float
+    error: Optional[str] = None
+
+
+def generate_greedy(
+    base_url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float
+) -> GenerateResult:
+    """One streamed greedy ``/generate`` request with fixed length (``ignore_eos``)."""
+    import requests
+
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        "stream": True,
+    }
+    start = time.perf_counter()
+    ttft = None
+    last: Dict[str, Any] = {}
+    try:
+        with requests.post(base_url + "/generate", json=payload, stream=True, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                return GenerateResult([], {}, None, time.perf_counter() - start,
+                                      f"HTTP {response.status_code}: {response.text[:500]}")  # fmt: skip
+            for raw in response.iter_lines():
+                if not raw.startswith(b"data:"):
+                    continue
+                body = raw[len(b"data:"):].strip()
+                if body == b"[DONE]":
+                    break
+                chunk = json.loads(body)
+                if "error" in chunk:
+                    return GenerateResult([], {}, ttft, time.perf_counter() - start, str(chunk["error"]))
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                last = chunk
+    except requests.RequestException as e:
+        return GenerateResult([], {}, ttft, time.perf_counter() - start, f"{type(e).__name__}: {e}")
+    e2e = time.perf_counter() - start
+    if not last:
+        return GenerateResult([], {}, ttft, e2e, "no output chunk")
+    return GenerateResult(list(last.get("output_ids", [])), last.get("meta_info", {}), ttft, e2e)

@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""End-to-end smoke: GLM-5 on ``sglang serve`` with NSA prefill CP, shared KV and HiCache host caching.
+
+Launches ``sglang serve`` on 127.0.0.1 once per mode (shared KV off, on, or both), sends a planned
+sequence of repeated-prefix greedy requests that forces host backup, device eviction and host
+load-back (see ``sglang_cp_shared_kv.testing.e2e.request_plan``), and reports per request the
+greedy tokens, the tokens served from device / host and the HiCache metric deltas; per run the
+capacity figures, the TTFT of long prefixes served from host vs recomputed, and every error line
+of the server log. With ``--shared-kv both`` the greedy outputs of the two runs must be equal
+request by request. Exits 1 on any failure, 2 on bad arguments.
+
+  python scripts/glm5_cp_hicache_smoke.py --model-path /models/GLM-5 --dry-run
+  python scripts/glm5_cp_hicache_smoke.py --model-path /tmp/tiny-glm5 --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from sglang_cp_shared_kv.testing.e2e.dummy_weights import SMOKE_DUMMY_INIT_ENV
+from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
+from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
+from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
+from sglang_cp_shared_kv.testing.e2e.server_process import (
+    ServeConfig,
+    ServerError,
+    SglangServer,
+    free_port,
+    generate_greedy,
+)
+from sglang_cp_shared_kv.testing.e2e.smoke_report import (
+    RequestRecord,
+    RunReport,
+    capacity_failures,
+    capacity_figures,
+    compare_runs,
+    hicache_activity,
+    hicache_failures,
+    log_failures,
+    request_failures,
+    ttft_summary,
+)
+
+# sglang 0.5.11 forces page_size 64 for DSA models on CUDA (server_args.py).
+NSA_CUDA_PAGE_SIZE = 64
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True, help="GLM-5 checkpoint dir, or a tiny dir from make_tiny_glm5_config.py")
+    p.add_argument("--tp", type=int, default=8, help="tensor parallel size; sglang 0.5.11 NSA prefill CP needs 8")
+    p.add_argument("--shared-kv", choices=["on", "off", "both"], default="both",
+                   help="run with --enable-nsa-prefill-cp-shared-kv, without, or both (off first) and compare")
+    p.add_argument("--port", type=int, default=None, help="server port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--physical-tokens-per-rank", type=int, default=16384,
+                   help="--max-total-tokens given to sglang: device pool rows per rank (multiple of 64)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="host pool / device pool, per rank (> 1)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="passed to sglang if set")
+    p.add_argument("--load-format", default=None, help="passed to sglang; 'dummy' for the tiny config")
+    p.add_argument("--dummy-init", choices=["unit-gain", "stock"], default="unit-gain",
+                   help="with --load-format dummy: plugin's unit-gain init (KV matters) or sglang's U(+-1e-3)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-prefix-tokens", type=int, default=8192)
+    p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids (byte tokens by default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=1800, help="seconds until /health answers")
+    p.add_argument("--request-timeout", type=float, default=600, help="seconds per request")
+    p.add_argument("--extra-server-args", default="", help="more sglang serve arguments, one shell-quoted string")
+    p.add_argument("--ignore-log-pattern", action="append", default=[], help="regex of log lines not to treat as errors")
+    p.add_argument("--out-dir", default=None, help="server logs and report.json (default ./glm5_smoke_<time>)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and the request plan, launch nothing")
+    args = p.parse_args(argv)
+    if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
+        p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
+    try:
+        low, high = (int(x) for x in args.token_id_range.split(":"))
+    except ValueError:
+        p.error("--token-id-range must be LOW:HIGH")
+    args.token_id_range = (low, high)
+    return args
+
+
+def modes_of(shared_kv: str) -> List[bool]:
+    return {"off": [False], "on": [True], "both": [False, True]}[shared_kv]
+
+
+def mode_name(shared_kv: bool) -> str:
+    return "shared-kv-on" if shared_kv else "shared-kv-off"
+
+
+def logical_device_tokens(args, shared_kv: bool) -> int:
+    """sglang caps each rank's pool at --max-total-tokens; shared KV then exposes cp_size x that."""
+    return args.physical_tokens_per_rank * (args.tp if shared_kv else 1)
+
+
+def model_context_len(model_path: str) -> Optional[int]:
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
+
+
+def make_plan(args) -> RequestPlan:
+    plan = build_plan(
+        [logical_device_tokens(args, s) for s in modes_of(args.shared_kv)],
+        hicache_ratio=args.hicache_ratio,
+        page_size=NSA_CUDA_PAGE_SIZE,
+        max_prefix_tokens=args.max_prefix_tokens,
+        max_new_tokens=args.max_new_tokens,
+        token_id_range=args.token_id_range,
+        seed=args.seed,
+    )
+    context_len = model_context_len(args.model_path)
+    longest = max(r.prompt_tokens for r in plan.requests) + args.max_new_tokens
+    if context_len is not None and longest > context_len:
+        raise ValueError(f"plan needs {longest} tokens of context, the model has {context_len}")
+    return plan
+
+
+def serve_configs(args, port: int) -> List[ServeConfig]:
+    return [
+        ServeConfig(
+            model_path=args.model_path,
+            tp_size=args.tp,
+            shared_kv=shared_kv,
+            port=port,
+            physical_tokens_per_rank=args.physical_tokens_per_rank,
+            hicache_ratio=args.hicache_ratio,
+            mem_fraction_static=args.mem_fraction_static,
+            load_format=args.load_format,
+            extra_args=shlex.split(args.extra_server_args),
+        )
+        for shared_kv in modes_of(args.shared_kv)
+    ]
+
+
+def server_env(args) -> Dict[str, str]:
+    extra = dict(OFFLINE_ENV)
+    if args.load_format == "dummy" and args.dummy_init == "unit-gain":
+        extra[SMOKE_DUMMY_INIT_ENV] = "1"
+    return extra
+
+
+def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> RunReport:
+    mode = mode_name(config.shared_kv)
+    log_path = out_dir / f"server_{mode}.log"
+    report = RunReport(mode=mode, command=config.command(), log_path=str(log_path), tp_size=config.tp_size)
+    env = {**os.environ, **server_env(args)}
+    server = SglangServer(config.command(), config.port, log_path, env)
+    host_totals: Dict[str, float] = {}
+    server_info: Dict = {}
+    with server:
+        try:
+            print(f"[{mode}] starting: {shlex.join(config.command())}", flush=True)
+            server.wait_ready(args.startup_timeout)
+            server_info = server.get_json("/server_info")
+            counters = HiCacheCounters.of(parse_metrics(server.get_text("/metrics")))
+            for planned in plan.requests:
+                result = generate_greedy(
+                    server.base_url, plan.input_ids(planned), plan.max_new_tokens, args.request_timeout
+                )
+                after = HiCacheCounters.of(parse_metrics(server.get_text("/metrics")))
+                record = RequestRecord.from_response(
+                    planned.index, planned.name, planned.prompt_tokens, result, after.minus(counters)
+                )
+                counters = after
+                report.records.append(record)
+                print_request(mode, config.tp_size, record)
+                if record.error and not server.alive():
+                    break
+            host_totals = counters.host_total_tokens_by_rank
+        except (ServerError, OSError) as e:  # requests' errors derive from OSError
+            report.failures.append(f"server: {e}")
+        finally:
+            server.stop()
+    lines = server.log_lines_before_stop()
+    report.findings = scan_for_errors(lines, args.ignore_log_pattern)
+    report.capacity = capacity_figures(server_info, parse_capacity_lines(lines), host_totals)
+    activity = hicache_activity(report.records)
+    report.capacity["hicache_activity"] = activity
+    report.capacity["ttft"] = ttft_summary(plan, report.records)
+    report.failures += request_failures(plan, report.records)
+    report.failures += hicache_failures(activity)
+    report.failures += log_failures(report.findings)
+    report.failures += capacity_failures(config.shared_kv, config.tp_size, report.capacity)
+    return report
+
+
+def print_request(mode: str, tp_size: int, r: RequestRecord) -> None:
+    """One line per request. Every rank counts the same logical evictions / load-backs in its own
+    tree and /metrics sums them, so counter deltas are shown divided by the rank count."""
+    d = r.metric_deltas
+    ttft = f"{r.ttft_s * 1e3:8.1f}" if r.ttft_s is not None else "       -"
+    print(
+        f"[{mode}] #{r.index:<3} {r.name:<22} prompt={r.prompt_tokens:<6} cached dev/host="
+        f"{r.cached_device_tokens}/{r.cached_host_tokens} ttft_ms={ttft} "
+        f"evicted={d.get('evicted_tokens', 0) / tp_size:.0f} loaded_back={d.get('load_back_tokens', 0) / tp_size:.0f} "
+        f"host_slots_used_all_ranks={d.get('host_used_tokens', 0):+.0f} out={r.output_ids[:6]}"
+        + (f" ERROR {r.error}" if r.error else ""),
+        flush=True,
+    )
+
+
+def print_summary(reports: List[RunReport], comparison: List[str]) -> None:
+    for report in reports:
+        c = report.capacity
+        print(f"\n== {report.mode}")
+        print(f"logical device tokens per CP group: {c.get('logical_device_tokens_per_cp_group')}")
+        print(f"physical device tokens per rank:    {c.get('physical_device_tokens_per_rank')}")
+        print(f"host pool tokens per rank:          {c.get('host_pool_tokens_per_rank')}")
+        print(f"host memory GB per rank:            {c.get('host_memory_gb_per_rank')}")
+        print(f"hicache activity:                   {c.get('hicache_activity')}")
+        rows = c.get("ttft", [])
+        if rows:
+            recomputed = statistics.median(r["recomputed_ttft_ms"] for r in rows)
+            from_host = statistics.median(r["from_host_ttft_ms"] for r in rows)
+            print(f"TTFT, median of {len(rows)} prefixes of {rows[0]['prefix_tokens']} tokens: "
+                  f"recomputed {recomputed:.1f} ms, prefix from host {from_host:.1f} ms")  # fmt: skip
+        for f in report.findings:
+            print(f"log {'ERROR' if f.fatal else 'notice'} line {f.line_no}: {f.text[:200]}")
+        for failure in report.failures:
+            print(f"FAIL {failure}")
+    for failure in comparison:
+        print(f"FAIL {failure}")
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(f"terminated by signal {signum}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = make_plan(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    port = args.port or free_port()
+    configs = serve_configs(args, port)
+    if args.dry_run:
+        env = " ".join(f"{k}={v}" for k, v in server_env(args).items())
+        for config in configs:
+            print(f"[{mode_name(config.shared_kv)}] {env} {shlex.join(config.command())}")
+        print("\n".join(plan.describe()))
+        return 0
+
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the server is stopped on SIGTERM too
+    out_dir = Path(args.out_dir or f"glm5_smoke_{time.strftime('%Y%m%d_%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports = [run_mode(args, config, plan, out_dir) for config in configs]
+    comparison = compare_runs(plan, reports[0], reports[1]) if len(reports) == 2 else []
+    print_summary(reports, comparison)
+    (out_dir / "report.json").write_text(
+        json.dumps(
+            {"plan": plan.describe(), "runs": [r.to_json() for r in reports], "comparison_failures": comparison},
+            indent=1,
+        )
+    )
+    failed = comparison or any(r.failures for r in reports)
+    print(f"\n{'FAILED' if failed else 'PASSED'}; report: {out_dir / 'report.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""scripts/glm5_cp_hicache_smoke.py up to the launch: --help, --dry-run, and sglang accepting its commands.
+
+The printed ``sglang serve`` commands go through sglang's own argument parsing and ``ServerArgs``
+post-processing with our server-args hooks, on the tiny GLM-5 directory. sglang's DSA branch asks
+the GPU for its compute capability; the test answers as an H200 does (SM 9.0) and names
+``--device cuda``, which is what a GPU machine resolves by itself.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import shlex
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
+
+REPO = Path(__file__).resolve().parents[4]
+SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("glm5_smoke", REPO / "scripts" / "glm5_cp_hicache_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class TestSmokeCli(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
+
+        cls.script = load_script()
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def run_main(self, *argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                rc = self.script.main(list(argv))
+            except SystemExit as e:  # argparse: --help and usage errors
+                rc = e.code
+        return rc, out.getvalue()
+
+    def dry_run_commands(self, *argv):
+        rc, out = self.run_main("--model-path", self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
+        self.assertEqual(rc, 0, out)
+        commands = {}
+        for line in out.splitlines():
+            if line.startswith("[shared-kv-"):
+                mode, rest = line.split("] ", 1)
+                words = shlex.split(rest)
+                env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+                commands[mode[1:]] = (env, [w for w in words if w not in {f"{k}={v}" for k, v in env.items()}])
+        return commands, out
+
+    def test_help_lists_the_options(self):
+        rc, out = self.run_main("--help")
+        self.assertEqual(rc, 0)
+        for option in ("--shared-kv", "--physical-tokens-per-rank", "--hicache-ratio", "--dry-run", "--load-format"):
+            self.assertIn(option, out)
+
+    def test_dry_run_prints_both_commands_and_the_plan_without_launching(self):
+        commands, out = self.dry_run_commands("--shared-kv", "both", "--port", "31000")
+        self.assertEqual(set(commands), {"shared-kv-off", "shared-kv-on"})
+        env_off, off = commands["shared-kv-off"]
+        env_on, on = commands["shared-kv-on"]
+        self.assertNotIn(SHARED_KV_FLAG, off)
+        self.assertEqual([w for w in on if w != SHARED_KV_FLAG], off)  # the flag is the only difference
+        self.assertEqual(off[:2], ["sglang", "serve"])
+        self.assertEqual(off[off.index("--host") + 1], "127.0.0.1")
+        self.assertEqual(env_on["SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"], "1")
+        self.assertEqual(env_on["HF_HUB_OFFLINE"], "1")
+        self.assertIn("group 1: device D=131072 host H=262144", out)  # 8 x 16384 with shared KV
+        self.assertIn("replays #", out)
+
+    def test_sglang_accepts_each_command_and_resolves_nsa_prefill_cp(self):
+        from sglang.srt.server_args import prepare_server_args
+
+        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+        commands, _ = self.dry_run_commands("--shared-kv", "both")
+        saved_env = dict(os.environ)
+        try:
+            for mode, (env, command) in commands.items():
+                os.environ.pop(CP_SHARED_KV_ENV, None)
+                with applied_hooks(register_server_args_hooks), mock.patch(
+                    "torch.cuda.get_device_capability", return_value=(9, 0)
+                ):
+                    args = prepare_server_args(command[2:] + ["--device", "cuda"])
+                shared = mode == "shared-kv-on"
+                self.assertEqual(args.enable_nsa_prefill_cp_shared_kv, shared, mode)
+                self.assertEqual(os.environ.get(CP_SHARED_KV_ENV) == "1", shared, mode)
+                self.assertEqual((args.tp_size, args.attn_cp_size, args.page_size), (8, 8, 64), mode)
+                self.assertEqual(args.max_total_tokens, 16384)
+                self.assertTrue(args.enable_hierarchical_cache and args.enable_metrics)
+                self.assertEqual((args.hicache_ratio, args.hicache_write_policy), (2.0, "write_through"))
+                self.assertEqual((args.attention_backend, args.nsa_prefill_backend), ("nsa", "flashmla_sparse"))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+    def test_bad_arguments_exit_2(self):
+        rc, _ = self.run_main("--model-path", self.model_dir, "--physical-tokens-per-rank", "1000", "--dry-run")
+        self.assertEqual(rc, 2)
+        rc, _ = self.run_main("--model-path", self.model_dir, "--hicache-ratio", "1", "--dry-run")
+        self.assertEqual(rc, 2)
+        with tempfile.TemporaryDirectory() as short:
+            config = json.loads((Path(self.model_dir) / "config.json").read_text())
+            config["max_position_embeddings"] = 4096  # shorter than the planned 8 K-token prompts
+            (Path(short) / "config.json").write_text(json.dumps(config))
+            rc, _ = self.run_main("--model-path", short, "--dry-run")
+            self.assertEqual(rc, 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
