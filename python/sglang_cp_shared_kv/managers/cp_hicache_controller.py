@@ -1,0 +1,287 @@
+"""The HiCache transfer controller under CP shared KV: logical locs in, owned physical shards moved.
+
+Above this controller everything is logical (radix ``node.value``, the allocator); below it the device pool
+and the host pools are this rank's physical shards. The translation happens here and nowhere else:
+
+* write: the owned subset of a node's logical locs (``CpSharedKVLayout``) becomes physical device rows,
+  host slots are taken for those rows only, and KV and the NSA indexer move for exactly the same rows.
+* load: full logical locs are allocated (same decision on every rank), the positions this rank holds on
+  host pick their new logical locs, those become physical rows, and only owned pairs move.
+
+Both operations are split in two (reserve, then transfer) so that the cache can make every rank agree on
+success before any rank commits tree state (see ``CpHiRadixCache`` and ``docs/cp-hicache.md``).
+
+Acknowledgement cardinality: sglang's ``writing_check`` pops acks after a MIN all-reduce of completed
+counts, and ``loading_check`` releases locks per producer event without any collective, so every rank
+must produce one ack per write and one load operation per load even when it owns nothing in the node.
+A rank that owns nothing records a completed ack / an empty load op and launches no transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from sglang.srt.managers.cache_controller import HiCacheAck
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    CacheOperation,
+    HybridCacheController,
+)
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
+from sglang.srt.utils import get_device_module
+
+from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+
+device_module = get_device_module()
+
+
+@dataclass
+class CpWriteReservation:
+    """What one rank needs to back up one node, and the host slots it got (``None``: not enough)."""
+
+    logical_len: int
+    owned_positions: torch.Tensor  # CPU int64, node-local
+    owner_ranks: torch.Tensor  # CPU int8, one per position, identical on every rank
+    physical_device_indices: torch.Tensor  # rows of this rank's device pool, on the device
+    host_indices: Optional[torch.Tensor]  # CPU int64 host slots, None if the host pool was short
+
+    @property
+    def required_host_slots(self) -> int:
+        """Physical host slots this rank needs for the node (0 if it owns nothing in it)."""
+        return len(self.owned_positions)
+
+    @property
+    def ok(self) -> bool:
+        return self.host_indices is not None
+
+
+class CpHybridCacheController(HybridCacheController):
+    """``HybridCacheController`` whose write/load take logical locs and move this rank's shards.
+
+    Not constructed: ``adopt`` re-types the controller sglang's NSA assembler built inside
+    ``HiRadixCache.__init__`` (``attach_hybrid_nsa_pool_to_hiradix_cache``). That assembler allocates the
+    host pools (pinned and registered with CUDA in production) and registers the layer counter on the
+    device pool; building a second controller would allocate host memory twice, and replacing
+    ``HybridCacheController`` globally would also change the Mamba / unified caches that use it. The
+    only state this subclass adds is ``layout``.
+    """
+
+    layout: CpSharedKVLayout
+
+    @classmethod
+    def adopt(
+        cls, controller: HybridCacheController, layout: CpSharedKVLayout
+    ) -> "CpHybridCacheController":
+        if type(controller) is not HybridCacheController:
+            raise TypeError(
+                f"{FLAG}: expected the stock HybridCacheController, got {type(controller).__name__}"
+            )
+        if not isinstance(controller.mem_pool_device, NSATokenToKVPool):
+            raise ValueError(
+                f"{FLAG}: HiCache needs an NSATokenToKVPool device pool, got "
+                f"{type(controller.mem_pool_device).__name__}"
+            )
+        host = controller.mem_pool_host
+        if not isinstance(host, HostPoolGroup) or host.anchor_entry.name != PoolName.KV:
+            raise ValueError(f"{FLAG}: HiCache needs a host pool group anchored on the KV pool")
+        for entry in host.entries:
+            if entry is not host.anchor_entry and not entry.share_indices_with_anchor:
+                # Such a pool would need its own owned subset; only index-sharing pools
+                # (the NSA indexer) are translated here.
+                raise ValueError(
+                    f"{FLAG}: host pool {entry.name} does not share indices with the KV pool"
+                )
+        if layout.page_size != controller.page_size:
+            raise ValueError(
+                f"{FLAG}: layout page size {layout.page_size} != HiCache page size "
+                f"{controller.page_size}"
+            )
+        controller.__class__ = cls
+        controller.layout = layout
+        return controller
+
+    # ---- write (device -> host) ----
+
+    def reserve_host_slots(self, logical_device_indices: torch.Tensor) -> CpWriteReservation:
+        """Owned subset of a node's logical locs, its physical rows, and host slots for them."""
+        logical_len = len(logical_device_indices)
+        self._check_page_aligned_len(logical_len)
+        owner = self.layout.owner_of(logical_device_indices)
+        owned_mask = owner == self.layout.cp_rank
+        owned_positions = torch.nonzero(owned_mask).flatten().to(torch.int64).cpu()
+        physical = self.layout.logical_locs_to_physical(logical_device_indices[owned_mask])
+        self._check_whole_pages(physical, "physical device rows")
+        reservation = CpWriteReservation(
+            logical_len=logical_len,
+            owned_positions=owned_positions,
+            owner_ranks=owner.to(torch.int8).cpu(),
+            physical_device_indices=physical,
+            host_indices=None,
+        )
+        if reservation.required_host_slots == 0:
+            reservation.host_indices = torch.empty((0,), dtype=torch.int64)
+            return reservation
+        host_indices = self.mem_pool_host.alloc(reservation.required_host_slots)
+        if host_indices is not None:
+            self._check_whole_pages(host_indices, "host slots")
+            reservation.host_indices = host_indices.cpu()
+        return reservation
+
+    def release_reservation(self, reservation: CpWriteReservation) -> None:
+        """Give back the host slots of a reservation that will not be written."""
+        if reservation.ok and reservation.required_host_slots > 0:
+            self.mem_pool_host.free(reservation.host_indices)
+        reservation.host_indices = None
+
+    def write_reserved(
+        self,
+        reservation: CpWriteReservation,
+        node_id: int,
+        priority: Optional[int] = None,
+    ) -> CpHiCacheNodeMetadata:
+        """Start the device->host copy of a reservation; exactly one write ack for ``node_id``."""
+        if not reservation.ok:
+            raise ValueError("write_reserved needs a reservation that got its host slots")
+        if reservation.required_host_slots == 0:
+            self._append_completed_write_ack(node_id)
+        else:
+            self.write_queue.append(
+                CacheOperation(
+                    reservation.host_indices,
+                    reservation.physical_device_indices,
+                    node_id,
+                    priority,
+                    pool_transfers=self._index_sharing_transfers(
+                        reservation.host_indices, reservation.physical_device_indices
+                    ),
+                )
+            )
+            self.start_writing()
+        return CpHiCacheNodeMetadata(
+            logical_len=reservation.logical_len,
+            owned_positions=reservation.owned_positions,
+            host_indices=reservation.host_indices,
+            owner_ranks=reservation.owner_ranks,
+        )
+
+    def _append_completed_write_ack(self, node_id: int) -> None:
+        # Recorded on the write stream behind earlier copies, so acks still complete in queue order.
+        start_event = device_module.Event()
+        finish_event = device_module.Event()
+        start_event.record()
+        with device_module.stream(self.write_stream):
+            start_event.wait(self.write_stream)
+            finish_event.record()
+        self.ack_write_queue.append(HiCacheAck(start_event, finish_event, [node_id]))
+
+    # ---- load (host -> device) ----
+
+    def alloc_logical_locs(self, metadata: CpHiCacheNodeMetadata) -> Optional[torch.Tensor]:
+        """New logical locs for ``metadata``'s positions, each page on the rank that holds it on host.
+
+        The owners come from the metadata (identical on every rank), so the allocator takes the same
+        decision on every rank; ``None`` if it cannot place them.
+        """
+        self._check_page_aligned_len(metadata.logical_len)
+        page_size = self.page_size
+        owner_ranks = metadata.owner_ranks.to(torch.int64).view(-1, page_size)
+        page_owners = owner_ranks[:, 0]
+        if not bool((owner_ranks == page_owners[:, None]).all()):
+            raise ValueError("owner_ranks must be constant within each page")
+        return self.mem_pool_device_allocator.alloc_with_owners(page_owners)
+
+    def load_reserved(
+        self,
+        metadata: CpHiCacheNodeMetadata,
+        logical_device_indices: torch.Tensor,
+        node_id: int,
+        priority: Optional[int] = None,
+    ) -> None:
+        """Queue the host->device copy of this rank's positions into their new logical locs.
+
+        Queues exactly one operation even when this rank holds nothing, so that ``start_loading``
+        produces the same producer event on every rank.
+        """
+        if len(logical_device_indices) != metadata.logical_len:
+            raise ValueError(
+                f"load needs {metadata.logical_len} logical locs, got {len(logical_device_indices)}"
+            )
+        positions = metadata.owned_positions.to(logical_device_indices.device)
+        # Raises if a position lands on another rank's page: its bytes are only on this rank's host.
+        physical = self.layout.logical_locs_to_physical(logical_device_indices[positions])
+        if metadata.num_owned == 0:
+            operation = CacheOperation(
+                torch.empty((0,), dtype=torch.int64),
+                torch.empty((0,), dtype=torch.int64, device=self.device),
+                node_id,
+                priority,
+            )
+        else:
+            self._check_whole_pages(physical, "physical device rows")
+            operation = CacheOperation(
+                metadata.host_indices,
+                physical,
+                node_id,
+                priority,
+                pool_transfers=self._index_sharing_transfers(metadata.host_indices, physical),
+            )
+        self.load_queue.append(operation)
+
+    # ---- host usage ----
+
+    def physical_host_slots_used(self) -> int:
+        return self.mem_pool_host.size - self.mem_pool_host.available_size()
+
+    # ---- stock entry points take physical indices: refuse logical ones ----
+
+    def write(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{FLAG}: HiCache write takes logical locs here; use reserve_host_slots/write_reserved"
+        )
+
+    def load(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{FLAG}: HiCache load takes logical locs here; use alloc_logical_locs/load_reserved"
+        )
+
+    # ---- helpers ----
+
+    def _index_sharing_transfers(
+        self, host_indices: torch.Tensor, physical_device_indices: torch.Tensor
+    ) -> List[PoolTransfer]:
+        # The NSA indexer pool shares slot indices with the KV anchor: same rows, so the indexer pages
+        # travel with exactly the KV rows (NSAIndexerPoolHost takes every page_size-th row as a page).
+        return [
+            PoolTransfer(
+                name=entry.name,
+                host_indices=host_indices,
+                device_indices=physical_device_indices,
+            )
+            for entry in self.mem_pool_host.entries
+            if entry.share_indices_with_anchor
+        ]
+
+    def _check_page_aligned_len(self, logical_len: int) -> None:
+        if logical_len % self.page_size != 0:
+            raise ValueError(
+                f"a HiCache node must hold whole pages, got {logical_len} tokens "
+                f"(page_size {self.page_size})"
+            )
+
+    def _check_whole_pages(self, rows: torch.Tensor, what: str) -> None:
+        """Rows must come as whole, aligned, in-order pages: the indexer moves them page by page."""
+        page_size = self.page_size
+        if page_size == 1 or rows.numel() == 0:
+            return
+        pages = rows.view(-1, page_size)
+        first = pages[:, :1]
+        offsets = torch.arange(page_size, dtype=rows.dtype, device=rows.device)
+        if not bool(((first % page_size == 0) & (pages == first + offsets)).all()):
+            raise ValueError(f"{what} are not whole pages (page_size {page_size})")

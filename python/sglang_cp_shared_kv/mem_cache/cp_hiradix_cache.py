@@ -1,0 +1,530 @@
+"""HiRadixCache for CP shared KV: a logical radix tree over per-rank physical host shards.
+
+The tree is identical on every rank of the CP group and stays logical: ``node.value`` is the full logical
+loc tensor, locks, ``evictable_size_``, thresholds and sglang's HiCache metrics count logical tokens.
+Each rank backs up only the pages it owns; a node's host state is ``node.host_len`` (logical tokens, the
+same on every rank) plus ``node.cp_hicache`` (``CpHiCacheNodeMetadata``: this rank's positions and host
+slots). ``node.host_value`` stays ``None``, so every stock path that reads ``node.backuped`` or
+``node.host_value`` is overridden here to use ``_node_backuped`` / ``_node_host_len`` /
+``_node_host_evict_indices``.
+
+Cross-rank agreement (the tree must stay identical although host pools are per rank): a host
+reservation, and a device allocation for a load-back, may succeed on one rank and fail on another, so
+every rank contributes its outcome to a MIN all-reduce before anyone commits; host eviction for a write
+retry evicts the same nodes on every rank (each rank evicts in the same order until its own physical need
+is met, then all continue to the MAX count). Details in ``docs/cp-hicache.md``.
+
+Registered as a class REPLACE of ``sglang.srt.mem_cache.hiradix_cache.HiRadixCache`` (runtime hooks exist
+only with the flag on). Construction with any other allocator returns the stock ``HiRadixCache``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+from sglang.srt.disaggregation.kv_events import StorageMedium
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.radix_cache import (
+    RadixKey,
+    TreeNode,
+    split_node_hash_value,
+)
+from sglang.srt.plugins.hook_registry import HookType
+
+from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
+from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+_FLAG_FIELD = "enable_nsa_prefill_cp_shared_kv"
+_FLAG_ENV = "SGLANG_CP_SHARED_KV"
+
+
+def register_hooks(registry) -> None:
+    registry.register(
+        "sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE
+    )
+
+
+@dataclass
+class _HostEvictionProgress:
+    nodes_evicted: int = 0
+    physical_slots_freed: int = 0  # this rank's host slots (write-retry progress)
+    logical_tokens_evicted: int = 0  # identical on every rank (metrics, logs)
+
+
+class CpHiRadixCache(HiRadixCache):
+    # Host write + host eviction events between two per-rank host usage log lines.
+    HOST_USAGE_LOG_INTERVAL = 256
+
+    def __new__(cls, params: CacheInitParams, server_args: ServerArgs):
+        if isinstance(params.token_to_kv_pool_allocator, CPSharedPagedTokenToKVPoolAllocator):
+            return super().__new__(cls)
+        if getattr(server_args, _FLAG_FIELD, False) or os.environ.get(_FLAG_ENV) == "1":
+            raise ValueError(
+                f"{FLAG} with --enable-hierarchical-cache needs the CP shared-KV allocator, got "
+                f"{type(params.token_to_kv_pool_allocator).__name__}"
+            )
+        # Not a shared-KV server: build sglang's own cache. The class REPLACE rebinds every
+        # module-level name bound to the stock class (this module's ``HiRadixCache`` included),
+        # so the stock class is reached through our fixed base.
+        stock_class = CpHiRadixCache.__bases__[0]
+        cache = object.__new__(stock_class)
+        cache.__init__(params, server_args)
+        return cache
+
+    def __init__(self, params: CacheInitParams, server_args: ServerArgs):
+        allocator = params.token_to_kv_pool_allocator
+        _check_supported(allocator.get_kvcache(), server_args)
+        cp_rank, cp_size = self._attn_cp_rank_and_size(params)
+        if (allocator.layout.cp_rank, allocator.layout.cp_size) != (cp_rank, cp_size):
+            raise ValueError(
+                f"{FLAG}: the allocator is laid out for cp rank {allocator.layout.cp_rank} of "
+                f"{allocator.layout.cp_size}, but the attention CP group says rank {cp_rank} of {cp_size}"
+            )
+        # sglang 0.5.11 leaves these at 0/1; the NSA assembler forwards them to the controller.
+        params.attn_cp_rank, params.attn_cp_size = cp_rank, cp_size
+        self.cp_layout = allocator.layout
+        self._host_events = 0
+        self.host_logical_tokens = 0  # logical tokens of all backed-up nodes (same on every rank)
+        super().__init__(params, server_args)
+        self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
+        logger.info(
+            "CP HiCache on cp rank %d of %d: %d physical host slots",
+            cp_rank,
+            cp_size,
+            self.cache_controller.mem_pool_host.size,
+        )
+
+    def _attn_cp_rank_and_size(self, params: CacheInitParams) -> tuple[int, int]:
+        """This rank's place in the attention CP group (not ``params.attn_cp_rank``: unset in 0.5.11)."""
+        group = params.attn_cp_cache_group
+        if group is None:
+            return 0, 1
+        return (
+            torch.distributed.get_rank(group=group),
+            torch.distributed.get_world_size(group=group),
+        )
+
+    # ---- node state (see module docstring) ----
+
+    def _new_node(self, priority: int) -> TreeNode:
+        node = TreeNode(priority=priority)
+        # 0.5.11's TreeNode.children is a defaultdict(TreeNode): a lookup of a missing key would
+        # insert an empty "ghost" child. Our nodes use a plain dict.
+        node.children = {}
+        node.host_len = 0
+        node.cp_hicache = None
+        return node
+
+    def _node_backuped(self, node: TreeNode) -> bool:
+        # The root counts as backed up (stock: root.host_value == []): backups may start below it.
+        if node is self.root_node:
+            return True
+        return node.host_len > 0 and node.cp_hicache is not None
+
+    def _node_host_len(self, node: TreeNode) -> int:
+        """Logical tokens the node holds on host (the same on every rank)."""
+        return node.host_len
+
+    def _node_host_evict_indices(self, node: TreeNode) -> torch.Tensor:
+        """This rank's physical host slots of the node (possibly none)."""
+        return node.cp_hicache.host_indices
+
+    def reset(self):
+        super().reset()
+        self.root_node.children = {}
+        self.host_logical_tokens = 0
+
+    # ---- cross-rank agreement ----
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        flag = torch.tensor(int(ok), dtype=torch.int)
+        self._all_reduce_attn_groups(flag, torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _max_over_ranks(self, value: int) -> int:
+        tensor = torch.tensor(value, dtype=torch.int64)
+        self._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def _eviction_entry(self, node: TreeNode):
+        # node.id breaks priority ties the same way on every rank (ids follow the identical sequence of
+        # tree operations); comparing nodes would fall back to set iteration order, which differs.
+        return (self.eviction_strategy.get_priority(node), node.id, node)
+
+    # ---- write (device -> host) ----
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """Back up ``node``'s owned pages; returns the logical tokens backed up (0 if not)."""
+        # Write-through keeps backed-up nodes a contiguous prefix from the root.
+        if not write_back and not self._node_backuped(node.parent):
+            return 0
+        metadata = self._reserve_and_write(node)
+        if metadata is None:
+            return 0
+        node.cp_hicache = metadata
+        node.host_len = metadata.logical_len
+        self.host_logical_tokens += node.host_len
+        self.ongoing_write_through[node.id] = node
+        if not write_back:
+            self.inc_lock_ref(node)
+        self._note_host_event()
+        return node.host_len
+
+    def _reserve_and_write(self, node: TreeNode) -> Optional[CpHiCacheNodeMetadata]:
+        """Reserve host slots on every rank, agree, evict host nodes and retry once if any rank was short."""
+        controller = self.cache_controller
+        reservation = controller.reserve_host_slots(node.value)
+        if not self._all_ranks_ok(reservation.ok):
+            physical_slots_needed = 0 if reservation.ok else reservation.required_host_slots
+            controller.release_reservation(reservation)
+            self.evict_host(physical_slots_needed)
+            reservation = controller.reserve_host_slots(node.value)
+            if not self._all_ranks_ok(reservation.ok):
+                controller.release_reservation(reservation)
+                return None
+        return controller.write_reserved(reservation, node_id=node.id)
+
+    def _inc_hit_count(self, node: TreeNode, chunked: bool = False):
+        if self.cache_controller.write_policy == "write_back" or chunked:
+            return
+        node.hit_count += 1
+        if not self._node_backuped(node) and node.hit_count >= self.write_through_threshold:
+            self.write_backup(node)
+
+    # ---- host eviction ----
+
+    def evict_host(self, physical_slots_needed: int) -> int:
+        """Evict host-only nodes until this rank freed ``physical_slots_needed`` host slots, keeping the
+        evicted set identical on every rank. Returns this rank's physical slots freed.
+
+        Progress counts physical slots, not logical ``host_len``: a node can be long and hold nothing
+        on this rank. Each rank evicts in the same order until its own need is met; then all evict up
+        to the largest node count any rank needed, so every rank ends with the same tree.
+        """
+        heap = [self._eviction_entry(node) for node in self.evictable_host_leaves]
+        heapq.heapify(heap)
+        progress = _HostEvictionProgress()
+        self._evict_host_nodes(
+            heap, progress, lambda: progress.physical_slots_freed >= physical_slots_needed
+        )
+        nodes_target = self._max_over_ranks(progress.nodes_evicted)
+        self._evict_host_nodes(heap, progress, lambda: progress.nodes_evicted >= nodes_target)
+        logger.debug(
+            "CP HiCache host eviction: %d nodes, %d logical tokens, %d physical slots on this rank",
+            progress.nodes_evicted,
+            progress.logical_tokens_evicted,
+            progress.physical_slots_freed,
+        )
+        return progress.physical_slots_freed
+
+    def _evict_host_nodes(self, heap, progress: _HostEvictionProgress, done) -> None:
+        while heap and not done():
+            _, _, node = heapq.heappop(heap)
+            if not node.evicted or node.host_ref_counter > 0:
+                continue
+            self._record_remove_event(node, medium=StorageMedium.CPU)
+            progress.physical_slots_freed += self.cache_controller.evict_host(
+                self._node_host_evict_indices(node)
+            )
+            progress.logical_tokens_evicted += self._node_host_len(node)
+            progress.nodes_evicted += 1
+            self.host_logical_tokens -= node.host_len
+            node.host_len = 0
+            node.cp_hicache = None
+            parent = node.parent
+            removed = parent.children.pop(node.key.child_key(self.page_size), None)
+            assert removed is node, f"host eviction: node {node.id} is not its parent's child"
+            self.evictable_host_leaves.discard(node)
+            self._update_host_leaf_status(parent)
+            if len(parent.children) == 0 and parent.evicted:
+                heapq.heappush(heap, self._eviction_entry(parent))
+            self._note_host_event()
+
+    def _update_host_leaf_status(self, node: TreeNode):
+        if not node.evicted or node.lock_ref > 0:
+            self.evictable_host_leaves.discard(node)
+            return
+        if any(self._node_backuped(child) for child in node.children.values()):
+            self.evictable_host_leaves.discard(node)
+            return
+        self.evictable_host_leaves.add(node)
+
+    # ---- device eviction ----
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        start_time = time.perf_counter()
+        write_back = self.cache_controller.write_policy == "write_back"
+        heap = [self._eviction_entry(node) for node in self.evictable_leaves]
+        heapq.heapify(heap)
+        num_evicted = 0  # logical tokens
+        write_back_nodes = []
+        while num_evicted < params.num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.lock_ref > 0:
+                continue
+            if self._node_backuped(node):
+                num_evicted += self._evict_backuped(node)
+            elif write_back:
+                written = self.write_backup(node, write_back=True)
+                num_evicted += written
+                if written > 0:
+                    write_back_nodes.append(node)
+            else:
+                num_evicted += self._evict_regular(node)
+            siblings = node.parent.children.values()
+            if all(s.evicted or s in write_back_nodes for s in siblings):
+                heapq.heappush(heap, self._eviction_entry(node.parent))
+        if write_back:
+            self.writing_check(write_back=True)
+            for node in write_back_nodes:
+                assert self._node_backuped(node)
+                self._evict_backuped(node)
+        self.update_eviction_metrics(num_evicted, start_time)
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    # ---- load (host -> device) ----
+
+    def load_back(
+        self, node: TreeNode, mem_quota: Optional[int] = None
+    ) -> Optional[torch.Tensor]:
+        """Load the evicted path ending at ``node``; returns its new logical locs or ``None``."""
+        start_time = time.perf_counter()
+        last_hit_node = node
+        nodes_to_load: List[TreeNode] = []
+        while node.evicted:
+            assert self._node_backuped(node), "evicted node without host backup"
+            nodes_to_load.insert(0, node)
+            node = node.parent
+        ancestor = node
+        delta = self.inc_lock_ref(ancestor).delta
+
+        # Logical length on purpose: identical on every rank, so every rank takes the same decision.
+        host_hit_len = sum(self._node_host_len(n) for n in nodes_to_load)
+        if host_hit_len < self.load_back_threshold or (
+            mem_quota is not None and host_hit_len > mem_quota + delta
+        ):
+            self.dec_lock_ref(ancestor)
+            return None
+
+        metadata = CpHiCacheNodeMetadata.concat([n.cp_hicache for n in nodes_to_load])
+        device_indices = self._alloc_load_locs(metadata)
+        self.dec_lock_ref(ancestor)
+        if device_indices is None:
+            logger.warning(
+                "load_back: FAILED to load %d tokens for node %d even after eviction "
+                "(evictable_size=%d)",
+                host_hit_len,
+                last_hit_node.id,
+                self.evictable_size_,
+            )
+            return None
+
+        self.cache_controller.load_reserved(metadata, device_indices, node_id=last_hit_node.id)
+        self.ongoing_load_back[last_hit_node.id] = last_hit_node
+        offset = 0
+        for n in nodes_to_load:
+            n.value = device_indices[offset : offset + n.host_len].clone()
+            offset += n.host_len
+            self._record_store_event(n, medium=StorageMedium.GPU)
+        self.evictable_size_ += host_hit_len
+        self.inc_lock_ref(last_hit_node)
+
+        if self.metrics_collector is not None:
+            self.metrics_collector.observe_load_back_duration(time.perf_counter() - start_time)
+            self.metrics_collector.increment_load_back_num_tokens(host_hit_len)
+        return device_indices
+
+    def _alloc_load_locs(self, metadata: CpHiCacheNodeMetadata) -> Optional[torch.Tensor]:
+        """Logical locs for a load-back that every rank got; evict device nodes and retry once if not.
+
+        The allocator is identical on every rank, but a rank whose allocation succeeded while another's
+        failed restores its allocator state exactly, so the ranks cannot drift apart.
+        """
+        allocator = self.cache_controller.mem_pool_device_allocator
+        for attempt in range(2):
+            if attempt:
+                self.evict(EvictParams(num_tokens=metadata.logical_len))
+            state = allocator.backup_state()
+            device_indices = self.cache_controller.alloc_logical_locs(metadata)
+            if self._all_ranks_ok(device_indices is not None):
+                return device_indices
+            allocator.restore_state(state)
+        return None
+
+    # ---- matching and insertion ----
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
+        # A key shorter than one page (e.g. a short EAGLE bigram key) aligns to empty and matches nothing.
+        key = key.page_aligned(self.page_size)
+        if self.disable or len(key) == 0:
+            return MatchResult(
+                device_indices=torch.empty((0,), dtype=torch.int64, device=self.device),
+                last_device_node=self.root_node,
+                last_host_node=self.root_node,
+                host_hit_length=0,
+            )
+        values, last_node = self._match_prefix_helper(self.root_node, key)
+        if values:
+            device_indices = torch.cat(values)
+        else:
+            device_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+        host_hit_length = 0  # logical tokens on host below the device-resident prefix
+        last_host_node = last_node
+        while last_node.evicted:
+            host_hit_length += self._node_host_len(last_node)
+            last_node = last_node.parent
+        while not self._node_backuped(last_host_node):
+            last_host_node = last_host_node.parent
+        return MatchResult(
+            device_indices=device_indices,
+            last_device_node=last_node,
+            last_host_node=last_host_node,
+            host_hit_length=host_hit_length,
+        )
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        # child is split into new_node (first split_len tokens) -> child (the rest).
+        new_node = self._new_node(priority=child.priority)
+        new_node.children = {key[split_len:].child_key(self.page_size): child}
+        new_node.parent = child.parent
+        new_node.lock_ref = child.lock_ref
+        new_node.key = child.key[:split_len]
+        new_node.hit_count = child.hit_count
+        if not child.evicted:
+            new_node.value = child.value[:split_len].clone()
+            child.value = child.value[split_len:].clone()
+        if self._node_backuped(child):
+            # Host slots follow their positions (see CpHiCacheNodeMetadata.split).
+            new_node.cp_hicache, child.cp_hicache = child.cp_hicache.split(split_len)
+            new_node.host_len = split_len
+            child.host_len -= split_len
+        new_node.hash_value, child.hash_value = split_node_hash_value(
+            child.hash_value, split_len, self.page_size
+        )
+        child.parent = new_node
+        child.key = child.key[split_len:]
+        new_node.parent.children[key.child_key(self.page_size)] = new_node
+        return new_node
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        priority = params.priority or 0
+        key, value = params.key.maybe_to_bigram_view(self.is_eagle, params.value)
+        # A key shorter than one page aligns to empty: nothing is inserted, and the caller frees the
+        # locs beyond the returned prefix length (all of them).
+        key = key.page_aligned(self.page_size)
+        if value is not None:
+            value = value[: len(key)]
+        if len(key) == 0:
+            return InsertResult(prefix_len=0)
+
+        node = self.root_node
+        child_key = key.child_key(self.page_size)
+        total_prefix_length = 0
+        while len(key) > 0 and child_key in node.children:
+            node = node.children[child_key]
+            node.last_access_time = time.monotonic()
+            node.priority = max(node.priority, priority)
+            prefix_len = node.key.match(key, page_size=self.page_size)
+            if prefix_len < len(node.key):
+                node = self._split_node(node.key, node, prefix_len)
+                node.priority = max(node.priority, priority)
+            if node.evicted:
+                # Recomputed KV for a node that lives on host only: take the new device locs.
+                node.value = value[:prefix_len].clone()
+                self.evictable_size_ += prefix_len
+                self._update_leaf_status(node)
+                self._update_host_leaf_status(node)
+                self._update_leaf_status(node.parent)
+            else:
+                self._inc_hit_count(node, params.chunked)
+                total_prefix_length += prefix_len
+            key = key[prefix_len:]
+            value = value[prefix_len:]
+            if len(key):
+                child_key = key.child_key(self.page_size)
+
+        if len(key):
+            new_node = self._new_node(priority=priority)
+            new_node.parent = node
+            new_node.key = key
+            new_node.value = value.clone()
+            node.children[child_key] = new_node
+            self.evictable_size_ += len(value)
+            self._update_leaf_status(node)
+            self._update_leaf_status(new_node)
+            self._record_store_event(new_node)
+            if self.cache_controller.write_policy != "write_back":
+                self._inc_hit_count(new_node, params.chunked)
+        return InsertResult(prefix_len=total_prefix_length)
+
+    # ---- storage and observability ----
+
+    def attach_storage_backend(self, storage_backend: str, *args, **kwargs) -> tuple[bool, str]:
+        return (
+            False,
+            f"HiCache storage backends are not supported with {FLAG}: host copies are sharded "
+            "by CP rank and storage keys do not describe them",
+        )
+
+    def _note_host_event(self) -> None:
+        self._host_events += 1
+        if self._host_events % self.HOST_USAGE_LOG_INTERVAL == 0:
+            self.log_host_usage()
+
+    def log_host_usage(self) -> None:
+        """One INFO line per rank: physical host slots in use, to check against --hicache-ratio."""
+        host = self.cache_controller.mem_pool_host
+        used = self.cache_controller.physical_host_slots_used()
+        logger.info(
+            "CP HiCache host pool, cp rank %d of %d: %d of %d physical slots used (%.1f%%); "
+            "%d logical tokens backed up in the tree",
+            self.cp_layout.cp_rank,
+            self.cp_layout.cp_size,
+            used,
+            host.size,
+            100.0 * used / max(host.size, 1),
+            self.host_logical_tokens,
+        )
+
+
+def _check_supported(kv_pool, server_args: ServerArgs) -> None:
+    """Stage 1 serves host-only HiCache on a plain NSA pool; refuse the rest before host memory is taken."""
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool
+
+    if isinstance(kv_pool, HiSparseNSATokenToKVPool):
+        raise ValueError(f"{FLAG} does not support HiSparse NSA KV pools")
+    if not isinstance(kv_pool, NSATokenToKVPool):
+        raise ValueError(
+            f"{FLAG} with HiCache needs an NSA (DSA) KV pool, got {type(kv_pool).__name__}"
+        )
+    if server_args.hicache_storage_backend is not None:
+        raise ValueError(
+            f"{FLAG} does not support --hicache-storage-backend "
+            f"({server_args.hicache_storage_backend}): only host-memory HiCache"
+        )
