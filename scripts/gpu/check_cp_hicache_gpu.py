@@ -1,0 +1,292 @@
+"""Bit-exact check of the CP HiCache data path: write -> device evict -> load-back, per CP rank.
+
+Simulates a CP group with one process per rank (all on the same GPU, or all on the CPU) joined by a
+gloo group. Each rank builds its real stack (``cp_hicache_stack.build_cp_stack``: CUDA
+``NSATokenToKVPool`` shard, our allocator, real ``CpHiRadixCache`` with sglang's KV + indexer host pools
+and our ``CpHybridCacheController``), then every rank runs the same calls:
+
+1. insert sequence A (2 * cp_size + 1 pages) and B (A's first cp_size + 1 pages and one page of its own,
+   which splits A's node and gives a one-page node in which cp_size - 1 ranks own nothing), after
+   writing random bytes into the KV rows and indexer pages each rank owns; write-through backs them up;
+2. wait for the copies, ``writing_check``; evict both from the device, poison every device row;
+3. take two pages so that the load-back lands elsewhere, ``match_prefix`` + ``load_back`` A then B,
+   ``ready_to_load_host_cache``, wait, ``loading_check``;
+4. count owned KV rows and indexer pages whose bytes differ at their new physical rows.
+
+Per configuration it also checks what the group must agree on: identical new logical locs and trees on
+every rank, each position restored by exactly one rank, and the locs actually moved. Configurations:
+cp_size in --cp-sizes, KV format bf16 / fp8, io backend ``kernel`` (host layouts layer_first, page_first)
+and ``direct`` (layer_first, page_first_direct); ``--device cpu`` runs the direct backend with the
+layer_first layout only (the CPU shim has no other kernel).
+
+Prints one line per configuration and ``mismatches = N``; exits 1 if anything failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PAGE = 64
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--kv-formats", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--backends", nargs="+", default=None, help="default: kernel direct on cuda")
+    parser.add_argument("--layers", type=int, default=None, help="default: 4 on cuda, 2 on cpu")
+    parser.add_argument("--physical-pages", type=int, default=12, help="device pages per rank")
+    parser.add_argument("--timeout-s", type=int, default=180, help="gloo collective timeout")
+    parser.add_argument(
+        "--widen-host-rows",
+        action="store_true",
+        help="build KV host rows as wide as the device rows (works around sglang 0.5.11's 576-byte "
+        "fp8 host rows, docs/gpu.md) to check the rest of the fp8 path",
+    )
+    args = parser.parse_args(argv)
+    if args.backends is None:
+        args.backends = ["kernel", "direct"] if args.device == "cuda" else ["direct"]
+    if args.layers is None:
+        args.layers = 4 if args.device == "cuda" else 2
+    return args
+
+
+def configurations(args):
+    from cp_hicache_stack import HOST_LAYOUTS
+
+    for kv_format in args.kv_formats:
+        for cp_size in args.cp_sizes:
+            for backend in args.backends:
+                for host_layout in HOST_LAYOUTS[backend]:
+                    if args.device == "cpu" and host_layout != "layer_first":
+                        continue
+                    yield cp_size, kv_format, backend, host_layout
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layout, seed):
+    """One configuration on this rank; returns the rank's numbers (rank 0 aggregates)."""
+    from cp_hicache_stack import (
+        SequenceBytes,
+        build_cp_stack,
+        host_rows_as_wide_as_device_rows,
+        poison_device_pool,
+    )
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_cp_shared_kv.testing.cpu_hicache_fixture import tree_signature
+
+    widen = host_rows_as_wide_as_device_rows() if args.widen_host_rows else contextlib.nullcontext()
+    with widen:
+        stack = build_cp_stack(
+            device=args.device,
+            kv_format=kv_format,
+            io_backend=backend,
+            host_layout=host_layout,
+            cp_size=cp_size,
+            cp_rank=rank,
+            group=group,
+            physical_pages=args.physical_pages,
+            layers=args.layers,
+        )
+    cache, allocator, layout = stack.cache, stack.allocator, stack.layout
+    len_a, split = (2 * cp_size + 1) * PAGE, (cp_size + 1) * PAGE
+    seq_a = list(range(len_a))
+    seq_b = seq_a[:split] + list(range(10**6, 10**6 + PAGE))
+    bytes_a = SequenceBytes(len_a, stack.kv_row_bytes(), args.layers, seed)
+    bytes_b = SequenceBytes(PAGE, stack.kv_row_bytes(), args.layers, seed + 1)
+
+    full = allocator.available_size()
+    locs_a = allocator.alloc(len_a)
+    bytes_a.write_owned(stack, locs_a)
+    cache.insert(InsertParams(key=RadixKey(seq_a), value=locs_a))
+    suffix_b = allocator.alloc(PAGE)
+    bytes_b.write_owned(stack, suffix_b)
+    cache.insert(InsertParams(key=RadixKey(seq_b), value=torch.cat([locs_a[:split], suffix_b])))
+    _sync(args.device)
+    cache.writing_check()
+    problems = []
+    if cache.ongoing_write_through:
+        problems.append(f"{len(cache.ongoing_write_through)} writes not acknowledged")
+
+    cache.evict(EvictParams(num_tokens=len_a + PAGE))
+    if allocator.available_size() != full:
+        problems.append("device eviction did not free every page")
+    poison_device_pool(stack)
+    allocator.alloc(2 * PAGE)  # the load-back must land on other logical pages
+
+    match_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(seq_a)))
+    new_a = cache.load_back(match_a.last_host_node)
+    cache.ready_to_load_host_cache()
+    match_b = cache.match_prefix(MatchPrefixParams(key=RadixKey(seq_b)))
+    new_suffix_b = cache.load_back(match_b.last_host_node)
+    cache.ready_to_load_host_cache()
+    _sync(args.device)
+    cache.loading_check()
+    if new_a is None or new_suffix_b is None:
+        problems.append("load_back returned None")
+        return {"problems": problems, "kv_bad": 0, "index_bad": 0, "owned": 0, "kv_rows": 0,
+                "index_pages": 0}
+    if cache.ongoing_load_back:
+        problems.append("load-back not acknowledged")
+    if match_a.host_hit_length != len_a or match_b.host_hit_length != PAGE:
+        problems.append(f"host hit lengths {match_a.host_hit_length}, {match_b.host_hit_length}")
+    if torch.equal(new_a, locs_a):
+        problems.append("load-back reused the old locs: nothing moved")
+    if not torch.equal(layout.owner_of(new_a), layout.owner_of(locs_a)):
+        problems.append("a page came back on another rank than the one holding it on host")
+
+    kv_a, index_a = bytes_a.count_owned_mismatches(stack, new_a)
+    kv_b, index_b = bytes_b.count_owned_mismatches(stack, new_suffix_b)
+    owned = int(layout.owned_by_this_rank(new_a).sum()) + int(
+        layout.owned_by_this_rank(new_suffix_b).sum()
+    )
+    return {
+        "problems": problems,
+        "kv_bad": kv_a + kv_b,
+        "index_bad": index_a + index_b,
+        "owned": owned,
+        "owned_b_suffix": int(layout.owned_by_this_rank(new_suffix_b).sum()),
+        "kv_rows": owned * args.layers,
+        "index_pages": owned // PAGE * args.layers,
+        "decisions": (new_a.tolist(), new_suffix_b.tolist(), tree_signature(cache)),
+        "host_row_bytes": stack.kv_host.token_stride_size,
+        "device_row_bytes": stack.kv_row_bytes(),
+        "jit": bool(getattr(stack.kv_host, "can_use_jit", False)),
+        "total_tokens": len_a + PAGE,
+    }
+
+
+def summarize(results, cp_size):
+    """Rank 0's verdict over every rank's numbers."""
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    mismatches = sum(res["kv_bad"] + res["index_bad"] for res in results)
+    if all("decisions" in res for res in results):
+        if any(res["decisions"] != results[0]["decisions"] for res in results[1:]):
+            problems.append("ranks took different decisions (new locs or tree differ)")
+        restored = sum(res["owned"] for res in results)
+        if restored != results[0]["total_tokens"]:
+            problems.append(f"{restored} positions restored, expected {results[0]['total_tokens']}")
+        if sum(1 for res in results if res["owned_b_suffix"] == 0) != cp_size - 1:
+            problems.append("B's one-page node is not owned by exactly one rank")
+        first = results[0]
+        if first["host_row_bytes"] != first["device_row_bytes"]:
+            problems.append(
+                f"host rows {first['host_row_bytes']} B for device rows {first['device_row_bytes']} B"
+            )
+    kv_rows = sum(res["kv_rows"] for res in results)
+    detail = (
+        f"mismatches = {mismatches} (kv rows {sum(r['kv_bad'] for r in results)}/{kv_rows}, "
+        f"indexer pages {sum(r['index_bad'] for r in results)}/"
+        f"{sum(r['index_pages'] for r in results)}); owned tokens per rank "
+        f"{[r['owned'] for r in results]}; jit {results[0].get('jit')}"
+    )
+    return mismatches, problems, detail
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout_s),
+        )
+        if args.device == "cuda":
+            torch.cuda.set_device(0)
+        groups = {
+            cp: dist.group.WORLD if cp == world else dist.new_group(ranks=list(range(cp)))
+            for cp in sorted(set(args.cp_sizes))
+        }
+        if args.device == "cuda":
+            # Build the bf16 JIT HiCache kernel once before every rank asks for it.
+            from sglang.jit_kernel.hicache import can_use_hicache_jit_kernel
+
+            if rank == 0:
+                can_use_hicache_jit_kernel(element_size=576 * 2)
+            dist.barrier()
+            can_use_hicache_jit_kernel(element_size=576 * 2)
+
+        total_mismatches, failed, passed = 0, 0, 0
+        for index, (cp_size, kv_format, backend, host_layout) in enumerate(configurations(args)):
+            if rank >= cp_size:
+                continue
+            group = groups[cp_size]
+            start = time.time()
+            name = f"cp={cp_size} {kv_format} {backend}/{host_layout}"
+            try:
+                result = run_configuration(
+                    args, rank, group, cp_size, kv_format, backend, host_layout, seed=1000 + 10 * index
+                )
+            except Exception:
+                print(f"[FAIL] {name}: rank {rank} raised", flush=True)
+                raise
+            gathered = [None] * cp_size
+            dist.all_gather_object(gathered, result, group=group)
+            if rank == 0:
+                mismatches, problems, detail = summarize(gathered, cp_size)
+                ok = mismatches == 0 and not problems
+                passed, failed = passed + ok, failed + (not ok)
+                total_mismatches += mismatches
+                print(
+                    f"[{'PASS' if ok else 'FAIL'}] {name}: {detail} ({time.time() - start:.1f} s)"
+                    + "".join(f"\n    {p}" for p in problems),
+                    flush=True,
+                )
+        if rank == 0:
+            queue.put((total_mismatches, passed, failed))
+        dist.barrier()
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)  # peers blocked in a collective time out instead of hanging
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    world = max(args.cp_sizes)
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    try:
+        mp.start_processes(
+            worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn"
+        )
+    except Exception as exc:
+        print(f"check: a rank failed: {exc}")
+        print("mismatches = unknown")
+        return 1
+    total_mismatches, passed, failed = queue.get()
+    print(f"mismatches = {total_mismatches}")
+    print(f"check: {passed} passed, {failed} failed ({time.time() - start:.0f} s)")
+    return 1 if failed or total_mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
