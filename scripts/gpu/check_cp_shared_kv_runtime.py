@@ -1,0 +1,164 @@
+"""Check the CP shared KV runtime (owner-filtered writes + peer-page gather) against a replicated pool.
+
+Ranks are processes sharing one device, joined by a gloo group (NCCL cannot put two ranks on one
+GPU; the runtime stages gloo gathers of CUDA tensors through host memory). Each rank holds a real
+``NSATokenToKVPool`` shard (page 64, bf16 576-wide rows and fp8 656-byte rows) and writes through
+sglang's own ``set_mla_kv_buffer`` and ``Indexer._store_index_k_cache`` with our hooks applied, then
+reads through the hooked getters what the kernels would read; everything is compared bit for bit
+with a replicated pool written by the same sglang code without hooks
+(``sglang_cp_shared_kv.testing.runtime_check``: fresh prefill, chunked prefill over a cached prefix
+with padding, decode with a padded request).
+
+GPU (after the staging in docs/gpu.md):
+    source scripts/gpu/remote_env.sh && python scripts/gpu/check_cp_shared_kv_runtime.py
+CPU:
+    python scripts/gpu/check_cp_shared_kv_runtime.py --device cpu
+
+On CUDA the real kernels run: Triton ``quantize_k_cache_separate`` + ``set_mla_kv_buffer_triton``,
+the JIT ``fused_store_index_k_cache`` (the indexer's CUDA branch), Triton ``GetKAndS``. On CPU those
+are replaced by the torch stand-ins of ``testing/nsa_cpu_kernels.py`` and the indexer store takes
+sglang's non-CUDA branch (``act_quant`` + ``set_index_k_scale_buffer``).
+Prints ``ran``, ``rows compared`` and ``mismatches``; exits non-zero unless every case ran clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def _rank_main(rank, world_size, init_file, args, results):
+    import torch
+    import torch.distributed as dist
+
+    from sglang_cp_shared_kv.testing import runtime_check
+    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+
+    if args.device == "cuda":
+        from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
+
+        torch.cuda.set_device(0)
+        kernels = None
+    else:
+        torch.set_num_threads(1)
+        act_quant, kernels = act_quant_torch, cpu_kernels
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if args.device == "cuda":
+        _build_indexer_store_kernel_once(rank)
+    runtime_check.apply_hooks()
+    try:
+        for cp_size in args.cp_sizes:
+            group = dist.new_group(list(range(cp_size)))  # every process joins the creation
+            for dtype_name in args.dtypes:
+                if rank >= cp_size:
+                    continue
+                try:
+                    if kernels is None:
+                        result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
+                    else:
+                        with kernels():
+                            result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
+                    results.put((cp_size, dtype_name, rank, result.rows_compared, result.mismatches, ""))
+                except Exception as error:  # report, then let the group fail the same way
+                    results.put((cp_size, dtype_name, rank, 0, 0, repr(error)))
+                    raise
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _build_indexer_store_kernel_once(rank):
+    """Rank 0 JIT-compiles the fused indexer store first, so ranks do not compile it concurrently."""
+    import torch
+    import torch.distributed as dist
+
+    from sglang.jit_kernel.fused_store_index_cache import can_use_nsa_fused_store
+
+    if rank == 0:
+        fused = can_use_nsa_fused_store(torch.bfloat16, torch.int64, 64)
+        branch = "fused JIT store" if fused else "act_quant + set_index_k_scale_buffer (JIT unavailable)"
+        print(f"indexer K store branch on CUDA: {branch}", flush=True)
+    dist.barrier()
+    can_use_nsa_fused_store(torch.bfloat16, torch.int64, 64)
+
+
+def _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant):
+    return runtime_check.run_rank(
+        rank,
+        cp_size,
+        group,
+        device=args.device,
+        dtype_name=dtype_name,
+        act_quant=act_quant,
+        seed=args.seed + cp_size,
+        num_layers=args.layers,
+        physical_pages=args.physical_pages,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--cp-sizes", default="2,4", help="comma list, e.g. 2,4,8")
+    parser.add_argument("--dtypes", default="bf16,fp8", help="comma list of bf16, fp8")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--physical-pages", type=int, default=8, help="pages per rank shard")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=int, default=500)
+    args = parser.parse_args()
+    args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
+    args.dtypes = args.dtypes.split(",")
+
+    import torch.multiprocessing as mp
+
+    start = time.time()
+    world_size = max(args.cp_sizes)
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "gloo_init")
+        ranks = [
+            context.Process(target=_rank_main, args=(r, world_size, init_file, args, results))
+            for r in range(world_size)
+        ]
+        for process in ranks:
+            process.start()
+        deadline = start + args.timeout_s
+        for process in ranks:
+            process.join(max(1.0, deadline - time.time()))
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+        exit_codes = [process.exitcode for process in ranks]
+
+    rows = []
+    while not results.empty():
+        rows.append(results.get())
+    expected_cases = len(args.cp_sizes) * len(args.dtypes)
+    ran = compared = mismatches = 0
+    for cp_size in args.cp_sizes:
+        for dtype_name in args.dtypes:
+            case = [r for r in rows if r[0] == cp_size and r[1] == dtype_name]
+            errors = [r[5] for r in case if r[5]]
+            case_ok = len(case) == cp_size and not errors
+            ran += case_ok
+            compared += sum(r[3] for r in case)
+            mismatches += sum(r[4] for r in case)
+            print(
+                f"cp_size={cp_size} dtype={dtype_name} device={args.device}: ranks reported "
+                f"{len(case)}/{cp_size}, rows compared {sum(r[3] for r in case)}, "
+                f"mismatches {sum(r[4] for r in case)}" + (f", errors {errors}" if errors else "")
+            )
+    print(f"rank exit codes: {exit_codes}; {time.time() - start:.1f} s")
+    print(f"ran = {ran}/{expected_cases}")
+    print(f"rows compared = {compared}")
+    print(f"mismatches = {mismatches}")
+    ok = ran == expected_cases and mismatches == 0 and compared > 0 and all(c == 0 for c in exit_codes)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
