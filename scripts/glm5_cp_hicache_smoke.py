@@ -31,6 +31,7 @@ from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
 from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
 from sglang_cp_shared_kv.testing.e2e.server_process import (
+    MAX_SGLANG_PORT,
     ServeConfig,
     ServerError,
     SglangServer,
@@ -80,6 +81,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="server logs and report.json (default ./glm5_smoke_<time>)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the request plan, launch nothing")
     args = p.parse_args(argv)
+    if args.port is not None and not 0 < args.port <= MAX_SGLANG_PORT:
+        p.error(f"--port must be in 1..{MAX_SGLANG_PORT} (sglang also uses port + 10000)")
     if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -63,14 +64,26 @@ class ServeConfig:
         return cmd + list(self.extra_args)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 class ServerError(RuntimeError):
     pass
+
+
+# sglang 0.5.11 refuses a --port above 55535: it derives a gRPC port as port + 10000 (server_args.py).
+MAX_SGLANG_PORT = 65535 - 10000
+
+
+def free_port(low: int = 20000, high: int = MAX_SGLANG_PORT) -> int:
+    """A port in [low, high] free on loopback now (the OS's ephemeral range reaches past 55535)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise ServerError(f"no free port in [{low}, {high}] on {LOOPBACK}")
 
 
 class SglangServer:

@@ -75,6 +75,9 @@ class TestSmokeCli(CustomTestCase):
 
     def test_dry_run_prints_both_commands_and_the_plan_without_launching(self):
         commands, out = self.dry_run_commands("--shared-kv", "both", "--port", "31000")
+        chosen, _ = self.dry_run_commands("--shared-kv", "on")
+        port = int(chosen["shared-kv-on"][1][chosen["shared-kv-on"][1].index("--port") + 1])
+        self.assertLessEqual(port, 55535)  # a port sglang accepts when none is given
         self.assertEqual(set(commands), {"shared-kv-off", "shared-kv-on"})
         env_off, off = commands["shared-kv-off"]
         env_on, on = commands["shared-kv-on"]
@@ -115,6 +118,8 @@ class TestSmokeCli(CustomTestCase):
             os.environ.update(saved_env)
 
     def test_bad_arguments_exit_2(self):
+        rc, _ = self.run_main("--model-path", self.model_dir, "--port", "60000", "--dry-run")
+        self.assertEqual(rc, 2)  # sglang would refuse it: it also binds port + 10000
         rc, _ = self.run_main("--model-path", self.model_dir, "--physical-tokens-per-rank", "1000", "--dry-run")
         self.assertEqual(rc, 2)
         rc, _ = self.run_main("--model-path", self.model_dir, "--hicache-ratio", "1", "--dry-run")
