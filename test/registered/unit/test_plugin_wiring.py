@@ -92,7 +92,7 @@ LAUNCHER = textwrap.dedent(
 
         args = prepare_server_args(
             ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--disable-cuda-graph",
-             FLAG]
+             "--disable-piecewise-cuda-graph", FLAG]
         )
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             result["child"] = pool.apply(scheduler_like, (args,))

@@ -25,11 +25,13 @@ from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
-# The smallest valid combination on a server (CUDA-graph decode cannot run the page gather).
+# The smallest valid combination (graphs cannot replay the per-forward page gather; sglang turns
+# piecewise graphs off by itself for real NSA models, not for model_path "dummy").
 CP_ON = dict(
     enable_nsa_prefill_context_parallel=True,
     enable_nsa_prefill_cp_shared_kv=True,
     disable_cuda_graph=True,
+    disable_piecewise_cuda_graph=True,
 )
 
 # Tiny configs: only what sglang's ServerArgs reads (architecture, index_topk, sizes).
@@ -112,7 +114,7 @@ class TestCpSharedKVServerArgs(CustomTestCase):
 
         args = prepare_server_args(
             ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--disable-cuda-graph",
-             CP_SHARED_KV_FLAG]
+             "--disable-piecewise-cuda-graph", CP_SHARED_KV_FLAG]
         )
         self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
         self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
@@ -157,6 +159,7 @@ class TestCpSharedKVServerArgs(CustomTestCase):
             (("--nsa-prefill-cp-mode round-robin-split",), dict(nsa_prefill_cp_mode="in-seq-split")),
             (("speculative decoding",), dict(speculative_algorithm="EAGLE")),
             (("--disable-cuda-graph",), dict(disable_cuda_graph=False)),
+            (("--disable-piecewise-cuda-graph",), dict(disable_piecewise_cuda_graph=False)),
             (("--enable-return-routed-experts",), dict(enable_return_routed_experts=True)),
             (("--pipeline-parallel-size 2",), dict(pp_size=2)),
             (("--enable-lmcache",), dict(enable_lmcache=True)),
