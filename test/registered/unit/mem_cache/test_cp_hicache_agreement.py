@@ -6,12 +6,12 @@ host pool) or gets injected device allocation failures. The parent process compa
 report.
 """
 
+import datetime
 import os
 import pickle
 import tempfile
 import unittest
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -44,7 +44,14 @@ class _FailNextAllocs:
 
 
 def _worker(rank, rendezvous, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=CP_SIZE)
+    # A rank that skips a collective must fail the test quickly, not hang for gloo's default 30 min.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=CP_SIZE,
+        timeout=datetime.timedelta(seconds=120),
+    )
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
