@@ -113,16 +113,17 @@ class CpHybridCacheController(HybridCacheController):
         """Owned subset of a node's logical locs, its physical rows, and host slots for them."""
         logical_len = len(logical_device_indices)
         self._check_page_aligned_len(logical_len)
-        owner = self.layout.owner_of(logical_device_indices)
+        # The mapping is bookkeeping: do it on the CPU (one device sync per backup), move rows back once.
+        logical_locs = logical_device_indices.cpu()
+        owner = self.layout.owner_of(logical_locs)
         owned_mask = owner == self.layout.cp_rank
-        owned_positions = torch.nonzero(owned_mask).flatten().to(torch.int64).cpu()
-        physical = self.layout.logical_locs_to_physical(logical_device_indices[owned_mask])
+        physical = self.layout.logical_locs_to_physical(logical_locs[owned_mask])
         self._check_whole_pages(physical, "physical device rows")
         reservation = CpWriteReservation(
             logical_len=logical_len,
-            owned_positions=owned_positions,
-            owner_ranks=owner.to(torch.int8).cpu(),
-            physical_device_indices=physical,
+            owned_positions=torch.nonzero(owned_mask).flatten().to(torch.int64),
+            owner_ranks=owner.to(torch.int8),
+            physical_device_indices=physical.to(self.device),
             host_indices=None,
         )
         if reservation.required_host_slots == 0:
@@ -213,9 +214,10 @@ class CpHybridCacheController(HybridCacheController):
             raise ValueError(
                 f"load needs {metadata.logical_len} logical locs, got {len(logical_device_indices)}"
             )
-        positions = metadata.owned_positions.to(logical_device_indices.device)
         # Raises if a position lands on another rank's page: its bytes are only on this rank's host.
-        physical = self.layout.logical_locs_to_physical(logical_device_indices[positions])
+        physical = self.layout.logical_locs_to_physical(
+            logical_device_indices.cpu()[metadata.owned_positions]
+        )
         if metadata.num_owned == 0:
             operation = CacheOperation(
                 torch.empty((0,), dtype=torch.int64),
@@ -225,6 +227,7 @@ class CpHybridCacheController(HybridCacheController):
             )
         else:
             self._check_whole_pages(physical, "physical device rows")
+            physical = physical.to(self.device)
             operation = CacheOperation(
                 metadata.host_indices,
                 physical,
@@ -276,12 +279,14 @@ class CpHybridCacheController(HybridCacheController):
             )
 
     def _check_whole_pages(self, rows: torch.Tensor, what: str) -> None:
-        """Rows must come as whole, aligned, in-order pages: the indexer moves them page by page."""
+        """CPU rows must come as whole, aligned, in-order pages: the indexer moves them page by page."""
         page_size = self.page_size
+        if rows.numel() % page_size != 0:
+            raise ValueError(f"{what}: {rows.numel()} rows are not whole pages (page_size {page_size})")
         if page_size == 1 or rows.numel() == 0:
             return
         pages = rows.view(-1, page_size)
         first = pages[:, :1]
-        offsets = torch.arange(page_size, dtype=rows.dtype, device=rows.device)
+        offsets = torch.arange(page_size, dtype=rows.dtype)
         if not bool(((first % page_size == 0) & (pages == first + offsets)).all()):
             raise ValueError(f"{what} are not whole pages (page_size {page_size})")
