@@ -54,7 +54,11 @@ class RankResult:
 
 
 def apply_hooks() -> None:
-    """Patch sglang with our write and read hooks (process-wide: call in a dedicated process)."""
+    """Patch sglang with our write and read hooks (process-wide: call in a dedicated process).
+
+    Registrations inherited from a forked parent are dropped first, so only these hooks apply.
+    """
+    HookRegistry.reset()
     owner_filtered_writes.register_hooks(HookRegistry)
     peer_page_reads.register_hooks(HookRegistry)
     HookRegistry.apply_hooks()

@@ -26,17 +26,15 @@ TIMEOUT_S = 120
 
 def _rank_main(rank, world_size, init_file, dtype_name, results):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        runtime_check.apply_hooks()  # this process only (forked child)
-        with cpu_kernels():
-            result = runtime_check.run_rank(
-                rank, world_size, dist.group.WORLD, device="cpu", dtype_name=dtype_name,
-                act_quant=act_quant_torch, seed=world_size,
-            )
-        results.put((rank, result.rows_compared, result.mismatches))
-    finally:
-        dist.destroy_process_group()
+    # A group of our own, not the default one: the forked parent may hold a default group already.
+    group = dist.ProcessGroupGloo(dist.FileStore(init_file, world_size), rank, world_size)
+    runtime_check.apply_hooks()  # this process only (forked child)
+    with cpu_kernels():
+        result = runtime_check.run_rank(
+            rank, world_size, group, device="cpu", dtype_name=dtype_name,
+            act_quant=act_quant_torch, seed=world_size,
+        )
+    results.put((rank, result.rows_compared, result.mismatches))
 
 
 class TestRuntimeAcrossRanks(CustomTestCase):
