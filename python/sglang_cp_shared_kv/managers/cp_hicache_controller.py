@@ -36,8 +36,7 @@ from sglang.srt.utils import get_device_module
 
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-
-FLAG = "--enable-nsa-prefill-cp-shared-kv"
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
 
 device_module = get_device_module()
 

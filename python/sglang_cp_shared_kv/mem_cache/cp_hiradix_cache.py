@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
@@ -50,6 +49,11 @@ from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+from sglang_cp_shared_kv.server_args import (
+    CP_SHARED_KV_FIELD,
+    CP_SHARED_KV_FLAG as FLAG,
+    cp_shared_kv_enabled_in_env,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -57,9 +61,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FLAG = "--enable-nsa-prefill-cp-shared-kv"
-_FLAG_FIELD = "enable_nsa_prefill_cp_shared_kv"
-_FLAG_ENV = "SGLANG_CP_SHARED_KV"
 
 
 def register_hooks(registry) -> None:
@@ -76,13 +77,15 @@ class _HostEvictionProgress:
 
 
 class CpHiRadixCache(HiRadixCache):
+    """HiRadixCache whose host copies are this rank's owned shards (see the module docstring)."""
+
     # Host write + host eviction events between two per-rank host usage log lines.
     HOST_USAGE_LOG_INTERVAL = 256
 
     def __new__(cls, params: CacheInitParams, server_args: ServerArgs):
         if isinstance(params.token_to_kv_pool_allocator, CPSharedPagedTokenToKVPoolAllocator):
             return super().__new__(cls)
-        if getattr(server_args, _FLAG_FIELD, False) or os.environ.get(_FLAG_ENV) == "1":
+        if getattr(server_args, CP_SHARED_KV_FIELD, False) or cp_shared_kv_enabled_in_env():
             raise ValueError(
                 f"{FLAG} with --enable-hierarchical-cache needs the CP shared-KV allocator, got "
                 f"{type(params.token_to_kv_pool_allocator).__name__}"

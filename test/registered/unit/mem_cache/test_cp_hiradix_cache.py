@@ -3,7 +3,9 @@ CP mode, the ghost-node and short-bigram fixes, and the fail-fast checks. One ra
 
 import dataclasses
 import logging
+import os
 import unittest
+from unittest import mock
 
 import torch
 
@@ -26,6 +28,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache, _check_supported
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -310,6 +313,11 @@ class TestConstructionChecks(CustomTestCase):
         pool = _nsa_pool()
         allocator = PagedTokenToKVPoolAllocator(pool.size, PAGE, torch.bfloat16, "cpu", pool, False)
         args = HiCacheServerArgs(enable_nsa_prefill_cp_shared_kv=False)
+        # Flag off means off in the environment too (another test may have validated it on).
+        environ = mock.patch.dict(os.environ)
+        environ.start()
+        self.addCleanup(environ.stop)
+        os.environ.pop(CP_SHARED_KV_ENV, None)
         # HookRegistry's class REPLACE rebinds every module-level name of the stock class, ours too.
         original_binding = cp_hiradix_cache.HiRadixCache
         cp_hiradix_cache.HiRadixCache = CpHiRadixCache
