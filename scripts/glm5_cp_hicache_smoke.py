@@ -182,20 +182,18 @@ def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> Run
                 if record.error and not server.alive():
                     break
             host_totals = counters.host_total_tokens_by_rank
-        except (ServerError, OSError) as e:  # requests' errors derive from OSError
+        except (ServerError, OSError, ValueError) as e:  # requests' errors are OSErrors, bad JSON ValueError
             report.failures.append(f"server: {e}")
-        finally:
-            server.stop()
-    lines = server.log_lines_before_stop()
+    lines = server.log_lines_before_stop()  # the with-block stopped the server
     report.findings = scan_for_errors(lines, args.ignore_log_pattern)
-    report.capacity = capacity_figures(server_info, parse_capacity_lines(lines), host_totals)
+    report.figures = capacity_figures(server_info, parse_capacity_lines(lines), host_totals)
     activity = hicache_activity(report.records)
-    report.capacity["hicache_activity"] = activity
-    report.capacity["ttft"] = ttft_summary(plan, report.records)
+    report.figures["hicache_activity"] = activity
+    report.figures["ttft"] = ttft_summary(plan, report.records)
     report.failures += request_failures(plan, report.records)
     report.failures += hicache_failures(activity)
     report.failures += log_failures(report.findings)
-    report.failures += capacity_failures(config.shared_kv, config.tp_size, report.capacity)
+    report.failures += capacity_failures(config.shared_kv, config.tp_size, report.figures)
     return report
 
 
@@ -216,7 +214,7 @@ def print_request(mode: str, tp_size: int, r: RequestRecord) -> None:
 
 def print_summary(reports: List[RunReport], comparison: List[str]) -> None:
     for report in reports:
-        c = report.capacity
+        c = report.figures
         print(f"\n== {report.mode}")
         print(f"logical device tokens per CP group: {c.get('logical_device_tokens_per_cp_group')}")
         print(f"physical device tokens per rank:    {c.get('physical_device_tokens_per_rank')}")

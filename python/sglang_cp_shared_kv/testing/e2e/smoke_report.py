@@ -54,7 +54,8 @@ class RequestRecord:
 
 @dataclass
 class RunReport:
-    """One server launch: mode, capacities seen, per-request records, log findings, failures."""
+    """One server launch: mode, per-request records, log findings, figures (capacity, HiCache
+    activity, TTFT) and failures."""
 
     mode: str  # "shared-kv-off" / "shared-kv-on"
     command: List[str]
@@ -62,7 +63,7 @@ class RunReport:
     tp_size: int
     records: List[RequestRecord] = field(default_factory=list)
     findings: List[LogFinding] = field(default_factory=list)
-    capacity: Dict[str, Any] = field(default_factory=dict)
+    figures: Dict[str, Any] = field(default_factory=dict)
     failures: List[str] = field(default_factory=list)
 
     def to_json(self) -> Dict[str, Any]:

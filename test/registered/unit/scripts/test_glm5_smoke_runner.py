@@ -161,11 +161,11 @@ class TestSmokeRunner(CustomTestCase):
         self.assertEqual(rc, 0, report and [r["failures"] for r in report["runs"]])
         off, on = report["runs"]
         self.assertEqual((off["mode"], on["mode"]), ("shared-kv-off", "shared-kv-on"))
-        self.assertEqual(off["capacity"]["logical_over_physical"], 1)
-        self.assertEqual(on["capacity"]["logical_over_physical"], 8)
-        self.assertGreater(on["capacity"]["hicache_activity"]["load_back_tokens"], 0)
+        self.assertEqual(off["figures"]["logical_over_physical"], 1)
+        self.assertEqual(on["figures"]["logical_over_physical"], 8)
+        self.assertGreater(on["figures"]["hicache_activity"]["load_back_tokens"], 0)
         self.assertEqual(len(on["records"]), len(off["records"]))
-        self.assertTrue(on["capacity"]["ttft"])
+        self.assertTrue(on["figures"]["ttft"])
         self.assertEqual(report["comparison_failures"], [])
         self.assert_no_server_process_left()
 
