@@ -37,10 +37,16 @@ def _nonzero_kv_rows(stack):
 
 
 class TestCpHiCacheRoundTrip(CustomTestCase):
-    def _round_trip(self, cp_size):
+    def _round_trip(self, cp_size, write_policy="write_through"):
         group = single_process_group()
         views = [
-            build_cpu_cp_hicache(cp_size=cp_size, cp_rank=rank, group=group, physical_pages=12)
+            build_cpu_cp_hicache(
+                cp_size=cp_size,
+                cp_rank=rank,
+                group=group,
+                physical_pages=12,
+                write_policy=write_policy,
+            )
             for rank in range(cp_size)
         ]
         loaded = []
@@ -55,6 +61,8 @@ class TestCpHiCacheRoundTrip(CustomTestCase):
             locs_b = torch.cat([locs_a[: 3 * PAGE], suffix_b])
             cache.insert(InsertParams(key=RadixKey(SEQ_B), value=locs_b))  # splits A's node
             cache.writing_check()
+            if write_policy == "write_back":
+                self.assertEqual(view.controller.physical_host_slots_used(), 0)
 
             cache.evict(EvictParams(num_tokens=len(SEQ_A) + len(SEQ_B)))
             self.assertEqual(allocator.available_size(), full)
@@ -96,6 +104,9 @@ class TestCpHiCacheRoundTrip(CustomTestCase):
 
     def test_round_trip_cp2(self):
         self._round_trip(cp_size=2)
+
+    def test_round_trip_cp2_write_back_backs_up_on_eviction(self):
+        self._round_trip(cp_size=2, write_policy="write_back")
 
     def test_round_trip_cp4_includes_ranks_owning_nothing_in_a_node(self):
         views = self._round_trip(cp_size=4)
