@@ -2,9 +2,10 @@
 
 The end-to-end smoke needs sglang to take exactly the GLM-5 code paths (DSA / NSA attention, NSA
 prefill CP, ``NSATokenToKVPool``, the NSA HiCache host pools) without a 1.5 TB checkpoint. So the
-attention and KV-row geometry stays that of the real model (64 heads, ``kv_lora_rank`` 512,
+attention, KV-row and MoE geometry stays that of the real model (64 heads, ``kv_lora_rank`` 512,
 ``qk_rope_head_dim`` 64, indexer 32 x 128 with top-k 2048: one KV row is 576 values and one
-indexer row 132 bytes, as in production), while depth, width and expert count shrink.
+indexer row 132 bytes, as in production; 256 experts, 8 per token, one shared), so the kernels see
+production shapes; only depth, hidden size and vocabulary shrink.
 
 The tokenizer is a byte-level BPE built here with ``tokenizers`` (id ``b`` is byte ``b``), so the
 directory loads with no hub access; its length equals the config's ``vocab_size``.
@@ -40,8 +41,8 @@ def tiny_glm5_config(num_hidden_layers: int = 4) -> Dict[str, Any]:
         "dtype": "bfloat16",
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 1024,
-        "intermediate_size": 2048,
-        "moe_intermediate_size": 1024,
+        "intermediate_size": 12288,  # real
+        "moe_intermediate_size": 2048,  # real
         "num_hidden_layers": num_hidden_layers,
         "first_k_dense_replace": first_k_dense,
         "moe_layer_freq": 1,
@@ -49,7 +50,7 @@ def tiny_glm5_config(num_hidden_layers: int = 4) -> Dict[str, Any]:
         # Attention: real GLM-5 geometry (MLA, 64 heads).
         "num_attention_heads": 64,
         "num_key_value_heads": 64,
-        "q_lora_rank": 512,
+        "q_lora_rank": 2048,  # real
         "kv_lora_rank": 512,  # real
         "qk_nope_head_dim": 192,  # real
         "qk_rope_head_dim": 64,  # real
@@ -61,10 +62,11 @@ def tiny_glm5_config(num_hidden_layers: int = 4) -> Dict[str, Any]:
         "index_head_dim": 128,
         "index_n_heads": 32,
         "indexer_rope_interleave": True,
-        # MoE: sigmoid router with correction bias as GLM-5, fewer experts.
-        "n_routed_experts": 16,
+        # MoE: real GLM-5 routing (256 experts, sigmoid router with correction bias, top 8 + 1 shared),
+        # which also keeps sglang's fused-shared-expert path (it requires 256 routed experts).
+        "n_routed_experts": 256,
         "n_shared_experts": 1,
-        "num_experts_per_tok": 4,
+        "num_experts_per_tok": 8,
         "n_group": 1,
         "topk_group": 1,
         "routed_scaling_factor": 2.5,
