@@ -126,7 +126,11 @@ def build_cpu_cp_hicache(
     max_running_requests: int = 8,
     max_context_len: int = 4096,
 ) -> CpuHiCacheStack:
-    """One rank's stack; ``physical_pages`` real pages per rank (plus sglang's dummy page 0)."""
+    """One rank's stack; ``physical_pages`` real pages per rank (plus sglang's dummy page 0).
+
+    On a machine without CUDA only ``host_layout="layer_first"`` transfers (the shim implements
+    ``transfer_kv_direct`` only); ``page_size`` must be 64 (``NSATokenToKVPool``).
+    """
     if page_size != NSA_PAGE_SIZE:
         raise ValueError(f"NSATokenToKVPool needs page_size {NSA_PAGE_SIZE}, got {page_size}")
     physical_size = physical_pages * page_size
