@@ -189,13 +189,20 @@ class CpHybridCacheController(HybridCacheController):
         The owners come from the metadata (identical on every rank), so the allocator takes the same
         decision on every rank; ``None`` if it cannot place them.
         """
+        return self.mem_pool_device_allocator.alloc_with_owners(self._page_owners(metadata))
+
+    def device_page_shortfall(self, metadata: CpHiCacheNodeMetadata) -> List[int]:
+        """Free device pages each owner rank lacks for ``alloc_logical_locs(metadata)``."""
+        return self.mem_pool_device_allocator.page_shortfall_by_owner(self._page_owners(metadata))
+
+    def _page_owners(self, metadata: CpHiCacheNodeMetadata) -> torch.Tensor:
+        """Owner rank of each page of ``metadata`` (identical on every rank)."""
         self._check_page_aligned_len(metadata.logical_len)
-        page_size = self.page_size
-        owner_ranks = metadata.owner_ranks.to(torch.int64).view(-1, page_size)
+        owner_ranks = metadata.owner_ranks.to(torch.int64).view(-1, self.page_size)
         page_owners = owner_ranks[:, 0]
         if not bool((owner_ranks == page_owners[:, None]).all()):
             raise ValueError("owner_ranks must be constant within each page")
-        return self.mem_pool_device_allocator.alloc_with_owners(page_owners)
+        return page_owners
 
     def load_reserved(
         self,

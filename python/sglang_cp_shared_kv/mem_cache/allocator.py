@@ -158,17 +158,31 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         For HiCache load-back: a page's KV sits in the host pool of the rank that owned it when it was
         backed up, so its new logical page must have that same owner. No balance choice is left.
         """
+        owners, demand = self._owner_demand(page_owners)
+        if any(self.page_shortfall_by_owner(page_owners)):
+            return None
+        free = [p.shape[0] for p in self.free_pages_by_owner]
+        if any(d > f for d, f in zip(demand, free)):
+            self.merge_and_sort_free()
+        return self._page_locs(self._pop_pages(owners, demand))
+
+    def page_shortfall_by_owner(self, page_owners: torch.Tensor) -> List[int]:
+        """Pages each owner rank lacks for ``alloc_with_owners(page_owners)``; all zero if it fits.
+
+        Counts free and released pages, like ``alloc_with_owners``. Depends only on allocator state,
+        which is identical on every rank, so every rank computes the same shortfall.
+        """
+        _, demand = self._owner_demand(page_owners)
+        return [
+            max(0, d - f.shape[0] - r.shape[0])
+            for d, f, r in zip(demand, self.free_pages_by_owner, self.release_pages_by_owner)
+        ]
+
+    def _owner_demand(self, page_owners: torch.Tensor):
         owners = page_owners.cpu().numpy().astype(np.int64)
         if len(owners) and not (0 <= owners.min() and owners.max() < self.cp_size):
             raise ValueError(f"{FLAG}: page owners must be ranks in [0, {self.cp_size})")
-        demand = np.bincount(owners, minlength=self.cp_size).tolist()
-        free = [p.shape[0] for p in self.free_pages_by_owner]
-        if any(d > f for d, f in zip(demand, free)):
-            released = [p.shape[0] for p in self.release_pages_by_owner]
-            if any(d > f + r for d, f, r in zip(demand, free, released)):
-                return None
-            self.merge_and_sort_free()
-        return self._page_locs(self._pop_pages(owners, demand))
+        return owners, np.bincount(owners, minlength=self.cp_size).tolist()
 
     def alloc_extend(
         self,

@@ -370,13 +370,28 @@ class CpHiRadixCache(HiRadixCache):
         allocator = self.cache_controller.mem_pool_device_allocator
         for attempt in range(2):
             if attempt:
-                self.evict(EvictParams(num_tokens=metadata.logical_len))
+                self._evict_for_load(metadata)
             state = allocator.backup_state()
             device_indices = self.cache_controller.alloc_logical_locs(metadata)
             if self._all_ranks_ok(device_indices is not None):
                 return device_indices
             allocator.restore_state(state)
         return None
+
+    def _evict_for_load(self, metadata: CpHiCacheNodeMetadata) -> None:
+        """Evict device nodes until every owner rank has the free pages this load-back needs.
+
+        Each loaded page must land on the rank that holds it on host, so evicting ``logical_len``
+        tokens is not enough: the freed pages may belong to other owners. The shortfall depends only
+        on the allocator, which is identical on every rank, so every rank evicts the same nodes.
+        """
+        while True:
+            missing_pages = sum(self.cache_controller.device_page_shortfall(metadata))
+            if missing_pages == 0:
+                return
+            evicted = self.evict(EvictParams(num_tokens=missing_pages * self.page_size))
+            if evicted.num_tokens_evicted == 0:
+                return
 
     # ---- matching and insertion ----
 

@@ -103,13 +103,10 @@ class TestPlanOnCpHiCache(CustomTestCase):
         replay = self.requests(group, REPLAY)[0]
         self.assertEqual(sum(self.hits[replay.index][:2]), replay.prompt_tokens - PAGE)
 
-    @unittest.expectedFailure
     def test_every_prefix_matched_on_host_is_loaded_back(self):
-        """Known gap (CpHiRadixCache._alloc_load_locs): the load-back retry evicts as many logical
-        tokens as it needs, but the pages must come back on the ranks that hold them on host, and
-        LRU eviction does not free pages owner by owner: with a full device some load-backs fail
-        ("load_back: FAILED ...") and those prefixes are recomputed. Stock sglang's retry only needs
-        the token count back. Remove the marker once the retry frees pages per owner."""
+        """With a full device, the load-back retry must free pages on the ranks that hold the prefix
+        on host (CpHiRadixCache._evict_for_load), not just as many logical tokens: otherwise some
+        load-backs fail and those prefixes are recomputed."""
         for r in self.requests(1, ROUND2):
             _, host, loaded = self.hits[r.index]
             self.assertEqual(loaded, host, r.name)
