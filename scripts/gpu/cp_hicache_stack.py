@@ -41,8 +41,10 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool  #
 from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
+from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
 from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (  # noqa: E402
     HiCacheServerArgs,
     SimulatedRankCpHiRadixCache,
@@ -197,7 +199,8 @@ def build_cp_stack(
             (SimulatedRankCpHiRadixCache,),
             {"simulated_cp_rank": cp_rank, "simulated_cp_size": cp_size},
         )
-    with _host_memory(device):
+    # As on the server, the CP cache comes with the hook that sizes KV host rows like device rows.
+    with _host_memory(device), applied_hooks(nsa_host_kv_row_width.register_hooks):
         cache = cache_class(
             _params(allocator, group, device),
             _server_args(io_backend, host_layout, write_policy, hicache_ratio),

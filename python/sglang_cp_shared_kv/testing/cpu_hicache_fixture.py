@@ -42,7 +42,9 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool  #
 from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
+from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache  # noqa: E402
+from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
 
 # NSATokenToKVPool requires page_size 64 and index_head_dim 128 (outside ROCm).
 NSA_PAGE_SIZE = 64
@@ -190,7 +192,8 @@ def build_cpu_cp_hicache(
             (SimulatedRankCpHiRadixCache,),
             {"simulated_cp_rank": cp_rank, "simulated_cp_size": cp_size},
         )
-    with unpinned_host_pools():
+    # The server registers the host-row-width hook with the CP cache (cp_hiradix_cache.register_hooks).
+    with unpinned_host_pools(), applied_hooks(nsa_host_kv_row_width.register_hooks):
         cache = cache_class(params, server_args)
     return CpuHiCacheStack(
         cache=cache,

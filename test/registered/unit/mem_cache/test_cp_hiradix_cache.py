@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache
+from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache, nsa_host_kv_row_width
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache, _check_supported
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
@@ -331,7 +331,14 @@ class TestConstructionChecks(CustomTestCase):
         cp_hiradix_cache.register_hooks(registry)
         self.assertEqual(
             registry.registered,
-            [("sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE)],
+            [
+                ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE),
+                (
+                    nsa_host_kv_row_width.BUILD_KV_HOST_POOL,
+                    nsa_host_kv_row_width.build_kv_host_pool_with_device_row_width,
+                    HookType.AROUND,
+                ),
+            ],
         )
 
 
