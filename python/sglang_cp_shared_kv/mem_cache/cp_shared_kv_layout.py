@@ -10,8 +10,9 @@ so a rank's physical pool holds every ``cp_size``-th logical page. Logical pages
 map to physical page 0 on every rank, which sglang keeps as the dummy page that padded tokens write
 into; the allocator never hands them out.
 
-The class is stateless arithmetic: no pools, trees or process groups. Every method has a torch form
-(any device, int32 or int64, dtype preserved) and a NumPy twin with the ``_np`` suffix.
+The class is stateless arithmetic: no pools, trees or process groups. Every per-loc method has a torch
+form (any device, int32 or int64, dtype preserved) and a NumPy twin with the ``_np`` suffix; the page
+helpers at the end take page numbers or page heads.
 """
 
 from __future__ import annotations
@@ -121,6 +122,17 @@ class CpSharedKVLayout:
         """Logical page stored at ``physical_page`` on ``rank`` (this rank by default)."""
         rank = self.cp_rank if rank is None else rank
         return physical_page * self.cp_size + rank
+
+    def rows_of_pages(self, page_first_rows: torch.Tensor) -> torch.Tensor:
+        """Every row of the pages starting at ``page_first_rows``, page by page (same device, dtype).
+
+        Unit-free (logical locs, physical rows, host slots, node-local positions alike): ownership is
+        a per-page property, so callers decide on page heads and expand here.
+        """
+        slots = torch.arange(
+            self.page_size, dtype=page_first_rows.dtype, device=page_first_rows.device
+        )
+        return (page_first_rows[:, None] + slots).reshape(-1)
 
     def for_rank(self, cp_rank: int) -> "CpSharedKVLayout":
         """The same layout seen from another rank of the group."""

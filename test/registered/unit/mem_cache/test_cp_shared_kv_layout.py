@@ -66,6 +66,29 @@ class TestCpSharedKVLayout(CustomTestCase):
         # empty input is fine
         self.assertEqual(layout.logical_locs_to_physical(torch.empty(0, dtype=torch.int64)).numel(), 0)
 
+    def test_mapping_page_heads_then_expanding_equals_mapping_every_loc(self):
+        # The HiCache adapter maps only page heads and expands them: it must match the per-loc map.
+        for cp_size, page_size in CONFIGS:
+            pages = torch.tensor([5, 2, 9, 7, 3, 12], dtype=torch.int64) * cp_size // 2 + 1
+            for rank in range(cp_size):
+                layout = CpSharedKVLayout(cp_size, rank, page_size)
+                owned_pages = pages[pages % cp_size == rank]
+                owned_locs = layout.rows_of_pages(owned_pages * page_size)
+                self.assertEqual(len(owned_locs), len(owned_pages) * page_size)
+                heads = owned_locs[::page_size]
+                self.assertTrue(
+                    torch.equal(
+                        layout.rows_of_pages(layout.logical_locs_to_physical(heads)),
+                        layout.logical_locs_to_physical(owned_locs),
+                    ),
+                    (cp_size, page_size, rank),
+                )
+        layout = CpSharedKVLayout(2, 0, 4)
+        expanded = layout.rows_of_pages(torch.tensor([8, 0], dtype=torch.int32))
+        self.assertEqual(expanded.tolist(), [8, 9, 10, 11, 0, 1, 2, 3])
+        self.assertEqual(expanded.dtype, torch.int32)
+        self.assertEqual(layout.rows_of_pages(torch.empty(0, dtype=torch.int64)).numel(), 0)
+
     def test_per_rank_counts_of_page_aligned_range_differ_by_at_most_one_page(self):
         rng = random.Random(0)
         for cp_size, page_size in CONFIGS:
