@@ -1,0 +1,285 @@
+"""Multi-rank CP HiCache simulation on the CPU: every rank of a CP group, checked after every step.
+
+``run_simulation(cp_size, scenarios)`` starts ``cp_size`` processes joined by a gloo group. Each builds
+its real stack (``build_cpu_cp_hicache``: ``CpHiRadixCache``, the CP allocator, an NSA device pool and
+sglang's KV + indexer host pools, io backend "direct", small enough that device eviction and host
+pressure happen all the time) and, per scenario, drives it with the seeded workload
+(``cp_hicache_simulation_workload``): the same operations on every rank. After every operation each rank
+runs its local checks and the group all-gathers a digest of the state that must be identical
+(``cp_hicache_simulation_invariants``). Any violation stops the run; every rank raises the same
+``SimulationViolation`` naming the invariant, seed, step, rank and operation, and ``run_simulation``
+re-raises it in the caller. An exception inside an operation is reported the same way
+(invariant ``exception``).
+
+Processes are forked from a forkserver that imported this module once: importing sglang costs far
+more than a simulation step, and a forkserver does not inherit the caller's state (for example a
+process group another test initialised).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import (
+    RankInvariants,
+    digest,
+    first_difference,
+    shared_state,
+)
+from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
+from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+    NSA_PAGE_SIZE,
+    CpuHiCacheStack,
+    build_cpu_cp_hicache,
+)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationScenario:
+    """One seeded run on a fresh stack. Pools are per rank and deliberately tiny."""
+
+    seed: int
+    num_ops: int
+    write_policy: str = "write_through"
+    eviction_policy: str = "lru"
+    physical_pages: int = 8  # device pages per rank, besides sglang's dummy page 0
+    hicache_ratio: float = 1.5  # host pool = ratio x physical device pool, per rank
+    max_running_requests: int = 4
+    # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
+    # bug and check that the harness reports it. Must be picklable (a module-level function).
+    plant: Optional[Callable[[CpuHiCacheStack, int], None]] = None
+
+    def describe(self) -> str:
+        return (
+            f"seed={self.seed} write_policy={self.write_policy} eviction={self.eviction_policy} "
+            f"physical_pages={self.physical_pages} hicache_ratio={self.hicache_ratio}"
+        )
+
+
+class SimulationViolation(AssertionError):
+    """An invariant broken (or an exception raised) at one step of a scenario, on one rank."""
+
+    def __init__(self, invariant: str, seed: int, step: int, rank: int, op: str, detail: str,
+                 scenario: str = ""):  # fmt: skip
+        self.invariant, self.seed, self.step, self.rank = invariant, seed, step, rank
+        self.op, self.detail, self.scenario = op, detail, scenario
+        super().__init__(
+            f"CP HiCache simulation: invariant={invariant} seed={seed} step={step} rank={rank} "
+            f"[{scenario}] after op ({op}): {detail}"
+        )
+
+    def __reduce__(self):
+        fields = (self.invariant, self.seed, self.step, self.rank, self.op, self.detail)
+        return (SimulationViolation, fields + (self.scenario,))
+
+
+@dataclasses.dataclass
+class ScenarioResult:
+    scenario: SimulationScenario
+    ops_executed: int
+    wall_s: float
+    # Decisions (identical on every rank) and, summed over ranks, what single ranks did.
+    stats: Dict[str, int]
+    local_stats: Dict[str, int]
+
+
+@dataclasses.dataclass
+class SimulationReport:
+    cp_size: int
+    results: List[ScenarioResult]
+    wall_s: float
+
+    @property
+    def ops_executed(self) -> int:
+        return sum(r.ops_executed for r in self.results)
+
+    def total_stats(self) -> collections.Counter:
+        total = collections.Counter()
+        for result in self.results:
+            total.update(result.stats)
+            total.update(result.local_stats)
+        return total
+
+
+def run_simulation(
+    cp_size: int, scenarios: Sequence[SimulationScenario], timeout_s: float = 120.0
+) -> SimulationReport:
+    """Run ``scenarios`` one after the other on a fresh group of ``cp_size`` processes.
+
+    Raises ``SimulationViolation`` for the first violation (the run stops there). ``timeout_s`` bounds
+    every collective, so a rank that skips one fails the run instead of hanging it.
+    """
+    out_dir = tempfile.mkdtemp(prefix="cp_hicache_sim_")
+    start = time.monotonic()
+    try:
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+        args = (cp_size, list(scenarios), os.path.join(out_dir, "rendezvous"), out_dir, timeout_s)
+        mp.start_processes(_worker, args=args, nprocs=cp_size, start_method="forkserver")
+        outcomes = []
+        for rank in range(cp_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                outcomes.append(pickle.load(f))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    violation = _root_cause([o["violation"] for o in outcomes if o["violation"] is not None])
+    if violation is not None:
+        raise violation
+    results = []
+    for index, result in enumerate(outcomes[0]["results"]):
+        local = collections.Counter()
+        for outcome in outcomes:
+            local.update(outcome["results"][index].local_stats)
+        results.append(dataclasses.replace(result, local_stats=dict(local)))
+    return SimulationReport(cp_size=cp_size, results=results, wall_s=time.monotonic() - start)
+
+
+def _root_cause(violations: List[SimulationViolation]) -> Optional[SimulationViolation]:
+    """A detected violation is reported identically by every rank. An exception on one rank makes its
+    peers fail inside a collective later; report the exception that is not such a peer failure."""
+    if not violations:
+        return None
+    for violation in violations:
+        if not violation.detail.startswith(_PEER_FAILURE):
+            return violation
+    return violations[0]
+
+
+_PEER_FAILURE = "collective failed (a peer rank died or diverged)"
+
+
+def _worker(rank: int, cp_size: int, scenarios, rendezvous: str, out_dir: str, timeout_s: float):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=cp_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    outcome = {"results": [], "violation": None}
+    try:
+        for scenario in scenarios:
+            outcome["results"].append(_RankRun(rank, cp_size, scenario, dist.group.WORLD).run())
+    except SimulationViolation as violation:
+        outcome["violation"] = violation
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(outcome, f)
+    if outcome["violation"] is None or outcome["violation"].invariant != "exception":
+        dist.destroy_process_group()
+    # After an exception, peers may be blocked in a collective: exit without another one; their
+    # collective then fails as this process's sockets close.
+
+
+class _RankRun:
+    """One scenario on one rank: build the stack, step the workload, check after every step."""
+
+    def __init__(self, rank: int, cp_size: int, scenario: SimulationScenario, group):
+        self.rank, self.cp_size, self.scenario, self.group = rank, cp_size, scenario, group
+        self.step, self.op = -1, "building the stack"
+
+    def run(self) -> ScenarioResult:
+        scenario = self.scenario
+        start = time.monotonic()
+        try:
+            workload = self._build()
+            invariants = RankInvariants(workload)
+            for self.step in range(scenario.num_ops):
+                self.op = "?"
+                self.op = workload.step()
+                self._check(workload, invariants)
+            self.step, self.op = scenario.num_ops, "final drain"
+            workload.drain()
+            self._check(workload, invariants)
+        except SimulationViolation:
+            raise
+        except Exception as error:
+            raise self._violation("exception", self.rank, _describe_exception(error)) from error
+        return ScenarioResult(
+            scenario=scenario,
+            ops_executed=scenario.num_ops + 1,
+            wall_s=time.monotonic() - start,
+            stats=dict(workload.stats),
+            local_stats=dict(workload.finish_local_stats()),
+        )
+
+    def _build(self) -> CpHiCacheWorkload:
+        scenario = self.scenario
+        logical_tokens = self.cp_size * scenario.physical_pages * NSA_PAGE_SIZE
+        # A request may grow to 45% of the logical pool: several running requests overflow it.
+        max_request_tokens = max(4 * NSA_PAGE_SIZE, logical_tokens * 45 // 100)
+        stack = build_cpu_cp_hicache(
+            cp_size=self.cp_size,
+            cp_rank=self.rank,
+            group=self.group,
+            physical_pages=scenario.physical_pages,
+            write_policy=scenario.write_policy,
+            hicache_ratio=scenario.hicache_ratio,
+            eviction_policy=scenario.eviction_policy,
+            max_running_requests=scenario.max_running_requests,
+            max_context_len=max_request_tokens + NSA_PAGE_SIZE,
+        )
+        if scenario.plant is not None:
+            scenario.plant(stack, self.rank)
+        return CpHiCacheWorkload(
+            stack,
+            seed=scenario.seed,
+            max_running_requests=scenario.max_running_requests,
+            max_request_tokens=max_request_tokens,
+        )
+
+    def _check(self, workload: CpHiCacheWorkload, invariants: RankInvariants) -> None:
+        """Collective: every rank checks itself, then the group compares shared-state digests."""
+        local = invariants.violations()
+        if workload.at_baseline:
+            local += invariants.baseline_violations()
+        state = shared_state(workload)
+        gathered = [None] * self.cp_size
+        dist.all_gather_object(gathered, (digest(state), local), group=self.group)
+        for rank, (_, found) in enumerate(gathered):
+            if found:
+                invariant, detail = found[0]
+                others = [f"rank {r} {name}" for r, (_, f) in enumerate(gathered) for name, _ in f]
+                if len(others) > 1:
+                    detail += f" (all at this step: {', '.join(others)})"
+                raise self._violation(invariant, rank, detail)
+        digests = [d for d, _ in gathered]
+        if len(set(digests)) > 1:
+            states = [None] * self.cp_size
+            dist.all_gather_object(states, state, group=self.group)
+            rank = next(r for r, d in enumerate(digests) if d != digests[0])
+            raise self._violation("rank-agreement", rank, first_difference(states[rank], states[0]))
+
+    def _violation(self, invariant: str, rank: int, detail: str) -> SimulationViolation:
+        return SimulationViolation(
+            invariant,
+            self.scenario.seed,
+            self.step,
+            rank,
+            self.op,
+            detail,
+            scenario=f"cp_size={self.cp_size} {self.scenario.describe()}",
+        )
+
+
+def _describe_exception(error: Exception) -> str:
+    if isinstance(error, dist.DistBackendError) or "gloo" in str(error).lower():
+        return f"{_PEER_FAILURE}: {type(error).__name__}: {str(error).splitlines()[0]}"
+    frames = traceback.extract_tb(error.__traceback__)[-4:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(error).__name__}: {error} (at {where})"

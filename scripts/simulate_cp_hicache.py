@@ -1,0 +1,90 @@
+"""Long randomized CP HiCache simulations on the CPU (see docs/simulation.md).
+
+For every CP size, one group of processes runs every (seed, write policy, eviction policy) scenario in
+turn; each rank holds the real CpHiRadixCache, CP allocator and NSA device / host pools, and the group
+checks every invariant after every operation. Prints one line per scenario and a summary; exits 1 if any
+group reported a violation (the message names invariant, seed, step, rank and operation).
+
+    python scripts/simulate_cp_hicache.py --cp-sizes 2 4 8 --seeds 0 1 2 --ops 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
+    WRITE_POLICIES,
+    SimulationScenario,
+    SimulationViolation,
+    run_simulation,
+)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--ops", type=int, default=2000, help="operations per scenario")
+    parser.add_argument("--write-policies", nargs="+", default=list(WRITE_POLICIES),
+                        choices=WRITE_POLICIES)  # fmt: skip
+    parser.add_argument("--eviction-policies", nargs="+", default=["lru"],
+                        help="sglang eviction policies (lru, lfu, fifo, mru, filo, priority, slru)")  # fmt: skip
+    parser.add_argument("--physical-pages", type=int, default=8, help="device pages per rank")
+    parser.add_argument("--hicache-ratio", type=float, default=1.5, help="host / device, per rank")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
+    args = parser.parse_args(argv)
+
+    start = time.monotonic()
+    ops_executed, violations = 0, []
+    for cp_size in args.cp_sizes:
+        scenarios = [
+            SimulationScenario(
+                seed=seed,
+                num_ops=args.ops,
+                write_policy=write_policy,
+                eviction_policy=eviction_policy,
+                physical_pages=args.physical_pages,
+                hicache_ratio=args.hicache_ratio,
+            )
+            for seed in args.seeds
+            for write_policy in args.write_policies
+            for eviction_policy in args.eviction_policies
+        ]
+        try:
+            report = run_simulation(cp_size, scenarios, timeout_s=args.timeout)
+        except SimulationViolation as violation:
+            print(f"cp_size={cp_size}: VIOLATION {violation}", flush=True)
+            violations.append(violation)
+            continue
+        for result in report.results:
+            stats = result.stats
+            print(
+                f"cp_size={cp_size} ranks={cp_size} {result.scenario.describe()}: "
+                f"{result.ops_executed} ops in {result.wall_s:.1f}s, 0 violations; "
+                f"load-backs {stats.get('load-backs done', 0)}, "
+                f"host writes {stats.get('host writes committed', 0)} "
+                f"(refused {stats.get('host writes refused', 0)}), "
+                f"host evictions {stats.get('host evictions', 0)}, "
+                f"splits {stats.get('node splits', 0) + stats.get('node splits on host', 0)}, "
+                f"injected failures fired "
+                f"{result.local_stats.get('injected host allocation failures fired', 0)} host / "
+                f"{result.local_stats.get('injected device allocation failures fired', 0)} device",
+                flush=True,
+            )
+        ops_executed += report.ops_executed
+        print(
+            f"cp_size={cp_size}: {report.ops_executed} ops, {len(report.results)} scenarios, "
+            f"{report.wall_s:.1f}s wall",
+            flush=True,
+        )
+    print(
+        f"total: {ops_executed} ops without violation, cp sizes {args.cp_sizes}, seeds {args.seeds}, "
+        f"{len(violations)} violations, {time.monotonic() - start:.1f}s wall"
+    )
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
