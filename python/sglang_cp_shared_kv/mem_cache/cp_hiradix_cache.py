@@ -337,7 +337,13 @@ class CpHiRadixCache(HiRadixCache):
             return None
 
         metadata = CpHiCacheNodeMetadata.concat([n.cp_hicache for n in nodes_to_load])
+        # A retry evicts device nodes; under write_back that writes them to host, which may evict
+        # host-only leaves: never the nodes being loaded (their slots would be reused, the nodes dropped).
+        for n in nodes_to_load:
+            n.protect_host()
         device_indices = self._alloc_load_locs(metadata)
+        for n in nodes_to_load:
+            n.release_host()
         self.dec_lock_ref(ancestor)
         if device_indices is None:
             logger.warning(

@@ -1,0 +1,157 @@
+"""Multi-rank CP HiCache simulation: randomized workloads on every rank of cp 2 and cp 4 gloo groups keep
+every invariant, and the harness reports planted cross-rank bugs with seed, step, rank and invariant.
+
+Also the regression test of the bug the simulation found in ``CpHiRadixCache.load_back``.
+"""
+
+import unittest
+
+from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
+    WRITE_POLICIES,
+    SimulationScenario,
+    SimulationViolation,
+    run_simulation,
+)
+from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+    build_cpu_cp_hicache,
+    single_process_group,
+)
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=55, suite="stage-a-test-cpu")
+
+PAGE = 64
+
+# Decisions the randomized workload must reach for a clean run to mean something.
+_COVERAGE = (
+    "load-backs done",
+    "load-backs declined",
+    "host writes committed",
+    "host writes refused",
+    "host evictions",
+    "node splits",
+    "node splits on host",
+    "injected host allocation failures fired",
+    "injected device allocation failures fired",
+    "op continue_chunk",
+    "op decode",
+)
+
+
+# ---- deliberate bugs, planted on one rank (module level: pickled into the rank processes) ----
+
+
+def _plant_wrong_host_slot_freed(stack, cp_rank):
+    """Rank 1's host eviction frees the page after the node's page (someone else's slot)."""
+    if cp_rank != 1:
+        return
+    controller = stack.controller
+    evict_host = controller.evict_host
+
+    def shifted_evict_host(host_indices, backup_only=True):
+        wrong = (host_indices + PAGE) % controller.mem_pool_host.size
+        return evict_host(wrong, backup_only)
+
+    controller.evict_host = shifted_evict_host
+
+
+def _plant_refused_write_committed(stack, cp_rank):
+    """Rank 1 ignores the group's answer to the retried host reservation and commits its own."""
+    if cp_rank != 1:
+        return
+    cache = stack.cache
+
+    def reserve_and_write(node):
+        controller = cache.cache_controller
+        reservation = controller.reserve_host_slots(node.value)
+        if not cache._all_ranks_ok(reservation.ok):
+            controller.release_reservation(reservation)
+            cache.evict_host(0 if reservation.ok else reservation.required_host_slots)
+            reservation = controller.reserve_host_slots(node.value)
+            cache._all_ranks_ok(reservation.ok)  # the bug: the agreed outcome is dropped
+            if not reservation.ok:
+                return None
+        return controller.write_reserved(reservation, node_id=node.id)
+
+    cache._reserve_and_write = reserve_and_write
+
+
+class TestCpHiCacheSimulation(CustomTestCase):
+    def _assert_clean_run(self, cp_size, num_ops, seeds):
+        scenarios = [
+            SimulationScenario(seed=seed, num_ops=num_ops, write_policy=policy)
+            for seed, policy in zip(seeds, WRITE_POLICIES)
+        ]
+        report = run_simulation(cp_size, scenarios)  # raises SimulationViolation
+        self.assertEqual(report.ops_executed, len(scenarios) * (num_ops + 1))
+        stats = report.total_stats()
+        missing = [name for name in _COVERAGE if stats[name] == 0]
+        self.assertEqual(missing, [], f"the workload never reached: {missing}")
+
+    def test_cp2_every_write_policy_keeps_every_invariant(self):
+        self._assert_clean_run(cp_size=2, num_ops=600, seeds=(11, 12, 13))
+
+    def test_cp4_every_write_policy_keeps_every_invariant(self):
+        self._assert_clean_run(cp_size=4, num_ops=350, seeds=(21, 22, 23))
+
+    def _planted_violation(self, plant, seed) -> SimulationViolation:
+        scenario = SimulationScenario(seed=seed, num_ops=800, plant=plant)
+        with self.assertRaises(SimulationViolation) as caught:
+            run_simulation(2, [scenario])
+        violation = caught.exception
+        self.assertEqual(violation.seed, seed)
+        self.assertEqual(violation.rank, 1)
+        message = str(violation)
+        for part in (f"seed={seed}", f"step={violation.step}", "rank=1", violation.invariant):
+            self.assertIn(part, message)
+        return violation
+
+    def test_reports_a_rank_that_frees_a_wrong_host_slot(self):
+        violation = self._planted_violation(_plant_wrong_host_slot_freed, seed=0)
+        self.assertEqual(violation.invariant, "host-slots")
+
+    def test_reports_a_rank_that_commits_a_write_the_group_refused(self):
+        violation = self._planted_violation(_plant_refused_write_committed, seed=0)
+        self.assertEqual(violation.invariant, "rank-agreement")
+        self.assertIn("tree node", violation.detail)
+        self.assertIn("host_len", violation.detail)
+
+
+class TestLoadBackKeepsItsHostCopies(CustomTestCase):
+    """Found by the simulation (cp 2, write_back, seed 3, step 473): a load-back whose device allocation
+    failed evicted device nodes; write_back wrote them to host, which host-evicted the very node being
+    loaded. The node left the tree, its host slots were reused, and the load read the other node's
+    bytes while ``protected_size_`` kept counting the detached node."""
+
+    def test_write_back_eviction_during_load_back_spares_the_loaded_node(self):
+        stack = build_cpu_cp_hicache(
+            cp_size=1,
+            cp_rank=0,
+            group=single_process_group(),
+            physical_pages=4,
+            write_policy="write_back",
+            hicache_ratio=1.5,
+        )
+        cache, allocator = stack.cache, stack.allocator
+        host = stack.controller.mem_pool_host
+        a = list(range(1_000, 1_000 + 2 * PAGE))
+        b = list(range(5_000, 5_000 + 4 * PAGE))
+        cache.insert(InsertParams(key=RadixKey(a), value=allocator.alloc(len(a))))
+        cache.evict(EvictParams(num_tokens=len(a)))  # write_back: a now lives on host only
+        node_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(a))).last_host_node
+        hoard = host.alloc(host.available_size() - 2 * PAGE)  # b's write-back needs a's host slots
+        cache.insert(InsertParams(key=RadixKey(b), value=allocator.alloc(len(b))))  # device full
+
+        self.assertIsNone(cache.load_back(node_a))  # refused: a cannot make room for itself
+        self.assertIs(cache.root_node.children.get(node_a.key.child_key(PAGE)), node_a)
+        self.assertEqual(node_a.host_len, len(a))
+        self.assertEqual(host.available_size(), 2 * PAGE)  # b's write-back was refused, a kept
+        self.assertEqual((cache.protected_size_, cache.evictable_size_), (0, len(b)))
+        host.free(hoard)
+
+
+if __name__ == "__main__":
+    unittest.main()
