@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.managers.cache_controller import HiCacheAck
@@ -109,20 +110,26 @@ class CpHybridCacheController(HybridCacheController):
     # ---- write (device -> host) ----
 
     def reserve_host_slots(self, logical_device_indices: torch.Tensor) -> CpWriteReservation:
-        """Owned subset of a node's logical locs, its physical rows, and host slots for them."""
+        """Owned subset of a node's logical locs, its physical rows, and host slots for them.
+
+        A node's value is whole logical pages (the allocator is paged) and ownership is a per-page
+        property, so only the page heads travel to the CPU (1/page_size of the locs, one device
+        sync); positions, owners and physical rows are expanded from the owned pages. The page-level
+        arithmetic runs in NumPy: a few thousand heads, where torch's per-op cost would dominate.
+        """
         logical_len = len(logical_device_indices)
         self._check_page_aligned_len(logical_len)
-        # The mapping is bookkeeping: do it on the CPU (one device sync per backup), move rows back once.
-        logical_locs = logical_device_indices.cpu()
-        owner = self.layout.owner_of(logical_locs)
-        owned_mask = owner == self.layout.cp_rank
-        physical = self.layout.logical_locs_to_physical(logical_locs[owned_mask])
-        self._check_whole_pages(physical, "physical device rows")
+        page_size = self.page_size
+        logical_heads = self._page_heads_on_cpu(logical_device_indices, "logical device locs")
+        page_owners = self.layout.owner_of_np(logical_heads)
+        owned_pages = np.flatnonzero(page_owners == self.layout.cp_rank)  # node-local page numbers
         reservation = CpWriteReservation(
             logical_len=logical_len,
-            owned_positions=torch.nonzero(owned_mask).flatten().to(torch.int64),
-            owner_ranks=owner.to(torch.int8),
-            physical_device_indices=physical.to(self.device),
+            owned_positions=self.layout.rows_of_pages(
+                torch.from_numpy(owned_pages * page_size).to(torch.int64)
+            ),
+            owner_ranks=torch.from_numpy(page_owners.astype(np.int8)).repeat_interleave(page_size),
+            physical_device_indices=self._physical_rows_on_device(logical_heads[owned_pages]),
             host_indices=None,
         )
         if reservation.required_host_slots == 0:
@@ -130,8 +137,9 @@ class CpHybridCacheController(HybridCacheController):
             return reservation
         host_indices = self.mem_pool_host.alloc(reservation.required_host_slots)
         if host_indices is not None:
-            self._check_whole_pages(host_indices, "host slots")
-            reservation.host_indices = host_indices.cpu()
+            host_indices = host_indices.cpu()
+            self._page_heads_on_cpu(host_indices, "host slots")
+            reservation.host_indices = host_indices
         return reservation
 
     def release_reservation(self, reservation: CpWriteReservation) -> None:
@@ -198,11 +206,9 @@ class CpHybridCacheController(HybridCacheController):
     def _page_owners(self, metadata: CpHiCacheNodeMetadata) -> torch.Tensor:
         """Owner rank of each page of ``metadata`` (identical on every rank)."""
         self._check_page_aligned_len(metadata.logical_len)
-        owner_ranks = metadata.owner_ranks.to(torch.int64).view(-1, self.page_size)
-        page_owners = owner_ranks[:, 0]
-        if not bool((owner_ranks == page_owners[:, None]).all()):
-            raise ValueError("owner_ranks must be constant within each page")
-        return page_owners
+        # Constant within each page by construction: built per page in reserve_host_slots, and
+        # nodes split and join only at page boundaries.
+        return metadata.owner_ranks[:: self.page_size].to(torch.int64)
 
     def load_reserved(
         self,
@@ -220,10 +226,6 @@ class CpHybridCacheController(HybridCacheController):
             raise ValueError(
                 f"load needs {metadata.logical_len} logical locs, got {len(logical_device_indices)}"
             )
-        # Raises if a position lands on another rank's page: its bytes are only on this rank's host.
-        physical = self.layout.logical_locs_to_physical(
-            logical_device_indices.cpu()[metadata.owned_positions]
-        )
         if metadata.num_owned == 0:
             operation = CacheOperation(
                 torch.empty((0,), dtype=torch.int64),
@@ -232,8 +234,16 @@ class CpHybridCacheController(HybridCacheController):
                 priority,
             )
         else:
-            self._check_whole_pages(physical, "physical device rows")
-            physical = physical.to(self.device)
+            # Owned positions are whole pages of the node (see reserve_host_slots): map their new
+            # page heads only. Raises if a page lands on another rank: its bytes are only on this
+            # rank's host.
+            owned_position_heads = self._page_heads_on_cpu(
+                metadata.owned_positions, "owned positions"
+            )
+            logical_heads = self._page_heads_on_cpu(logical_device_indices, "logical device locs")
+            physical = self._physical_rows_on_device(
+                logical_heads[owned_position_heads // self.page_size]
+            )
             operation = CacheOperation(
                 metadata.host_indices,
                 physical,
@@ -284,15 +294,24 @@ class CpHybridCacheController(HybridCacheController):
                 f"(page_size {self.page_size})"
             )
 
-    def _check_whole_pages(self, rows: torch.Tensor, what: str) -> None:
-        """CPU rows must come as whole, aligned, in-order pages: the indexer moves them page by page."""
-        page_size = self.page_size
-        if rows.numel() % page_size != 0:
-            raise ValueError(f"{what}: {rows.numel()} rows are not whole pages (page_size {page_size})")
-        if page_size == 1 or rows.numel() == 0:
-            return
-        pages = rows.view(-1, page_size)
-        first = pages[:, :1]
-        offsets = torch.arange(page_size, dtype=rows.dtype)
-        if not bool(((first % page_size == 0) & (pages == first + offsets)).all()):
-            raise ValueError(f"{what} are not whole pages (page_size {page_size})")
+    def _page_heads_on_cpu(self, rows: torch.Tensor, what: str) -> np.ndarray:
+        """First row of each page of ``rows`` (whole pages, any unit), as a NumPy array.
+
+        The rows inside a page are not looked at: paged allocators (device, host) hand out and take
+        back whole pages, so a page-aligned head stands for its page. Checked here, at page
+        granularity, because the indexer moves rows page by page.
+        """
+        if rows.numel() % self.page_size != 0:
+            raise ValueError(
+                f"{what}: {rows.numel()} rows are not whole pages (page_size {self.page_size})"
+            )
+        heads = rows[:: self.page_size].cpu().numpy()
+        if (heads % self.page_size).any():
+            raise ValueError(f"{what} are not whole pages (page_size {self.page_size})")
+        return heads
+
+    def _physical_rows_on_device(self, owned_logical_heads: np.ndarray) -> torch.Tensor:
+        """Physical device rows of the owned pages whose logical heads are given (raises if one is
+        not owned); only the physical heads go to the device, rows are expanded there."""
+        physical_heads = self.layout.logical_locs_to_physical_np(owned_logical_heads)
+        return self.layout.rows_of_pages(torch.from_numpy(physical_heads).to(self.device))

@@ -81,6 +81,7 @@ class TestCpHybridCacheController(CustomTestCase):
         self.assertEqual(self.controller.physical_host_slots_used() - used_before, 3 * PAGE)
         owned = self.stack.layout.owned_by_this_rank(locs)
         self.assertEqual(reservation.owned_positions.tolist(), torch.nonzero(owned).flatten().tolist())
+        self.assertEqual(reservation.owned_positions.dtype, torch.int64)
         self.assertTrue(
             torch.equal(
                 reservation.physical_device_indices,
@@ -193,6 +194,19 @@ class TestCpHybridCacheController(CustomTestCase):
         with self.assertRaises(ValueError):
             # Page 3's bytes are on rank 1's host; page 8 lives on rank 0.
             self.controller.load_reserved(metadata, _locs_of_pages([8, 4]), node_id=5)
+
+    def test_locs_that_are_not_whole_aligned_pages_are_refused_before_any_slot_is_taken(self):
+        # Ownership is decided on page heads only, so a head off a page boundary must be loud.
+        used_before = self.controller.physical_host_slots_used()
+        for locs in (_locs_of_pages([3, 5]) + 1, _locs_of_pages([3])[: PAGE // 2]):
+            with self.assertRaisesRegex(ValueError, "whole pages"):
+                self.controller.reserve_host_slots(locs)
+        self.assertEqual(self.controller.physical_host_slots_used(), used_before)
+        metadata = self.controller.write_reserved(
+            self.controller.reserve_host_slots(_locs_of_pages([3, 4])), node_id=6
+        )
+        with self.assertRaisesRegex(ValueError, "whole pages"):
+            self.controller.load_reserved(metadata, _locs_of_pages([5, 4]) + 1, node_id=6)
 
     def test_stock_physical_entry_points_refuse_logical_locs(self):
         with self.assertRaises(RuntimeError):
