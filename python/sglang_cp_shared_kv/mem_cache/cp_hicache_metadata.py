@@ -100,13 +100,16 @@ class CpHiCacheNodeMetadata:
         logical lengths before them."""
         if not parts:
             raise ValueError("concat needs at least one metadata")
-        offsets = torch.tensor([0] + [p.logical_len for p in parts[:-1]], dtype=torch.int64)
-        offsets = torch.cumsum(offsets, 0)
+        if len(parts) == 1:
+            return parts[0]  # frozen, and its tensors are never written in place
+        shifted_positions = []
+        offset = 0
+        for part in parts:
+            shifted_positions.append(part.owned_positions + offset)
+            offset += part.logical_len
         return cls(
-            logical_len=sum(p.logical_len for p in parts),
-            owned_positions=torch.cat(
-                [p.owned_positions + int(off) for p, off in zip(parts, offsets)]
-            ),
+            logical_len=offset,
+            owned_positions=torch.cat(shifted_positions),
             host_indices=torch.cat([p.host_indices for p in parts]),
             owner_ranks=torch.cat([p.owner_ranks for p in parts]),
         )
