@@ -24,9 +24,11 @@ import datetime
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
+import zlib
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -199,6 +201,8 @@ class _RankRun:
         try:
             workload = self._build()
             invariants = RankInvariants(workload)
+            self.collectives = _CollectiveTrace(self.group, self.cp_size)
+            workload.cache._all_reduce_attn_groups = self.collectives.all_reduce
             for self.step in range(scenario.num_ops):
                 self.op = "?"
                 self.op = workload.step()
@@ -208,6 +212,8 @@ class _RankRun:
             self._check(workload, invariants)
         except SimulationViolation:
             raise
+        except _CollectiveMismatch as mismatch:
+            raise self._violation("collective-sequence", mismatch.rank, mismatch.detail) from None
         except Exception as error:
             raise self._violation("exception", self.rank, _describe_exception(error)) from error
         return ScenarioResult(
@@ -244,21 +250,27 @@ class _RankRun:
         )
 
     def _check(self, workload: CpHiCacheWorkload, invariants: RankInvariants) -> None:
-        """Collective: every rank checks itself, then the group compares shared-state digests."""
+        """Collective: every rank checks itself, then the group compares shared-state digests.
+
+        One traced exchange per step ("found something" flag + digest); details travel only when
+        something was found.
+        """
         local = invariants.violations()
         if workload.at_baseline:
             local += invariants.baseline_violations()
         state = shared_state(workload)
-        gathered = [None] * self.cp_size
-        dist.all_gather_object(gathered, (digest(state), local), group=self.group)
-        for rank, (_, found) in enumerate(gathered):
-            if found:
-                invariant, detail = found[0]
-                others = [f"rank {r} {name}" for r, (_, f) in enumerate(gathered) for name, _ in f]
-                if len(others) > 1:
-                    detail += f" (all at this step: {', '.join(others)})"
-                raise self._violation(invariant, rank, detail)
-        digests = [d for d, _ in gathered]
+        state_digest = torch.frombuffer(bytearray(digest(state)), dtype=torch.int64).tolist()
+        gathered = self.collectives.exchange("step check", [int(bool(local))] + state_digest)
+        if bool(gathered[:, 0].any()):
+            found = [None] * self.cp_size
+            dist.all_gather_object(found, local, group=self.group)
+            rank = next(r for r, f in enumerate(found) if f)
+            invariant, detail = found[rank][0]
+            everything = [f"rank {r} {name}" for r, f in enumerate(found) for name, _ in f]
+            if len(everything) > 1:
+                detail += f" (all at this step: {', '.join(everything)})"
+            raise self._violation(invariant, rank, detail)
+        digests = [tuple(row[1:].tolist()) for row in gathered]
         if len(set(digests)) > 1:
             states = [None] * self.cp_size
             dist.all_gather_object(states, state, group=self.group)
@@ -275,6 +287,53 @@ class _RankRun:
             detail,
             scenario=f"cp_size={self.cp_size} {self.scenario.describe()}",
         )
+
+
+class _CollectiveMismatch(Exception):
+    def __init__(self, rank: int, detail: str):
+        super().__init__(detail)
+        self.rank, self.detail = rank, detail
+
+
+class _CollectiveTrace:
+    """Every collective of a simulated rank, the cache's all-reduces included, as one fixed-size
+    all-gather that carries (sequence number, call site) next to the payload.
+
+    Ranks that reach different collectives (a rank that skipped one, or took another branch) then meet
+    in the same all-gather, see different headers and report it at once, naming both call sites,
+    instead of blocking until the gloo timeout or exchanging mismatched buffers. The cache's
+    all-reduces (``_all_reduce_attn_groups``: agreement flags, eviction counts, write acks) reduce a
+    scalar, so the gathered values are reduced here with the same operation.
+    """
+
+    WIDTH = 8  # int64 words: sequence, site, payload
+
+    def __init__(self, group, cp_size: int):
+        self.group, self.cp_size = group, cp_size
+        self.sequence = 0
+
+    def exchange(self, site: str, payload: List[int]) -> torch.Tensor:
+        """All-gather ``payload`` (at most WIDTH - 2 ints); returns ``[cp_size, WIDTH - 2]``."""
+        words = [self.sequence, zlib.crc32(site.encode())] + payload
+        mine = torch.tensor(words + [0] * (self.WIDTH - len(words)), dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        table = torch.stack(gathered)
+        if bool((table[:, :2] != table[0, :2]).any()):
+            sites = [None] * self.cp_size
+            dist.all_gather_object(sites, (site, self.sequence), group=self.group)
+            rank = next(r for r in range(self.cp_size) if not torch.equal(table[r, :2], table[0, :2]))
+            where = ", ".join(f"rank {r} in {n} (collective #{q})" for r, (n, q) in enumerate(sites))
+            raise _CollectiveMismatch(rank, f"ranks are in different collectives: {where}")
+        self.sequence += 1
+        return table[:, 2:]
+
+    def all_reduce(self, tensor: torch.Tensor, op) -> None:
+        """Drop-in for ``HiRadixCache._all_reduce_attn_groups`` on a one-element tensor."""
+        site = sys._getframe(1).f_code.co_name
+        values = self.exchange(site, [int(tensor.item())])[:, 0]
+        reduce = {dist.ReduceOp.MIN: torch.min, dist.ReduceOp.MAX: torch.max, dist.ReduceOp.SUM: torch.sum}
+        tensor.fill_(int(reduce[op](values)))
 
 
 def _describe_exception(error: Exception) -> str:

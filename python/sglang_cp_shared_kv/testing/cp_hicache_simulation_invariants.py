@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -52,24 +53,28 @@ _INDEX_SCALE_BYTES = 4
 # ---- byte oracle ----
 
 
-def _token_pattern(token_ids: torch.Tensor, salt: int, width: int) -> torch.Tensor:
-    """``width`` bytes per token: ``a + j * b (mod 256)`` for byte j, with ``a`` and an odd ``b`` hashed
-    from (token, salt), so two tokens share a row only if both hashes collide."""
-    mixed = (token_ids * 2_654_435_761 + salt * 40_503) % 1_000_000_007
-    a = (mixed % 256).to(torch.uint8)
-    b = ((mixed // 256) % 128 * 2 + 1).to(torch.uint8)
+def _token_hashes(token_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two byte hashes of each token: an offset ``a`` and an odd stride ``b``."""
+    mixed = (token_ids * 2_654_435_761) % 1_000_000_007
+    return (mixed % 256).to(torch.uint8), ((mixed // 256) % 128 * 2 + 1).to(torch.uint8)
+
+
+def _pattern(hashes, salt: int, width: int) -> torch.Tensor:
+    """``width`` bytes per token: ``a + salt + j * b (mod 256)`` for byte j. Two tokens share a row
+    only if both hashes collide; ``salt`` tells layers and buffers apart."""
+    a, b = hashes
     ramp = torch.arange(width, dtype=torch.uint8)
-    return a[:, None] + ramp[None, :] * b[:, None]
+    return (a + salt)[:, None] + ramp[None, :] * b[:, None]
 
 
-def kv_row_pattern(token_ids: torch.Tensor, layer: int, row_bytes: int) -> torch.Tensor:
-    """The MLA KV row bytes of each token (uint8, ``[len(token_ids), row_bytes]``)."""
-    return _token_pattern(token_ids, 2 * layer, row_bytes)
+def kv_row_pattern(hashes, layer: int, row_bytes: int) -> torch.Tensor:
+    """The MLA KV row bytes of each token (uint8, ``[tokens, row_bytes]``)."""
+    return _pattern(hashes, 37 * layer, row_bytes)
 
 
-def indexer_token_pattern(token_ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """The NSA indexer bytes of each token, values then scale (uint8, ``[len(token_ids), 132]``)."""
-    return _token_pattern(token_ids, 2 * layer + 1, _INDEX_VALUE_BYTES + _INDEX_SCALE_BYTES)
+def indexer_token_pattern(hashes, layer: int) -> torch.Tensor:
+    """The NSA indexer bytes of each token, values then scale (uint8, ``[tokens, 132]``)."""
+    return _pattern(hashes, 37 * layer + 101, _INDEX_VALUE_BYTES + _INDEX_SCALE_BYTES)
 
 
 def write_owned_kv(
@@ -78,11 +83,12 @@ def write_owned_kv(
     """Store the tokens' KV and indexer bytes on this rank as the runtime's owner-filtered write does."""
     rows = stack.layout.physical_locs_or_dummy(logical_locs.to(torch.int64))
     pool = stack.kv_pool
+    hashes = _token_hashes(token_ids)
     for layer in range(pool.layer_num):
         kv = _kv_rows(pool.kv_buffer[layer])
-        kv[rows] = kv_row_pattern(token_ids, layer, kv.shape[1])
+        kv[rows] = kv_row_pattern(hashes, layer, kv.shape[1])
         values, scales = _indexer_slots(pool.index_k_with_scale_buffer[layer], pool.page_size)
-        pattern = indexer_token_pattern(token_ids, layer)
+        pattern = indexer_token_pattern(hashes, layer)
         page, slot = rows // pool.page_size, rows % pool.page_size
         values[page, slot] = pattern[:, :_INDEX_VALUE_BYTES]
         scales[page, slot] = pattern[:, _INDEX_VALUE_BYTES:]
@@ -121,11 +127,12 @@ def host_kv_mismatches(
 def _rows_mismatching(rows, tokens, layer_num, page_size, kv_buffer, index_buffer) -> torch.Tensor:
     bad = torch.zeros(len(rows), dtype=torch.bool)
     page, slot = rows // page_size, rows % page_size
+    hashes = _token_hashes(tokens)
     for layer in range(layer_num):
         kv = _kv_rows(kv_buffer(layer))
-        bad |= (kv[rows] != kv_row_pattern(tokens, layer, kv.shape[1])).any(dim=1)
+        bad |= (kv[rows] != kv_row_pattern(hashes, layer, kv.shape[1])).any(dim=1)
         values, scales = _indexer_slots(index_buffer(layer), page_size)
-        pattern = indexer_token_pattern(tokens, layer)
+        pattern = indexer_token_pattern(hashes, layer)
         bad |= (values[page, slot] != pattern[:, :_INDEX_VALUE_BYTES]).any(dim=1)
         bad |= (scales[page, slot] != pattern[:, _INDEX_VALUE_BYTES:]).any(dim=1)
     return bad
@@ -162,8 +169,12 @@ def _children_in_key_order(node):
     return sorted(node.children.items(), key=lambda item: item[0], reverse=True)
 
 
-def _node_tokens(node) -> torch.Tensor:
-    return torch.tensor(node.key.token_ids[: len(node.key)], dtype=torch.int64)
+def _tokens_of(nodes) -> torch.Tensor:
+    """The key token ids of ``nodes``, concatenated (one tensor construction for all of them)."""
+    return torch.tensor(
+        list(itertools.chain.from_iterable(n.key.token_ids[: len(n.key)] for n in nodes)),
+        dtype=torch.int64,
+    )
 
 
 def _is_backed(node) -> bool:
@@ -174,20 +185,27 @@ def _is_backed(node) -> bool:
 
 
 def shared_state(workload: CpHiCacheWorkload) -> Dict[str, object]:
-    """Everything every rank must hold identically, as plain Python values, by component."""
+    """Everything every rank must hold identically, as plain Python values, by component.
+
+    Page-granular where the rank-local checks already prove page structure: a node's logical locs
+    by page head, its recorded owners by page. A key is (length, first token id, hash of its ids):
+    Python hashes int tuples the same way in every process.
+    """
     stack = workload.stack
     cache, allocator, controller = stack.cache, stack.allocator, stack.controller
+    page = stack.layout.page_size
     tree = []
     for node, depth in walk_tree(cache):
+        tokens = node.key.token_ids[: len(node.key)]
         tree.append(
             (
                 node.id,
                 depth,
                 node.parent.id,
-                tuple(node.key.token_ids[: len(node.key)]),
-                None if node.evicted else node.value.tolist(),
+                (len(tokens), tokens[0], hash(tuple(tokens))),
+                None if node.evicted else node.value[::page].tolist(),
                 node.host_len,
-                None if node.cp_hicache is None else node.cp_hicache.owner_ranks.tolist(),
+                None if node.cp_hicache is None else node.cp_hicache.owner_ranks[::page].tolist(),
                 node.lock_ref,
                 node.hit_count,
                 node.priority,
@@ -221,8 +239,8 @@ def shared_state(workload: CpHiCacheWorkload) -> Dict[str, object]:
     }
 
 
-def digest(state: Dict[str, object]) -> str:
-    return hashlib.sha256(repr(sorted(state.items())).encode()).hexdigest()
+def digest(state: Dict[str, object]) -> bytes:
+    return hashlib.sha256(repr(sorted(state.items())).encode()).digest()
 
 
 def first_difference(mine: Dict[str, object], reference: Dict[str, object]) -> str:
@@ -244,19 +262,14 @@ def first_difference(mine: Dict[str, object], reference: Dict[str, object]) -> s
 
 
 _NODE_FIELDS = (
-    "id", "depth", "parent", "key", "value", "host_len", "owner_ranks", "lock_ref", "hit_count",
-    "priority", "evictable_leaf", "evictable_host_leaf",
+    "id", "depth", "parent", "key (len, first id, hash)", "value page heads", "host_len",
+    "owner of each page", "lock_ref", "hit_count", "priority", "evictable_leaf",
+    "evictable_host_leaf",
 )  # fmt: skip
 
 
 def _describe_node(record) -> str:
-    fields = dict(zip(_NODE_FIELDS, record))
-    fields["key"] = f"{len(fields['key'])} tokens from {fields['key'][:2]}"
-    if fields["value"] is not None:
-        fields["value"] = f"{len(fields['value'])} locs from {fields['value'][:1]}"
-    if fields["owner_ranks"] is not None:
-        fields["owner_ranks"] = _short(fields["owner_ranks"][:: max(1, len(fields["owner_ranks"]) // 8)])
-    return "{" + ", ".join(f"{k}={v}" for k, v in fields.items()) + "}"
+    return "{" + ", ".join(f"{k}={_short(v, 80)}" for k, v in zip(_NODE_FIELDS, record)) + "}"
 
 
 def _short(value, limit: int = 300) -> str:
@@ -340,11 +353,6 @@ class RankInvariants:
             if not node.evicted:
                 if len(node.value) != length:
                     return f"node {node.id} holds {len(node.value)} locs for {length} tokens"
-                pages = node.value.view(-1, page)
-                if not bool((pages == pages[:, :1] + torch.arange(page)).all()) or bool(
-                    (pages[:, 0] % page).any()
-                ):
-                    return f"node {node.id} value is not whole logical pages"
             else:
                 if not _is_backed(node):
                     return f"node {node.id} is evicted from the device without a host backup"
@@ -360,6 +368,10 @@ class RankInvariants:
                     )
             elif node.host_len or node.cp_hicache is not None:
                 return f"node {node.id} is half backed up (host_len {node.host_len})"
+        on_device = [n for n in nodes if not n.evicted]
+        if on_device and not _whole_pages(torch.cat([n.value for n in on_device]), page):
+            bad = next(n for n in on_device if not _whole_pages(n.value, page))
+            return f"node {bad.id} value is not whole logical pages"
         return None
 
     def _logical_accounting(self, nodes) -> Optional[str]:
@@ -439,79 +451,82 @@ class RankInvariants:
         allocator, page = self.stack.allocator, self.page_size
         cp_size = allocator.cp_size
         first, end = cp_size, cp_size * (allocator.num_physical_pages + 1)
-        owners: Dict[int, List[str]] = collections.defaultdict(list)
+        sources = []  # (holder, logical page ids)
         for rank in range(cp_size):
             for lists, what in (
                 (allocator.free_pages_by_owner, "free list"),
                 (allocator.release_pages_by_owner, "release list"),
             ):
-                for logical_page in lists[rank].tolist():
-                    owners[logical_page].append(f"{what} of owner {rank}")
-                    if logical_page % cp_size != rank:
-                        return f"logical page {logical_page} is on the {what} of owner {rank}"
-        for node in nodes:
-            if not node.evicted:
-                for logical_page in (node.value[::page] // page).tolist():
-                    owners[logical_page].append(f"node {node.id}")
-        for req in self.workload.running:
-            private = req.private_locs()
-            for logical_page in torch.unique(private // page).tolist():
-                owners[logical_page].append(f"request {req.rid}")
-        for logical_page in range(first, end):
-            holders = owners.pop(logical_page, [])
-            if len(holders) != 1:
-                state = "leaked (no owner)" if not holders else "owned by " + " and ".join(holders)
-                return f"logical page {logical_page} (cp owner {logical_page % cp_size}) {state}"
-        if owners:
-            logical_page, holders = next(iter(owners.items()))
-            return f"logical page {logical_page} outside [{first}, {end}) owned by {holders}"
-        return None
+                pages = lists[rank]
+                if bool((pages % cp_size != rank).any()):
+                    return f"a logical page of another owner is on the {what} of owner {rank}"
+                sources.append((f"{what} of owner {rank}", pages))
+        sources += [(f"node {n.id}", n.value[::page] // page) for n in nodes if not n.evicted]
+        sources += [
+            (f"request {r.rid}", torch.unique(r.private_locs() // page)) for r in self.workload.running
+        ]
+        all_pages = torch.cat([pages for _, pages in sources])
+        if len(all_pages) and (int(all_pages.min()) < first or int(all_pages.max()) >= end):
+            outside = int(all_pages[(all_pages < first) | (all_pages >= end)][0])
+            return f"logical page {outside} outside [{first}, {end}) is {_holders(sources, outside)}"
+        counts = torch.bincount(all_pages - first, minlength=end - first)
+        bad = torch.nonzero(counts != 1).flatten()
+        if len(bad) == 0:
+            return None
+        logical_page = int(bad[0]) + first
+        return (
+            f"{len(bad)} logical pages wrong; page {logical_page} (cp owner "
+            f"{logical_page % cp_size}) is {_holders(sources, logical_page)}"
+        )
 
     def _host_slots(self, nodes) -> Optional[str]:
         """Physical host slots of this rank: each has exactly one owner."""
         host = self.stack.controller.mem_pool_host
-        owner_count = torch.zeros(host.size, dtype=torch.int64)
         sources = [("free list", host.anchor_entry.host_pool.free_slots)]
         sources += [(f"node {n.id}", n.cp_hicache.host_indices) for n in nodes if _is_backed(n)]
         sources += [("injected hoard", slots) for slots in self.workload.hoarded_host_slots]
-        for _, slots in sources:
-            if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= host.size):
-                return f"host slot outside [0, {host.size})"
-            owner_count.index_add_(0, slots.to(torch.int64), torch.ones(len(slots), dtype=torch.int64))
-        bad = torch.nonzero(owner_count != 1).flatten()
+        slots = torch.cat([s.to(torch.int64) for _, s in sources])
+        if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= host.size):
+            outside = int(slots[(slots < 0) | (slots >= host.size)][0])
+            return f"host slot {outside} outside [0, {host.size}) is {_holders(sources, outside)}"
+        counts = torch.bincount(slots, minlength=host.size)
+        bad = torch.nonzero(counts != 1).flatten()
         if len(bad) == 0:
             return None
         slot = int(bad[0])
-        holders = [name for name, slots in sources if bool((slots == slot).any())]
-        state = "leaked (no owner)" if not holders else "owned by " + " and ".join(holders)
-        return f"{len(bad)} physical host slots wrong; slot {slot} {state}"
+        return f"{len(bad)} physical host slots wrong; slot {slot} is {_holders(sources, slot)}"
 
     def _host_metadata(self, nodes) -> Optional[str]:
-        page = self.page_size
-        for node in nodes:
-            if not _is_backed(node):
-                continue
-            meta = node.cp_hicache
-            owners = meta.owner_ranks.to(torch.int64).view(-1, page)
-            if not bool((owners == owners[:, :1]).all()):
+        """This rank holds exactly the positions whose recorded owner it is (owners constant per page)."""
+        backed = [n for n in nodes if _is_backed(n)]
+        if not backed:
+            return None
+        metas = [n.cp_hicache for n in backed]
+        owners = torch.cat([m.owner_ranks for m in metas]).to(torch.int64).view(-1, self.page_size)
+        offsets = torch.tensor([0] + [m.logical_len for m in metas[:-1]]).cumsum(0).tolist()
+        held = torch.cat([m.owned_positions + offset for m, offset in zip(metas, offsets)])
+        mine = torch.nonzero(owners.flatten() == self.cp_rank).flatten()
+        if bool((owners == owners[:, :1]).all()) and torch.equal(held, mine):
+            return None
+        for node, meta in zip(backed, metas):
+            node_owners = meta.owner_ranks.to(torch.int64).view(-1, self.page_size)
+            if not bool((node_owners == node_owners[:, :1]).all()):
                 return f"node {node.id}: recorded owners change inside a page"
-            mine = torch.nonzero(meta.owner_ranks == self.cp_rank).flatten()
-            if not torch.equal(mine, meta.owned_positions):
+            node_mine = torch.nonzero(meta.owner_ranks == self.cp_rank).flatten()
+            if not torch.equal(node_mine, meta.owned_positions):
                 return (
                     f"node {node.id}: holds {meta.num_owned} positions on host, but the recorded "
-                    f"owners give this rank {len(mine)}"
+                    f"owners give this rank {len(node_mine)}"
                 )
-        return None
+        return "owned positions do not match the recorded owners"
 
     # ---- bytes ----
 
     def _device_bytes(self, nodes) -> Optional[str]:
-        locs, tokens, where = [], [], []
-        for node in nodes:
-            if not node.evicted:
-                locs.append(node.value)
-                tokens.append(_node_tokens(node))
-                where.append((f"node {node.id}", len(node.value)))
+        on_device = [n for n in nodes if not n.evicted]
+        locs = [n.value for n in on_device]
+        tokens = [_tokens_of(on_device)]
+        where = [(f"node {n.id}", len(n.value)) for n in on_device]
         for req in self.workload.running:
             req_locs, req_tokens = req.kv_locs_and_tokens()
             locs.append(req_locs)
@@ -527,20 +542,32 @@ class RankInvariants:
         return f"{len(bad)} owned device locs hold wrong KV bytes; first: logical loc {first} of {owner}"
 
     def _host_bytes(self, nodes) -> Optional[str]:
-        slots, tokens, where = [], [], []
-        for node in nodes:
-            if _is_backed(node) and node.cp_hicache.num_owned:
-                slots.append(node.cp_hicache.host_indices)
-                tokens.append(_node_tokens(node)[node.cp_hicache.owned_positions])
-                where.append((f"node {node.id}", node.cp_hicache.num_owned))
-        if not slots:
+        backed = [n for n in nodes if _is_backed(n) and n.cp_hicache.num_owned]
+        if not backed:
             return None
-        all_slots = torch.cat(slots)
-        bad = host_kv_mismatches(self.stack, all_slots, torch.cat(tokens))
+        metas = [n.cp_hicache for n in backed]
+        offsets = torch.tensor([0] + [m.logical_len for m in metas[:-1]]).cumsum(0).tolist()
+        positions = torch.cat([m.owned_positions + offset for m, offset in zip(metas, offsets)])
+        tokens = _tokens_of(backed)[positions]
+        all_slots = torch.cat([m.host_indices for m in metas])
+        where = [(f"node {n.id}", m.num_owned) for n, m in zip(backed, metas)]
+        bad = host_kv_mismatches(self.stack, all_slots, tokens)
         if not bad:
             return None
         owner = next(name for name, s in zip(_expand(where), all_slots.tolist()) if s == bad[0])
         return f"{len(bad)} owned host slots hold wrong KV bytes; first: slot {bad[0]} of {owner}"
+
+
+def _whole_pages(locs: torch.Tensor, page_size: int) -> bool:
+    pages = locs.view(-1, page_size)
+    return bool((pages == pages[:, :1] + torch.arange(page_size)).all()) and not bool(
+        (pages[:, 0] % page_size).any()
+    )
+
+
+def _holders(sources, item: int) -> str:
+    holders = [name for name, items in sources if bool((items == item).any())]
+    return "owned by nobody (leaked)" if not holders else "owned by " + " and ".join(holders)
 
 
 def _ids(nodes) -> List[int]:
