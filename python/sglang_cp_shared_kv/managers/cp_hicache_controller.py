@@ -70,10 +70,13 @@ class CpHybridCacheController(HybridCacheController):
     host pools (pinned and registered with CUDA in production) and registers the layer counter on the
     device pool; building a second controller would allocate host memory twice, and replacing
     ``HybridCacheController`` globally would also change the Mamba / unified caches that use it. The
-    only state this subclass adds is ``layout``.
+    only state this subclass adds is ``layout`` and the in-page offsets ``0..page_size-1`` (NumPy and on
+    the device) that expand page heads to rows.
     """
 
     layout: CpSharedKVLayout
+    _page_slots_np: np.ndarray
+    _page_slots_device: torch.Tensor
 
     @classmethod
     def adopt(
@@ -105,6 +108,10 @@ class CpHybridCacheController(HybridCacheController):
             )
         controller.__class__ = cls
         controller.layout = layout
+        controller._page_slots_np = np.arange(layout.page_size, dtype=np.int64)
+        controller._page_slots_device = torch.arange(
+            layout.page_size, dtype=torch.int64, device=controller.device
+        )
         return controller
 
     # ---- write (device -> host) ----
@@ -125,10 +132,10 @@ class CpHybridCacheController(HybridCacheController):
         owned_pages = np.flatnonzero(page_owners == self.layout.cp_rank)  # node-local page numbers
         reservation = CpWriteReservation(
             logical_len=logical_len,
-            owned_positions=self.layout.rows_of_pages(
-                torch.from_numpy(owned_pages * page_size).to(torch.int64)
+            owned_positions=torch.from_numpy(
+                (owned_pages[:, None] * page_size + self._page_slots_np).reshape(-1)
             ),
-            owner_ranks=torch.from_numpy(page_owners.astype(np.int8)).repeat_interleave(page_size),
+            owner_ranks=torch.from_numpy(np.repeat(page_owners.astype(np.int8), page_size)),
             physical_device_indices=self._physical_rows_on_device(logical_heads[owned_pages]),
             host_indices=None,
         )
@@ -137,6 +144,7 @@ class CpHybridCacheController(HybridCacheController):
             return reservation
         host_indices = self.mem_pool_host.alloc(reservation.required_host_slots)
         if host_indices is not None:
+            # The host pool's free list is a CPU tensor: this is a view of it, not a copy.
             host_indices = host_indices.cpu()
             self._page_heads_on_cpu(host_indices, "host slots")
             reservation.host_indices = host_indices
@@ -172,7 +180,8 @@ class CpHybridCacheController(HybridCacheController):
                 )
             )
             self.start_writing()
-        return CpHiCacheNodeMetadata(
+        # Built from our own reservation (sorted whole-page positions, one slot each): no re-checks.
+        return CpHiCacheNodeMetadata.derived(
             logical_len=reservation.logical_len,
             owned_positions=reservation.owned_positions,
             host_indices=reservation.host_indices,
@@ -203,12 +212,12 @@ class CpHybridCacheController(HybridCacheController):
         """Free device pages each owner rank lacks for ``alloc_logical_locs(metadata)``."""
         return self.mem_pool_device_allocator.page_shortfall_by_owner(self._page_owners(metadata))
 
-    def _page_owners(self, metadata: CpHiCacheNodeMetadata) -> torch.Tensor:
-        """Owner rank of each page of ``metadata`` (identical on every rank)."""
+    def _page_owners(self, metadata: CpHiCacheNodeMetadata) -> np.ndarray:
+        """Owner rank of each page of ``metadata`` (identical on every rank), a view of its owners."""
         self._check_page_aligned_len(metadata.logical_len)
         # Constant within each page by construction: built per page in reserve_host_slots, and
         # nodes split and join only at page boundaries.
-        return metadata.owner_ranks[:: self.page_size].to(torch.int64)
+        return metadata.owner_ranks.numpy()[:: self.page_size]
 
     def load_reserved(
         self,
@@ -237,13 +246,10 @@ class CpHybridCacheController(HybridCacheController):
             # Owned positions are whole pages of the node (see reserve_host_slots): map their new
             # page heads only. Raises if a page lands on another rank: its bytes are only on this
             # rank's host.
-            owned_position_heads = self._page_heads_on_cpu(
-                metadata.owned_positions, "owned positions"
-            )
+            # The positions are this package's own (whole pages, see reserve_host_slots): not re-checked.
+            owned_pages = metadata.owned_positions.numpy()[:: self.page_size] // self.page_size
             logical_heads = self._page_heads_on_cpu(logical_device_indices, "logical device locs")
-            physical = self._physical_rows_on_device(
-                logical_heads[owned_position_heads // self.page_size]
-            )
+            physical = self._physical_rows_on_device(logical_heads[owned_pages])
             operation = CacheOperation(
                 metadata.host_indices,
                 physical,
@@ -314,4 +320,5 @@ class CpHybridCacheController(HybridCacheController):
         """Physical device rows of the owned pages whose logical heads are given (raises if one is
         not owned); only the physical heads go to the device, rows are expanded there."""
         physical_heads = self.layout.logical_locs_to_physical_np(owned_logical_heads)
-        return self.layout.rows_of_pages(torch.from_numpy(physical_heads).to(self.device))
+        physical_heads_device = torch.from_numpy(physical_heads).to(self.device)
+        return (physical_heads_device[:, None] + self._page_slots_device).reshape(-1)

@@ -88,6 +88,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.num_physical_pages = self.physical_size // page_size
         # The base constructor sets num_pages (logical pages handed out) and calls clear().
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        self._page_slots = torch.arange(page_size, dtype=torch.int64, device=device)
 
     # ---- state ----
 
@@ -151,35 +152,40 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             return None
         return self._page_locs(self._take_pages(np.arange(num_pages) % self.cp_size))
 
-    def alloc_with_owners(self, page_owners: torch.Tensor) -> Optional[torch.Tensor]:
-        """Whole pages, page k on owner rank ``page_owners[k]``; ``None`` (nothing touched) if an
-        owner lacks free pages.
+    def alloc_with_owners(self, page_owners) -> Optional[torch.Tensor]:
+        """Whole pages, page k on owner rank ``page_owners[k]`` (a tensor or NumPy array of ranks);
+        ``None`` (nothing touched) if an owner lacks free pages.
 
         For HiCache load-back: a page's KV sits in the host pool of the rank that owned it when it was
         backed up, so its new logical page must have that same owner. No balance choice is left.
         """
         owners, demand = self._owner_demand(page_owners)
-        if any(self.page_shortfall_by_owner(page_owners)):
+        if any(self._shortfall(demand)):
             return None
         free = [p.shape[0] for p in self.free_pages_by_owner]
         if any(d > f for d, f in zip(demand, free)):
             self.merge_and_sort_free()
         return self._page_locs(self._pop_pages(owners, demand))
 
-    def page_shortfall_by_owner(self, page_owners: torch.Tensor) -> List[int]:
+    def page_shortfall_by_owner(self, page_owners) -> List[int]:
         """Pages each owner rank lacks for ``alloc_with_owners(page_owners)``; all zero if it fits.
 
         Counts free and released pages, like ``alloc_with_owners``. Depends only on allocator state,
         which is identical on every rank, so every rank computes the same shortfall.
         """
-        _, demand = self._owner_demand(page_owners)
+        return self._shortfall(self._owner_demand(page_owners)[1])
+
+    def _shortfall(self, demand: List[int]) -> List[int]:
         return [
             max(0, d - f.shape[0] - r.shape[0])
             for d, f, r in zip(demand, self.free_pages_by_owner, self.release_pages_by_owner)
         ]
 
-    def _owner_demand(self, page_owners: torch.Tensor):
-        owners = page_owners.cpu().numpy().astype(np.int64)
+    def _owner_demand(self, page_owners):
+        """Owners as a NumPy array (no copy for a CPU tensor) and the page count of each rank."""
+        if isinstance(page_owners, torch.Tensor):
+            page_owners = page_owners.cpu().numpy()
+        owners = np.asarray(page_owners)
         if len(owners) and not (0 <= owners.min() and owners.max() < self.cp_size):
             raise ValueError(f"{FLAG}: page owners must be ranks in [0, {self.cp_size})")
         return owners, np.bincount(owners, minlength=self.cp_size).tolist()
@@ -297,18 +303,18 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
         Pages from an owner come off the head of its free list, in page order.
         """
-        take_index = np.empty(len(owner), dtype=np.int64)
         taken = []
-        num_taken = 0
         for rank, quota in enumerate(quotas):
-            if quota == 0:
-                continue
-            take_index[owner == rank] = num_taken + np.arange(quota)
-            taken.append(self.free_pages_by_owner[rank][:quota])
-            self.free_pages_by_owner[rank] = self.free_pages_by_owner[rank][quota:]
-            num_taken += quota
+            if quota > 0:
+                taken.append(self.free_pages_by_owner[rank][:quota])
+                self.free_pages_by_owner[rank] = self.free_pages_by_owner[rank][quota:]
         if not taken:
             return self._empty_pages()
+        # ``taken`` is grouped by owner, each group in page order; a stable sort of the owners lists,
+        # for each group slot, the page that gets it.
+        by_owner = np.argsort(owner, kind="stable")
+        take_index = np.empty(len(owner), dtype=np.int64)
+        take_index[by_owner] = np.arange(len(owner))
         take_index = torch.from_numpy(take_index).to(self.device, non_blocking=True)
         return torch.cat(taken)[take_index]
 
@@ -356,8 +362,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def _page_locs(self, pages: torch.Tensor) -> torch.Tensor:
         """All locs of logical ``pages``, page by page."""
-        slots = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        return (pages[:, None] * self.page_size + slots).reshape(-1)
+        return (pages[:, None] * self.page_size + self._page_slots).reshape(-1)
 
     def _empty_pages(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)

@@ -16,6 +16,10 @@ slots. ``CpHiCacheNodeMetadata`` records that per rank, in units that survive ev
 
 All tensors are CPU tensors (tree bookkeeping is CPU-side and long-lived nodes must not pin device memory):
 ``owned_positions`` and ``host_indices`` int64, ``owner_ranks`` int8. A rank may own nothing in a node.
+
+Validation: the constructor checks every invariant above (input from elsewhere). Metadata derived by this
+package from data that already holds them (the controller's reservation, ``split``, ``concat``) is built
+with ``derived``, which skips the checks: they cost more than the bookkeeping of a backup or load-back.
 """
 
 from __future__ import annotations
@@ -63,6 +67,24 @@ class CpHiCacheNodeMetadata:
         if self.owner_ranks.numel() and int(self.owner_ranks.min()) < 0:
             raise ValueError("owner_ranks must be >= 0")
 
+    @classmethod
+    def derived(
+        cls,
+        logical_len: int,
+        owned_positions: torch.Tensor,
+        host_indices: torch.Tensor,
+        owner_ranks: torch.Tensor,
+    ) -> "CpHiCacheNodeMetadata":
+        """Build without checks, for metadata derived from data that already meets the invariants
+        (module docstring); anything else goes through the checking constructor."""
+        metadata = object.__new__(cls)
+        # Frozen dataclass: fields are set the way its generated __init__ sets them.
+        object.__setattr__(metadata, "logical_len", logical_len)
+        object.__setattr__(metadata, "owned_positions", owned_positions)
+        object.__setattr__(metadata, "host_indices", host_indices)
+        object.__setattr__(metadata, "owner_ranks", owner_ranks)
+        return metadata
+
     @property
     def num_owned(self) -> int:
         """Positions (= physical host slots) this rank holds for the node."""
@@ -71,25 +93,26 @@ class CpHiCacheNodeMetadata:
     def split(self, split_len: int) -> Tuple["CpHiCacheNodeMetadata", "CpHiCacheNodeMetadata"]:
         """Metadata of ``[0, split_len)`` and of ``[split_len, logical_len)``, the latter rebased to 0.
 
-        Host slots follow their positions (selected by mask, not by taking the first ``split_len``
-        entries): a rank holds only a subset of the positions, so slot i is not position i.
+        Host slots follow their positions (cut where the sorted positions cross ``split_len``, not after
+        the first ``split_len`` entries): a rank holds only a subset of the positions, so slot i is not
+        position i. The halves are views; metadata tensors are never written in place.
         """
         if isinstance(split_len, bool) or not isinstance(split_len, int):
             raise TypeError(f"split_len must be an int, got {type(split_len).__name__}")
         if split_len < 0 or split_len > self.logical_len:
             raise ValueError(f"split_len must be in [0, {self.logical_len}], got {split_len}")
-        in_parent = self.owned_positions < split_len
-        in_child = ~in_parent
-        parent = CpHiCacheNodeMetadata(
+        # Positions are sorted: the parent's are a prefix of them.
+        num_in_parent = int(torch.searchsorted(self.owned_positions, split_len))
+        parent = CpHiCacheNodeMetadata.derived(
             logical_len=split_len,
-            owned_positions=self.owned_positions[in_parent],
-            host_indices=self.host_indices[in_parent],
+            owned_positions=self.owned_positions[:num_in_parent],
+            host_indices=self.host_indices[:num_in_parent],
             owner_ranks=self.owner_ranks[:split_len],
         )
-        child = CpHiCacheNodeMetadata(
+        child = CpHiCacheNodeMetadata.derived(
             logical_len=self.logical_len - split_len,
-            owned_positions=self.owned_positions[in_child] - split_len,
-            host_indices=self.host_indices[in_child],
+            owned_positions=self.owned_positions[num_in_parent:] - split_len,
+            host_indices=self.host_indices[num_in_parent:],
             owner_ranks=self.owner_ranks[split_len:],
         )
         return parent, child
@@ -107,7 +130,8 @@ class CpHiCacheNodeMetadata:
         for part in parts:
             shifted_positions.append(part.owned_positions + offset)
             offset += part.logical_len
-        return cls(
+        # Each part's positions are sorted and inside its own length, so the shifted ones stay so.
+        return cls.derived(
             logical_len=offset,
             owned_positions=torch.cat(shifted_positions),
             host_indices=torch.cat([p.host_indices for p in parts]),

@@ -9,6 +9,7 @@ import textwrap
 import unittest
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -337,6 +338,17 @@ class TestAllocWithOwners(CustomTestCase):
         self.assertEqual([p % 4 for p in pages], [2, 2, 0, 3])
         self.assertEqual(locs, [p * 4 + s for p in pages for s in range(4)])
         self.assertEqual(free_counts(a), [2, 3, 1, 2])
+
+    def test_interleaved_owners_take_each_owners_free_pages_in_page_order(self):
+        # Every rank must place a load-back identically: owner r's k-th page is the k-th head of r's
+        # free list, whatever the interleaving. Owners also come as the controller passes them: a
+        # strided NumPy int8 view of the per-position owners.
+        a = make_allocator(cp_size=3, num_physical_pages=4, page_size=2)
+        owners_per_position = np.repeat(np.array([1, 0, 1, 2, 0, 1], dtype=np.int8), 2)
+        locs = a.alloc_with_owners(owners_per_position[::2]).tolist()
+        self.assertEqual([loc // 2 for loc in locs[::2]], [4, 3, 7, 5, 6, 10])
+        self.assertEqual(locs[1::2], [loc + 1 for loc in locs[::2]])
+        self.assertEqual(free_counts(a), [2, 1, 3])
 
     def test_short_owner_fails_untouched_even_when_total_fits(self):
         a = make_allocator(cp_size=2, num_physical_pages=3, page_size=4)
