@@ -47,7 +47,8 @@ from sglang_cp_shared_kv.testing.cpu_hicache_fixture import CpuHiCacheStack
 
 # (operation, relative weight). Drain and flush are rare: they empty the cache.
 OPERATIONS: Tuple[Tuple[str, float], ...] = (
-    ("admit", 30),
+    ("admit", 25),
+    ("match_waiting", 5),
     ("continue_chunk", 12),
     ("decode", 14),
     ("finish", 12),
@@ -206,6 +207,40 @@ class CpHiCacheWorkload:
     # ---- requests ----
 
     def _op_admit(self) -> str:
+        """One prefill round: admit 1-3 new requests like ``PrefillAdder``, start their load-backs
+        with one ``ready_to_load_host_cache``, then prefill them in one batch."""
+        free_slots = self.max_running_requests - len(self.running)
+        wanted = min(free_slots, self.rng.choice((1, 1, 2, 3)))
+        batch, notes, promised = [], [], 0
+        for _ in range(wanted):
+            req, note, extend_len = self._admit_one(promised)
+            notes.append(note)
+            if req is not None:
+                batch.append(req)
+                promised += extend_len + self.page_size
+        self.cache.ready_to_load_host_cache()
+        about = "admit [" + "; ".join(notes) + "]"
+        if not batch:
+            return about
+        for req in batch:
+            self.stack.req_to_token_pool.alloc([req])
+        # Chunked prefill: at most one request per round is cut, the last one admitted.
+        fill_lens = [len(r.origin_input_ids) for r in batch[:-1]]
+        fill_lens.append(self._chunk_end(batch[-1], len(batch[-1].prefix_indices)))
+        if not self._prefill(batch, fill_lens):
+            for req in batch:
+                self.cache.dec_lock_ref(req.last_node)
+                self.stack.req_to_token_pool.free(req)
+            self.stats["extend out of memory after admission"] += 1
+            return about + ", extend allocation failed"
+        self.running += batch
+        return about + "".join(self._after_prefill(req) for req in batch)
+
+    def _admit_one(self, promised: int):
+        """Match, budget check, load-back and lock for one new request; ``(None, note, 0)`` if declined.
+
+        ``promised`` is what earlier requests of this round will allocate (logical tokens).
+        """
         tokens = self._new_prompt()
         req = SimRequest(
             self.next_rid, tokens, self.rng.choice((0, 0, 1, 2)), self.stack.req_to_token_pool
@@ -217,20 +252,21 @@ class CpHiCacheWorkload:
         req.last_node, req.last_host_node = match.last_device_node, match.last_host_node
         req.host_hit_length = match.host_hit_length
         extend_len = len(tokens) - len(req.prefix_indices)
-        about = (
-            f"admit request {req.rid}: {len(tokens)} tokens, {len(req.prefix_indices)} on device, "
+        note = (
+            f"request {req.rid}: {len(tokens)} tokens, {len(req.prefix_indices)} on device, "
             f"{req.host_hit_length} on host"
         )
         # PrefillAdder: lock the device prefix (which shrinks the evictable room), check the budget
         # again, load back, lock the request's last node, release the adder's lock.
         adder_lock = req.last_node
         self.cache.inc_lock_ref(adder_lock)
-        if extend_len + self.page_size >= self._logical_room():
+        room = self._logical_room() - promised
+        if extend_len + self.page_size >= room:
             self.cache.dec_lock_ref(adder_lock)
             self.stats["admission declined (no room)"] += 1
-            return about + ", declined (no room)"
+            return None, note + ", declined (no room)", 0
         if req.host_hit_length > 0:
-            quota = self._load_back_quota(req, extend_len)
+            quota = self._load_back_quota(req, extend_len, room)
             loaded, req.last_node = self.cache.init_load_back(
                 InitLoadBackParams(
                     last_host_node=req.last_host_node,
@@ -239,21 +275,21 @@ class CpHiCacheWorkload:
                 )
             )
             req.prefix_indices = torch.cat([req.prefix_indices, loaded])
-            about += f", loaded back {len(loaded)} (quota {quota})"
+            note += f", loaded back {len(loaded)} (quota {quota})"
         self.cache.inc_lock_ref(req.last_node)
         self.cache.dec_lock_ref(adder_lock)
         req.cache_protected_len = len(req.prefix_indices)
-        self.cache.ready_to_load_host_cache()
+        return req, note, len(tokens) - len(req.prefix_indices)
 
-        self.stack.req_to_token_pool.alloc([req])
-        fill_len = self._chunk_end(req, len(req.prefix_indices))
-        if not self._extend(req, fill_len):
-            self.cache.dec_lock_ref(req.last_node)
-            self.stack.req_to_token_pool.free(req)
-            self.stats["extend out of memory after admission"] += 1
-            return about + ", extend allocation failed"
-        self.running.append(req)
-        return about + f", prefilled to {fill_len}" + self._after_prefill(req)
+    def _op_match_waiting(self) -> str:
+        """The scheduler matches waiting requests every round (prefix-aware priority) without admitting
+        them: the match may split nodes, on the device or on host."""
+        tokens = self._new_prompt()
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[: len(tokens) - 1])))
+        return (
+            f"match a waiting request: {len(tokens)} tokens, {len(match.device_indices)} on device, "
+            f"{match.host_hit_length} on host"
+        )
 
     def _op_continue_chunk(self) -> str:
         req = self.rng.choice([r for r in self.running if r.is_chunked])
@@ -263,10 +299,10 @@ class CpHiCacheWorkload:
         if fill_len - prefix_len + self.page_size >= self._logical_room():
             self.stats["chunk declined (no room)"] += 1
             return about + ", declined (no room)"
-        if not self._extend(req, fill_len):
+        if not self._prefill([req], [fill_len]):
             self.stats["extend out of memory after admission"] += 1
             return about + ", extend allocation failed"
-        return about + f" to {fill_len}" + self._after_prefill(req)
+        return about + self._after_prefill(req)
 
     def _op_decode(self) -> str:
         steps = self.rng.randint(1, 8)
@@ -314,37 +350,47 @@ class CpHiCacheWorkload:
         self.stats["decode retractions"] += 1
         return f"retract request {req.rid}"
 
-    def _extend(self, req: SimRequest, fill_len: int) -> bool:
-        """Allocate and write tokens ``[len(prefix_indices), fill_len)`` (one prefill forward)."""
-        prefix_len = len(req.prefix_indices)
-        extend_len = fill_len - prefix_len
-        row = self.stack.req_to_token_pool.req_to_token[req.req_pool_idx]
-        row[:prefix_len] = req.prefix_indices.to(torch.int32)
-        evict_from_tree_cache(self.cache, extend_len + self.page_size)
-        lens = (torch.tensor([prefix_len]), torch.tensor([fill_len]))
-        last_loc = req.prefix_indices[-1:] if prefix_len else torch.tensor([-1])
+    def _prefill(self, batch: List[SimRequest], fill_lens: List[int]) -> bool:
+        """One prefill forward: allocate and write tokens ``[len(prefix_indices), fill_len)`` of each
+        request, through one ``alloc_extend`` for the batch, as ``alloc_for_extend`` does."""
+        prefix_lens = [len(r.prefix_indices) for r in batch]
+        extend_lens = [f - p for f, p in zip(fill_lens, prefix_lens)]
+        rows = self.stack.req_to_token_pool.req_to_token
+        for req, prefix_len in zip(batch, prefix_lens):
+            rows[req.req_pool_idx, :prefix_len] = req.prefix_indices.to(torch.int32)
+        evict_from_tree_cache(self.cache, sum(extend_lens) + len(batch) * self.page_size)
+        prefix_t, fill_t = torch.tensor(prefix_lens), torch.tensor(fill_lens)
+        last_loc = torch.cat(
+            [r.prefix_indices[-1:] if len(r.prefix_indices) else torch.tensor([-1]) for r in batch]
+        )
         locs = self.allocator.alloc_extend(
-            lens[0], lens[0], lens[1], lens[1], last_loc.to(torch.int64), extend_len
+            prefix_t, prefix_t, fill_t, fill_t, last_loc.to(torch.int64), sum(extend_lens)
         )
         if locs is None:
             return False
-        row[prefix_len:fill_len] = locs.to(torch.int32)
-        tokens = torch.tensor(req.all_token_ids()[prefix_len:fill_len], dtype=torch.int64)
-        write_owned_kv(self.stack, locs, tokens)
-        req.fill_ids = req.origin_input_ids[:fill_len]
-        req.kv_allocated_len = req.kv_committed_len = fill_len
-        req.is_chunked = int(fill_len < len(req.origin_input_ids))
+        tokens = []
+        for req, prefix_len, fill_len, req_locs in zip(
+            batch, prefix_lens, fill_lens, torch.split(locs, extend_lens)
+        ):
+            rows[req.req_pool_idx, prefix_len:fill_len] = req_locs.to(torch.int32)
+            tokens += req.all_token_ids()[prefix_len:fill_len]
+            req.fill_ids = req.origin_input_ids[:fill_len]
+            req.kv_allocated_len = req.kv_committed_len = fill_len
+            req.is_chunked = int(fill_len < len(req.origin_input_ids))
+        write_owned_kv(self.stack, locs, torch.tensor(tokens, dtype=torch.int64))
         return True
 
     def _after_prefill(self, req: SimRequest) -> str:
+        """After the forward: cache the chunk, finish the request, or cache it and keep decoding."""
+        about = f", request {req.rid} prefilled to {req.kv_allocated_len}"
         if req.is_chunked:
             self.cache.cache_unfinished_req(req, chunked=True)
-            return ", chunk cached"
+            return about + ", chunk cached"
         if self.rng.random() < 0.35:
             self._release(req, insert=True)
-            return ", finished"
+            return about + ", finished"
         self.cache.cache_unfinished_req(req)
-        return ", cached, decoding"
+        return about + ", cached, decoding"
 
     def _release(self, req: SimRequest, insert: bool) -> None:
         self.cache.cache_finished_req(req, is_insert=insert)
@@ -374,15 +420,15 @@ class CpHiCacheWorkload:
             return prefix_len + self.rng.randint(1, (remaining - 1) // self.page_size) * self.page_size
         return len(req.origin_input_ids)
 
-    def _load_back_quota(self, req: SimRequest, extend_len: int) -> Optional[int]:
-        """The adder's quota (``prefill_load_back_quota``), sometimes shrunk by tokens promised to other
-        requests of the same round, or none (stock sglang passes none)."""
+    def _load_back_quota(self, req: SimRequest, extend_len: int, room: int) -> Optional[int]:
+        """The adder's quota (``prefill_load_back_quota``) from the round's remaining ``room``,
+        sometimes shrunk as if the tree had changed since matching, or none (stock sglang)."""
         choice = self.rng.random()
         if choice < 0.3:
             return None
-        promised = self.rng.randint(0, req.host_hit_length) if choice < 0.5 else 0
+        shrink = self.rng.randint(0, req.host_hit_length) if choice < 0.5 else 0
         needed_besides = extend_len - req.host_hit_length + self.page_size
-        return self._logical_room() - needed_besides - promised
+        return room - needed_besides - shrink
 
     def _logical_room(self) -> int:
         return self.allocator.available_size() + self.cache.evictable_size()
