@@ -127,8 +127,10 @@ class CpHybridCacheController(HybridCacheController):
         logical_len = len(logical_device_indices)
         self._check_page_aligned_len(logical_len)
         page_size = self.page_size
-        logical_heads = self._page_heads_on_cpu(logical_device_indices, "logical device locs")
-        page_owners = self.layout.owner_of_np(logical_heads)
+        logical_pages = (
+            self._page_heads_on_cpu(logical_device_indices, "logical device locs") // page_size
+        )
+        page_owners = self.layout.owner_of_page(logical_pages)
         owned_pages = np.flatnonzero(page_owners == self.layout.cp_rank)  # node-local page numbers
         reservation = CpWriteReservation(
             logical_len=logical_len,
@@ -136,7 +138,7 @@ class CpHybridCacheController(HybridCacheController):
                 (owned_pages[:, None] * page_size + self._page_slots_np).reshape(-1)
             ),
             owner_ranks=torch.from_numpy(np.repeat(page_owners.astype(np.int8), page_size)),
-            physical_device_indices=self._physical_rows_on_device(logical_heads[owned_pages]),
+            physical_device_indices=self._physical_rows_on_device(logical_pages[owned_pages]),
             host_indices=None,
         )
         if reservation.required_host_slots == 0:
@@ -243,13 +245,17 @@ class CpHybridCacheController(HybridCacheController):
                 priority,
             )
         else:
-            # Owned positions are whole pages of the node (see reserve_host_slots): map their new
-            # page heads only. Raises if a page lands on another rank: its bytes are only on this
-            # rank's host.
-            # The positions are this package's own (whole pages, see reserve_host_slots): not re-checked.
+            # Owned positions are whole pages of the node (built so in reserve_host_slots, not
+            # re-checked): map the new logical pages at those page numbers only.
             owned_pages = metadata.owned_positions.numpy()[:: self.page_size] // self.page_size
             logical_heads = self._page_heads_on_cpu(logical_device_indices, "logical device locs")
-            physical = self._physical_rows_on_device(logical_heads[owned_pages])
+            new_logical_pages = logical_heads[owned_pages] // self.page_size
+            if (self.layout.owner_of_page(new_logical_pages) != self.layout.cp_rank).any():
+                # Their bytes are only on this rank's host.
+                raise ValueError(
+                    f"load of node {node_id}: owned pages placed on logical pages of another rank"
+                )
+            physical = self._physical_rows_on_device(new_logical_pages)
             operation = CacheOperation(
                 metadata.host_indices,
                 physical,
@@ -316,9 +322,9 @@ class CpHybridCacheController(HybridCacheController):
             raise ValueError(f"{what} are not whole pages (page_size {self.page_size})")
         return heads
 
-    def _physical_rows_on_device(self, owned_logical_heads: np.ndarray) -> torch.Tensor:
-        """Physical device rows of the owned pages whose logical heads are given (raises if one is
-        not owned); only the physical heads go to the device, rows are expanded there."""
-        physical_heads = self.layout.logical_locs_to_physical_np(owned_logical_heads)
+    def _physical_rows_on_device(self, owned_logical_pages: np.ndarray) -> torch.Tensor:
+        """Physical device rows of logical pages this rank owns (callers have checked that); only
+        the physical page heads go to the device, rows are expanded there."""
+        physical_heads = self.layout.physical_page_of(owned_logical_pages) * self.page_size
         physical_heads_device = torch.from_numpy(physical_heads).to(self.device)
         return (physical_heads_device[:, None] + self._page_slots_device).reshape(-1)

@@ -12,7 +12,7 @@ into; the allocator never hands them out.
 
 The class is stateless arithmetic: no pools, trees or process groups. Every per-loc method has a torch
 form (any device, int32 or int64, dtype preserved) and a NumPy twin with the ``_np`` suffix; the page
-helpers at the end take page numbers or page heads.
+helpers at the end take page numbers (ints or NumPy arrays) or page heads.
 """
 
 from __future__ import annotations
@@ -110,12 +110,13 @@ class CpSharedKVLayout:
         page = locs // self.page_size
         return (page * self.cp_size + self.cp_rank) * self.page_size + locs % self.page_size
 
-    # ---- pages ----
+    # ---- pages (an int, or a NumPy array of page numbers element-wise) ----
 
-    def owner_of_page(self, logical_page: int) -> int:
+    def owner_of_page(self, logical_page):
         return logical_page % self.cp_size
 
-    def physical_page_of(self, logical_page: int) -> int:
+    def physical_page_of(self, logical_page):
+        """Physical page of an owned logical page (ownership not checked: see ``owner_of_page``)."""
         return logical_page // self.cp_size
 
     def logical_page_of(self, physical_page: int, rank: int | None = None) -> int:
