@@ -29,8 +29,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", type=int, default=2000, help="operations per scenario")
     parser.add_argument("--write-policies", nargs="+", default=list(WRITE_POLICIES),
                         choices=WRITE_POLICIES)  # fmt: skip
-    parser.add_argument("--eviction-policies", nargs="+", default=["lru"],
-                        help="sglang eviction policies (lru, lfu, fifo, mru, filo, priority, slru)")  # fmt: skip
+    parser.add_argument(
+        "--eviction-policies",
+        nargs="+",
+        default=["lru"],
+        help="sglang eviction policies (lru, lfu, fifo, mru, filo, priority, slru)",
+    )
     parser.add_argument("--physical-pages", type=int, default=8, help="device pages per rank")
     parser.add_argument("--hicache-ratio", type=float, default=1.5, help="host / device, per rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")

@@ -6,10 +6,11 @@ sglang's KV + indexer host pools, io backend "direct", small enough that device 
 pressure happen all the time) and, per scenario, drives it with the seeded workload
 (``cp_hicache_simulation_workload``): the same operations on every rank. After every operation each rank
 runs its local checks and the group all-gathers a digest of the state that must be identical
-(``cp_hicache_simulation_invariants``). Any violation stops the run; every rank raises the same
-``SimulationViolation`` naming the invariant, seed, step, rank and operation, and ``run_simulation``
-re-raises it in the caller. An exception inside an operation is reported the same way
-(invariant ``exception``).
+(``cp_hicache_simulation_invariants``). Every collective, the cache's own all-reduces included, goes
+through ``_CollectiveTrace``, so ranks that reach different collectives are reported at once. Any
+violation stops the run; every rank raises the same ``SimulationViolation`` naming the invariant, seed,
+step, rank and operation, and ``run_simulation`` re-raises it in the caller. An exception inside an
+operation is reported the same way (invariant ``exception``).
 
 Processes are forked from a forkserver that imported this module once: importing sglang costs far
 more than a simulation step, and a forkserver does not inherit the caller's state (for example a
@@ -124,7 +125,7 @@ def run_simulation(
     """Run ``scenarios`` one after the other on a fresh group of ``cp_size`` processes.
 
     Raises ``SimulationViolation`` for the first violation (the run stops there). ``timeout_s`` bounds
-    every collective, so a rank that skips one fails the run instead of hanging it.
+    every collective: a rank that dies or hangs fails the run instead of blocking it.
     """
     out_dir = tempfile.mkdtemp(prefix="cp_hicache_sim_")
     start = time.monotonic()
@@ -204,8 +205,9 @@ class _RankRun:
             self.collectives = _CollectiveTrace(self.group, self.cp_size)
             workload.cache._all_reduce_attn_groups = self.collectives.all_reduce
             for self.step in range(scenario.num_ops):
-                self.op = "?"
-                self.op = workload.step()
+                operation = workload.next_operation()
+                self.op = f"{operation}, interrupted"
+                self.op = workload.run(operation)
                 self._check(workload, invariants)
             self.step, self.op = scenario.num_ops, "final drain"
             workload.drain()
@@ -332,8 +334,8 @@ class _CollectiveTrace:
         """Drop-in for ``HiRadixCache._all_reduce_attn_groups`` on a one-element tensor."""
         site = sys._getframe(1).f_code.co_name
         values = self.exchange(site, [int(tensor.item())])[:, 0]
-        reduce = {dist.ReduceOp.MIN: torch.min, dist.ReduceOp.MAX: torch.max, dist.ReduceOp.SUM: torch.sum}
-        tensor.fill_(int(reduce[op](values)))
+        reduce = {dist.ReduceOp.MIN: torch.min, dist.ReduceOp.MAX: torch.max}[op]
+        tensor.fill_(int(reduce(values)))
 
 
 def _describe_exception(error: Exception) -> str:

@@ -14,8 +14,8 @@ Two kinds of checks (``docs/simulation.md`` lists them all):
   - *Physical* host slots: every slot of this rank's host pool is owned exactly once, by the free list, a
     backed-up node's ``cp_hicache.host_indices`` or an injected hoard.
   - Logical accounting recomputed from the tree: ``evictable_size_``, ``protected_size_``, host
-    lengths, both leaf sets, every ``lock_ref`` (recounted from its holders: running requests, write-through
-    and load-back acks in flight), and one pending ack per in-flight write / load.
+    lengths, both leaf sets, every ``lock_ref`` (recounted from its holders: running requests,
+    write-through and load-back acks in flight), and one pending ack per in-flight write / load.
   - Bytes: every device-resident token this rank owns (tree nodes, loaded-back ones included, and running
     requests) holds the pattern of its token in its KV row and indexer slot, and every backed-up position
     it owns holds it in its host slot.
@@ -497,7 +497,7 @@ class RankInvariants:
         return f"{len(bad)} physical host slots wrong; slot {slot} is {_holders(sources, slot)}"
 
     def _host_metadata(self, nodes) -> Optional[str]:
-        """This rank holds exactly the positions whose recorded owner it is (owners constant per page)."""
+        """This rank holds exactly the positions whose recorded owner it is; owners are per page."""
         backed = [n for n in nodes if _is_backed(n)]
         if not backed:
             return None

@@ -1,28 +1,30 @@
 """The scheduler side of one rank of a simulated CP HiCache group: a seeded random workload.
 
-Every rank builds a ``CpHiCacheWorkload`` with the same scenario and seed and calls ``step()`` the same
-number of times, so every rank draws the same sequence of operations, exactly as every CP rank runs the
-same scheduler on the same batches. Operations go through the entry points sglang's scheduler uses, on
-the real ``CpHiRadixCache`` and ``CPSharedPagedTokenToKVPoolAllocator``:
+Every rank builds a ``CpHiCacheWorkload`` with the same scenario and seed and draws (``next_operation``)
+and runs (``run``) the same number of operations, so every rank runs the same sequence of operations,
+exactly as every CP rank runs the same scheduler on the same batches. Operations go through the entry
+points sglang's scheduler uses, on the real ``CpHiRadixCache`` and CP allocator:
 
-* **admit**: ``match_prefix``, admission against the logical budget (``available + evictable``), the
-  adder's lock, ``init_load_back`` (with or without a ``mem_quota``), ``ready_to_load_host_cache``, a
-  request slot, ``evict_from_tree_cache`` + ``alloc_extend``, the KV write of the new tokens (each rank
-  stores what it owns, ``write_owned_kv``), then ``cache_unfinished_req`` (chunked or not) or an
-  immediate ``cache_finished_req``. Prompts reuse random prefixes of earlier prompts, so inserts and
-  matches split nodes at arbitrary page boundaries, on the device and on host.
-* **continue_chunk**, **decode** (``alloc_decode``, several tokens; retraction when out of room),
-  **finish** / **abort** (``cache_finished_req`` with / without insert).
+* **admit**: a prefill round of 1-3 requests, each like ``PrefillAdder.add_one_req``: ``match_prefix``,
+  the logical budget (``available + evictable`` minus what the round already promised), the adder's
+  lock, ``init_load_back`` (no quota, the adder's quota, or a shrunk one); then one
+  ``ready_to_load_host_cache``, request slots, ``evict_from_tree_cache`` + one batched ``alloc_extend``,
+  the KV write of the new tokens (``write_owned_kv``: each rank stores what it owns), and
+  ``cache_unfinished_req`` (chunked or not) or an immediate ``cache_finished_req``.
+* **continue_chunk**, **decode** (``alloc_decode``, several steps; retraction when out of room),
+  **finish** / **abort** (``cache_finished_req`` with / without insert), **match_waiting** (a match
+  without admission, as the scheduler's prefix-aware priority does).
 * **check_events** (``check_hicache_events``: write and load acks), **evict_device** (``evict``),
   **evict_host** (``evict_host`` with a different physical need on each rank).
-* Failures injected on one rank: the next host-slot allocations (write-back reservations) or the next
-  load-back device allocations (``alloc_with_owners``) fail there; host slots hoarded there for a while.
+* Failures injected on one rank: the next host-slot allocations (write reservations) or the next
+  load-back device allocations (``alloc_with_owners``) fail there; host pages hoarded there for a while.
 * **drain** (every request out, acks drained, every node evicted from device and host: free counts
   must be back at baseline) and **flush** (the scheduler's idle ``flush_cache``: reset of the tree,
   request slots and allocator).
 
-Token ids are never reused for a different (prefix, position): a prompt is a prefix of an earlier
-prompt followed by fresh ids, and decode appends fresh ids. A token id therefore names the KV its
+Prompts are a prefix, cut at any token, of a shared document or of a recent prompt, then fresh token
+ids; decode appends fresh ids. So inserts and matches split nodes at arbitrary page boundaries, on the
+device and on host, and a token id is never reused for another (prefix, position): it names the KV its
 row must hold (see ``cp_hicache_simulation_invariants``).
 """
 
@@ -129,7 +131,7 @@ class _FailNextCalls:
 
 
 class CpHiCacheWorkload:
-    """One rank's scheduler stand-in. ``step()`` runs one seeded operation and describes it.
+    """One rank's scheduler stand-in: ``next_operation()`` draws a seeded operation, ``run()`` runs it.
 
     ``stats`` counts decisions, identical on every rank; ``local_stats`` counts what this rank alone
     did (injected failures that fired, physical host slots freed).
@@ -176,13 +178,17 @@ class CpHiCacheWorkload:
 
     # ---- driver ----
 
-    def step(self) -> str:
-        self.at_baseline = False
+    def next_operation(self) -> str:
+        """Draw the next operation among those possible now (the same on every rank)."""
         enabled = [(name, weight) for name, weight in OPERATIONS if self._enabled(name)]
         names, weights = zip(*enabled)
-        name = self.rng.choices(names, weights)[0]
-        self.stats[f"op {name}"] += 1
-        return getattr(self, f"_op_{name}")()
+        return self.rng.choices(names, weights)[0]
+
+    def run(self, operation: str) -> str:
+        """Run one operation; returns what it did."""
+        self.at_baseline = False
+        self.stats[f"op {operation}"] += 1
+        return getattr(self, f"_op_{operation}")()
 
     def request_summary(self) -> list:
         return [
