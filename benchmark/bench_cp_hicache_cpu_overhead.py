@@ -26,9 +26,7 @@ from bench_cp_hicache_transfer import (  # noqa: E402
     PAGE_SIZE,
     TARGET_CPU_RATIO,
     CacheTimer,
-    build_cp_stack,
-    build_stock_stack,
-    host_rows_as_wide_as_device_rows,
+    build_stock_and_cp_stacks,
     one_process_group,
 )
 
@@ -77,14 +75,7 @@ def main(argv=None) -> int:
             write_policy="write_back",
             hicache_ratio=1.2,
         )
-        with host_rows_as_wide_as_device_rows():
-            stock = build_stock_stack(pages=max_pages + 4, **common)
-            cp = build_cp_stack(
-                cp_size=args.cp_size,
-                cp_rank=0,
-                physical_pages=max_pages // args.cp_size + 8,
-                **common,
-            )
+        stock, cp = build_stock_and_cp_stacks(max_pages, args.cp_size, **common)
         for stack in (stock, cp):
             skip_copies(stack)
         stock_timer, cp_timer = CacheTimer(stock, "cpu"), CacheTimer(cp, "cpu")

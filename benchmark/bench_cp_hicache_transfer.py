@@ -183,6 +183,21 @@ def measure(timer, tokens, repeats):
     }
 
 
+def build_stock_and_cp_stacks(max_pages: int, cp_size: int, **common):
+    """Stock (replicated) and CP rank-0 stacks for nodes of up to ``max_pages`` logical pages, both with
+    KV host rows as wide as the device rows (see the module docstring)."""
+    with host_rows_as_wide_as_device_rows():
+        stock = build_stock_stack(pages=max_pages + 4, **common)
+        # Rank 0 owns about 1/cp_size of the pages; the allocator may place a page or two more.
+        cp = build_cp_stack(
+            cp_size=cp_size,
+            cp_rank=0,
+            physical_pages=max_pages // cp_size + 8,
+            **common,
+        )
+    return stock, cp
+
+
 def gbps(num_bytes, seconds):
     return num_bytes / seconds / 1e9
 
@@ -205,15 +220,7 @@ def main(argv=None) -> int:
             write_policy="write_back",  # backups only when the benchmark asks for them
             hicache_ratio=1.2,
         )
-        with host_rows_as_wide_as_device_rows():
-            stock = build_stock_stack(pages=max_pages + 4, **common)
-            # Rank 0 owns about 1/cp_size of the pages; the allocator may place a page or two more.
-            cp = build_cp_stack(
-                cp_size=args.cp_size,
-                cp_rank=0,
-                physical_pages=max_pages // args.cp_size + 8,
-                **common,
-            )
+        stock, cp = build_stock_and_cp_stacks(max_pages, args.cp_size, **common)
         for stack in (stock, cp):
             fill_random(stack, args.device)
         stock_timer, cp_timer = CacheTimer(stock, args.device), CacheTimer(cp, args.device)
