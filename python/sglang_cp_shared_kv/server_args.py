@@ -42,6 +42,12 @@ CP_SHARED_KV_PAGE_SIZE = 64
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 
+def cp_shared_kv_enabled(server_args) -> bool:
+    """The flag on this ``ServerArgs``. Runtime hooks check it as well as the environment (which only
+    decides whether they are registered), so a stray ``SGLANG_CP_SHARED_KV`` cannot turn them on."""
+    return bool(getattr(server_args, CP_SHARED_KV_FIELD, False))
+
+
 def cp_shared_kv_enabled_in_env() -> bool:
     """True in processes launched after the flag was validated on (see module docstring)."""
     return os.environ.get(CP_SHARED_KV_ENV) == "1"

@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.mem_cache.allocator import FLAG, CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,7 @@ def register_hooks(registry) -> None:
 def init_memory_pool_with_logical_capacity(original, runner, *args, **kwargs):
     """AROUND ``init_memory_pool``: stock physical sizing, then logical capacity (target worker)."""
     result = original(runner, *args, **kwargs)
-    if getattr(runner.server_args, "enable_nsa_prefill_cp_shared_kv", False) and not (
-        runner.is_draft_worker
-    ):
+    if cp_shared_kv_enabled(runner.server_args) and not runner.is_draft_worker:
         # The attention CP group exists by now: ModelRunner.__init__ runs init_torch_distributed
         # before initialize() calls init_memory_pool.
         install_logical_capacity(runner, get_attention_cp_size(), get_attention_cp_rank())

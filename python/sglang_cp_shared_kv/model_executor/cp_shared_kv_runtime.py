@@ -41,6 +41,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
 )
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
+from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def unsupported_server_args(server_args) -> List[str]:
 
 def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **kwargs):
     """AFTER ``_profile_available_bytes``: hold back the scratch's bytes from the KV budget."""
-    if model_runner.is_draft_worker:
+    if model_runner.is_draft_worker or not cp_shared_kv_enabled(model_runner.server_args):
         return None
     from sglang.srt.layers.dp_attention import get_attention_cp_size
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
@@ -270,6 +271,8 @@ def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **k
 
 def attach_runtime(result, model_runner, *args, **kwargs):
     """AFTER ``ModelRunner.init_attention_backend``: pool, allocator and backend exist now."""
+    if not cp_shared_kv_enabled(model_runner.server_args):
+        return None
     pool = model_runner.token_to_kv_pool
     if runtime_of(pool) is not None:
         return None

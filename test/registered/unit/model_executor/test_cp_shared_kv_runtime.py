@@ -24,6 +24,7 @@ register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 def _server_args(**overrides):
     args = dict(
+        enable_nsa_prefill_cp_shared_kv=True,
         disable_cuda_graph=True,
         disable_piecewise_cuda_graph=True,
         nsa_prefill_cp_mode="round-robin-split",
@@ -100,6 +101,12 @@ class TestAttachRuntime(CustomTestCase):
         self.assertIsNone(runtime_of(runtime.scratch))
         self._attach(runner)
         self.assertIs(runtime_of(pool), runtime)
+
+    def test_flag_off_attaches_nothing(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
+        runner = self._model_runner(pool, object(), enable_nsa_prefill_cp_shared_kv=False)
+        self._attach(runner)  # a stock allocator is fine: nothing of ours runs
+        self.assertIsNone(runtime_of(pool))
 
     def test_refusals_name_the_flag(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")

@@ -74,10 +74,14 @@ class TestReservation(CustomTestCase):
 class TestReservationHook(CustomTestCase):
     CELL = 78 * (576 + 132)
 
-    def _model_runner(self, max_total_tokens=None, is_draft_worker=False):
+    def _model_runner(self, max_total_tokens=None, is_draft_worker=False, flag=True):
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
-            server_args=SimpleNamespace(page_size=PAGE, max_total_tokens=max_total_tokens),
+            server_args=SimpleNamespace(
+                page_size=PAGE,
+                max_total_tokens=max_total_tokens,
+                enable_nsa_prefill_cp_shared_kv=flag,
+            ),
             calculate_mla_kv_cache_dim=lambda: 656,
             kv_cache_dtype=torch.float8_e4m3fn,
         )
@@ -108,6 +112,9 @@ class TestReservationHook(CustomTestCase):
 
     def test_draft_worker_untouched(self):
         self.assertIsNone(self._run(self._model_runner(is_draft_worker=True), 40 << 30))
+
+    def test_flag_off_untouched(self):
+        self.assertIsNone(self._run(self._model_runner(flag=False), 40 << 30))
 
 
 if __name__ == "__main__":
