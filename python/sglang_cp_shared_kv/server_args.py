@@ -5,7 +5,7 @@ exists there, so it cannot read the flag to decide whether to add the runtime ho
 process validates the flag while it builds ``ServerArgs`` and exports ``SGLANG_CP_SHARED_KV=1``;
 scheduler processes are spawned later, inherit it, and register the runtime hooks (see plugin.py).
 
-Why four hooks: ``ServerArgs`` is a dataclass and our flag is not one of its fields.
+Why these hooks: ``ServerArgs`` is a dataclass and our flag is not one of its fields.
 
 * ``add_cli_args`` (AFTER) adds the argparse flag, so ``sglang serve`` and
   ``python -m sglang.launch_server`` accept it, and the latter lists it in ``--help``.
@@ -17,6 +17,8 @@ Why four hooks: ``ServerArgs`` is a dataclass and our flag is not one of its fie
   onto the built object and validate again.
 * ``check_server_args`` (BEFORE) runs in the engine right before it spawns schedulers: validate
   again in case the attribute was set on an object that was already built.
+* ``_handle_model_specific_adjustments`` (AROUND) lets NSA prefill CP run at ``--tp 2`` .. ``8`` on
+  one node when our flag is on (see ``lift_single_node_cp_tp_rule``).
 
 The value is a plain instance attribute, so it survives pickling to the scheduler processes.
 """
@@ -24,6 +26,7 @@ The value is a plain instance attribute, so it survives pickling to the schedule
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import os
 
@@ -40,6 +43,12 @@ CP_SHARED_KV_FIELD = "enable_nsa_prefill_cp_shared_kv"
 CP_SHARED_KV_PAGE_SIZE = 64
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+# sglang 0.5.11 asserts tp_size == 8 for NSA prefill CP ("multi-machine CP support suffers from
+# precision issues"). The round-robin split has no such reason on one node; with our flag we accept
+# any CP size from 2 to one node's 8 GPUs and refuse more than one node.
+SGLANG_NSA_CP_TP_SIZE = 8
+CP_SHARED_KV_TP_SIZES = range(2, SGLANG_NSA_CP_TP_SIZE + 1)
 
 
 def cp_shared_kv_enabled(server_args) -> bool:
@@ -60,6 +69,11 @@ def register_server_args_hooks(registry) -> None:
     registry.register(
         f"{_SERVER_ARGS}.check_server_args", _check_server_args_before, HookType.BEFORE
     )
+    registry.register(
+        f"{_SERVER_ARGS}._handle_model_specific_adjustments",
+        _model_specific_adjustments_around,
+        HookType.AROUND,
+    )
 
 
 def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
@@ -74,14 +88,23 @@ def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The parsed flag while ``from_cli_args`` builds ``ServerArgs`` from dataclass fields only: sglang's
+# ``__post_init__`` (``_handle_model_specific_adjustments``) must already see it.
+_flag_from_cli = contextvars.ContextVar("cp_shared_kv_flag_from_cli", default=False)
+
+
 def _init_around(original, server_args, *args, **kwargs) -> None:
-    server_args.enable_nsa_prefill_cp_shared_kv = kwargs.pop(CP_SHARED_KV_FIELD, False)
+    server_args.enable_nsa_prefill_cp_shared_kv = kwargs.pop(CP_SHARED_KV_FIELD, _flag_from_cli.get())
     original(server_args, *args, **kwargs)
     validate_cp_shared_kv_server_args(server_args)
 
 
 def _from_cli_args_around(original, cls, args: argparse.Namespace):
-    server_args = original(cls, args)
+    token = _flag_from_cli.set(getattr(args, CP_SHARED_KV_FIELD, False))
+    try:
+        server_args = original(cls, args)
+    finally:
+        _flag_from_cli.reset(token)
     server_args.enable_nsa_prefill_cp_shared_kv = getattr(args, CP_SHARED_KV_FIELD, False)
     validate_cp_shared_kv_server_args(server_args)
     return server_args
@@ -89,6 +112,57 @@ def _from_cli_args_around(original, cls, args: argparse.Namespace):
 
 def _check_server_args_before(server_args) -> None:
     validate_cp_shared_kv_server_args(server_args)
+
+
+def _model_specific_adjustments_around(original, server_args, *args, **kwargs):
+    if not cp_shared_kv_enabled(server_args) or not wants_round_robin_nsa_cp(server_args):
+        return original(server_args, *args, **kwargs)
+    if server_args.nnodes != 1:
+        raise ValueError(
+            f"{CP_SHARED_KV_FLAG} with --enable-nsa-prefill-context-parallel runs within one node: "
+            f"--nnodes {server_args.nnodes} is not supported (use --nnodes 1, --tp 2..8)"
+        )
+    if server_args.tp_size not in CP_SHARED_KV_TP_SIZES:
+        raise ValueError(
+            f"{CP_SHARED_KV_FLAG} with --enable-nsa-prefill-context-parallel needs --tp 2..8 on "
+            f"one node (the CP group is the TP group), got --tp {server_args.tp_size}"
+        )
+    return lift_single_node_cp_tp_rule(original, server_args, *args, **kwargs)
+
+
+def wants_round_robin_nsa_cp(server_args) -> bool:
+    """NSA prefill CP asked for in the mode shared KV supports (other modes are refused later)."""
+    return (
+        server_args.enable_nsa_prefill_context_parallel
+        and server_args.nsa_prefill_cp_mode == "round-robin-split"
+    )
+
+
+def lift_single_node_cp_tp_rule(original, server_args, *args, **kwargs):
+    """Run sglang's ``_handle_model_specific_adjustments`` so that its ``tp_size == 8`` assert for NSA
+    prefill CP passes at the real ``--tp``, with every value it settles derived from the real one.
+
+    In the round-robin branch tp_size is read only by that assert, by ``attn_cp_size = tp_size //
+    dp_size`` and by a log line (the other readers sit in branches of other models and of
+    in-seq-split). So the method runs with tp_size set to 8, then tp_size is restored and
+    attn_cp_size recomputed from it. A single node only: callers check ``nnodes`` first.
+    """
+    real_tp_size = server_args.tp_size
+    if real_tp_size == SGLANG_NSA_CP_TP_SIZE:
+        return original(server_args, *args, **kwargs)
+    server_args.tp_size = SGLANG_NSA_CP_TP_SIZE
+    try:
+        result = original(server_args, *args, **kwargs)
+    finally:
+        server_args.tp_size = real_tp_size
+    if server_args.attn_cp_size > 1:  # sglang set up NSA prefill CP (an NSA model on CUDA)
+        server_args.attn_cp_size = real_tp_size // server_args.dp_size
+        logger.info(
+            "NSA prefill CP at --tp %d on one node (sglang 0.5.11 accepts only 8): attn_cp_size=%d",
+            real_tp_size,
+            server_args.attn_cp_size,
+        )
+    return result
 
 
 def validate_cp_shared_kv_server_args(server_args) -> None:
@@ -150,6 +224,10 @@ def _unsupported_combinations(server_args) -> list[str]:
         )
     if server_args.pp_size > 1:
         problems.append(f"--pipeline-parallel-size {server_args.pp_size}: only 1 is supported")
+    if server_args.nnodes != 1:
+        problems.append(
+            f"--nnodes {server_args.nnodes}: shared KV runs NSA prefill CP within one node (--tp 2..8)"
+        )
     problems += unsupported_server_args(server_args)
     problems += _platform_problems(server_args)
     problems += _model_problems(server_args)

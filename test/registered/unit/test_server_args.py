@@ -201,6 +201,58 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         self.assertEqual(args.attn_cp_size, 8)
         self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
 
+    # ---- CP sizes 2..8 on one node ----
+
+    def glm5_args(self, **kwargs):
+        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+            return ServerArgs(model_path=self.glm5_path, device="cuda", **kwargs)
+
+    def test_accepts_cp_sizes_2_to_8_on_one_node(self):
+        for tp in range(2, 9):
+            with self.subTest(tp=tp):
+                args = self.glm5_args(tp_size=tp, **CP_ON)
+                self.assertEqual((args.tp_size, args.attn_cp_size, args.dp_size), (tp, tp, 1))
+                self.assertEqual(args.page_size, 64)
+                self.assertEqual(args.moe_dense_tp_size, 1)
+
+    def test_cli_form_accepts_tp_2(self):
+        argv = ["--model-path", self.glm5_path, "--device", "cuda", "--tp", "2",
+                "--enable-nsa-prefill-context-parallel", "--disable-cuda-graph",
+                "--disable-piecewise-cuda-graph", CP_SHARED_KV_FLAG]  # fmt: skip
+        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+            args = prepare_server_args(argv)
+        self.assertEqual((args.tp_size, args.attn_cp_size), (2, 2))
+        self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
+
+    def test_settles_the_same_values_as_stock_tp_8_except_cp_size(self):
+        shared_tp2 = vars(self.glm5_args(tp_size=2, **CP_ON))
+        shared_tp8 = vars(self.glm5_args(tp_size=8, **CP_ON))
+        # random_seed is drawn per construction; model_config objects compare by identity.
+        ignored = {"random_seed", "model_config"}
+        differing = {k for k in shared_tp8 if k not in ignored and shared_tp2.get(k) != shared_tp8[k]}
+        self.assertEqual(differing, {"tp_size", "attn_cp_size"})
+
+    def test_flag_off_keeps_sglangs_tp_8_rule(self):
+        flag_off = {**CP_ON, "enable_nsa_prefill_cp_shared_kv": False}
+        with self.assertRaisesRegex(AssertionError, "tp_size == 8"):
+            self.glm5_args(tp_size=2, **flag_off)
+        self.assertEqual(self.glm5_args(tp_size=8, **flag_off).attn_cp_size, 8)
+
+    def test_rejects_cp_sizes_off_one_node(self):
+        for tp in (1, 16):
+            with self.subTest(tp=tp), self.assertRaises(ValueError) as ctx:
+                self.glm5_args(tp_size=tp, **CP_ON)
+            self.assertIn(CP_SHARED_KV_FLAG, str(ctx.exception))
+            self.assertIn(f"--tp {tp}", str(ctx.exception))
+
+    def test_rejects_more_than_one_node(self):
+        for tp in (2, 8):
+            with self.subTest(tp=tp), self.assertRaises(ValueError) as ctx:
+                self.glm5_args(tp_size=tp, nnodes=2, dist_init_addr="127.0.0.1:5000", **CP_ON)
+            self.assertIn(CP_SHARED_KV_FLAG, str(ctx.exception))
+            self.assertIn("--nnodes 2", str(ctx.exception))
+        self.assertRejected("--nnodes 2", model_path="dummy", nnodes=2, **CP_ON)
+
 
 if __name__ == "__main__":
     unittest.main()
