@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from sglang_cp_shared_kv.testing.e2e.dummy_weights import SMOKE_DUMMY_INIT_ENV
+SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
+sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
+from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e import kv_audit_compare
 from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
 from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
@@ -66,6 +69,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--physical-tokens-per-rank", type=int, default=16384,
                    help="--max-total-tokens given to sglang: device pool rows per rank (multiple of 64)")
     p.add_argument("--hicache-ratio", type=float, default=2.0, help="host pool / device pool, per rank (> 1)")
+    p.add_argument("--no-hicache", action="store_true", help="radix cache only (no --enable-hierarchical-cache)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="passed to sglang if set")
     p.add_argument("--load-format", default=None, help="passed to sglang; 'dummy' for the tiny config")
     p.add_argument("--dummy-init", choices=["unit-gain", "stock"], default="unit-gain",
@@ -79,8 +83,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments, one shell-quoted string")
     p.add_argument("--ignore-log-pattern", action="append", default=[], help="regex of log lines not to treat as errors")
     p.add_argument("--out-dir", default=None, help="server logs and report.json (default ./glm5_smoke_<time>)")
+    p.add_argument("--audit", action="store_true",
+                   help="KV audits (the oracle): pool dumps of every finished request; read audit under shared KV")
+    p.add_argument("--reference-dir", default=None,
+                   help="out dir of a reference run (shared KV off, --audit): compare this run's pool dumps with it")
+    p.add_argument("--plant", default=None, choices=["read-wrong-owner", "load-back-wrong-page"],
+                   help="plant a bug in the shared-KV servers (to show the oracle catches it)")
+    p.add_argument("--burst", type=int, default=0,
+                   help="after the plan, N concurrent requests sharing a prefix, of different lengths")
+    p.add_argument("--tpot-contexts", default="",
+                   help="comma-separated context lengths: one fresh request each, TPOT over 64 new tokens")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the request plan, launch nothing")
     args = p.parse_args(argv)
+    args.tpot_contexts = [int(x) for x in args.tpot_contexts.split(",") if x.strip()]
     if args.port is not None and not 0 < args.port <= MAX_SGLANG_PORT:
         p.error(f"--port must be in 1..{MAX_SGLANG_PORT} (sglang also uses port + 10000)")
     if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
@@ -114,8 +129,10 @@ def model_context_len(model_path: str) -> Optional[int]:
 
 
 def make_plan(args) -> RequestPlan:
+    # Both capacities whatever runs here: runs of one mode each (and their KV audits) must send the
+    # same requests to be compared.
     plan = build_plan(
-        [logical_device_tokens(args, s) for s in modes_of(args.shared_kv)],
+        [logical_device_tokens(args, s) for s in (False, True)],
         hicache_ratio=args.hicache_ratio,
         page_size=NSA_CUDA_PAGE_SIZE,
         max_prefix_tokens=args.max_prefix_tokens,
@@ -138,7 +155,7 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
             shared_kv=shared_kv,
             port=port,
             physical_tokens_per_rank=args.physical_tokens_per_rank,
-            hicache_ratio=args.hicache_ratio,
+            hicache_ratio=None if args.no_hicache else args.hicache_ratio,
             mem_fraction_static=args.mem_fraction_static,
             load_format=args.load_format,
             extra_args=shlex.split(args.extra_server_args),
@@ -147,18 +164,74 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
     ]
 
 
-def server_env(args) -> Dict[str, str]:
+def audit_dir(out_dir: Path, shared_kv: bool) -> Path:
+    return out_dir / f"audit_{mode_name(shared_kv)}"
+
+
+def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
+    """The smoke's test plugin (``scripts/smoke_plugin``) reaches these servers, and only these,
+    through ``PYTHONPATH``; what it does is chosen here."""
+    inherited = os.environ.get("PYTHONPATH")
     extra = dict(OFFLINE_ENV)
+    extra["PYTHONPATH"] = str(SMOKE_PLUGIN_DIR) + (os.pathsep + inherited if inherited else "")
+    extra[SMOKE_LIFT_TP_RULE_ENV] = "1"  # acts on the reference only (shared KV off, --tp != 8)
     if args.load_format == "dummy" and args.dummy_init == "unit-gain":
         extra[SMOKE_DUMMY_INIT_ENV] = "1"
+    if args.audit:
+        extra[SMOKE_AUDIT_DIR_ENV] = str(audit_dir(out_dir, shared_kv))
+    if args.plant and shared_kv:
+        extra[SMOKE_PLANT_ENV] = args.plant
     return extra
+
+
+def rid_of(index: int, name: str) -> str:
+    return f"smoke-{index}-{name}"
+
+
+def run_burst(args, server, plan: RequestPlan) -> List[Dict]:
+    """``args.burst`` requests at once: the first plan prefix cut at different page counts, each with
+    its own tail, so they share prefixes, differ in length and are all in flight together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = plan.input_ids(plan.requests[-1])
+    prompts = []
+    for k in range(args.burst):
+        keep = max(NSA_CUDA_PAGE_SIZE, len(base) - (k * len(base)) // (args.burst + 1))
+        tail = [(7 * k + j) % 200 + 32 for j in range(17 + 5 * k)]
+        prompts.append(base[:keep] + tail)
+    with ThreadPoolExecutor(max_workers=args.burst) as pool:
+        futures = [
+            pool.submit(generate_greedy, server.base_url, p, plan.max_new_tokens, args.request_timeout, f"burst-{k}")
+            for k, p in enumerate(prompts)
+        ]
+        results = [f.result() for f in futures]
+    return [
+        {"rid": f"burst-{k}", "prompt_tokens": len(p), "output_ids": r.output_ids, "error": r.error,
+         "cached_tokens": r.meta_info.get("cached_tokens"), "e2e_s": r.e2e_s}
+        for k, (p, r) in enumerate(zip(prompts, results))
+    ]  # fmt: skip
+
+
+def run_tpot(args, server) -> List[Dict]:
+    """One fresh prompt per context length (new token ids, so nothing is cached); TPOT from the stream."""
+    rows = []
+    for n, context in enumerate(args.tpot_contexts):
+        prompt = [(11 * i + 3 * n + 1) % 250 + 1 for i in range(context)]
+        new_tokens = 64
+        r = generate_greedy(server.base_url, prompt, new_tokens, args.request_timeout, f"tpot-{context}")
+        tpot = None
+        if not r.error and r.ttft_s is not None and len(r.output_ids) > 1:
+            tpot = (r.e2e_s - r.ttft_s) / (len(r.output_ids) - 1)
+        rows.append({"context": context, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3,
+                     "tpot_ms": None if tpot is None else tpot * 1e3, "error": r.error})  # fmt: skip
+    return rows
 
 
 def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> RunReport:
     mode = mode_name(config.shared_kv)
     log_path = out_dir / f"server_{mode}.log"
     report = RunReport(mode=mode, command=config.command(), log_path=str(log_path), tp_size=config.tp_size)
-    env = {**os.environ, **server_env(args)}
+    env = {**os.environ, **server_env(args, config.shared_kv, out_dir)}
     server = SglangServer(config.command(), config.port, log_path, env)
     host_totals: Dict[str, float] = {}
     server_info: Dict = {}
@@ -170,7 +243,8 @@ def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> Run
             counters = HiCacheCounters.of(parse_metrics(server.get_text("/metrics")))
             for planned in plan.requests:
                 result = generate_greedy(
-                    server.base_url, plan.input_ids(planned), plan.max_new_tokens, args.request_timeout
+                    server.base_url, plan.input_ids(planned), plan.max_new_tokens, args.request_timeout,
+                    rid_of(planned.index, planned.name),
                 )
                 after = HiCacheCounters.of(parse_metrics(server.get_text("/metrics")))
                 record = RequestRecord.from_response(
@@ -182,19 +256,54 @@ def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> Run
                 if record.error and not server.alive():
                     break
             host_totals = counters.host_total_tokens_by_rank
+            if args.burst:
+                report.figures["burst"] = run_burst(args, server, plan)
+                report.failures += [f"burst {b['rid']}: {b['error']}" for b in report.figures["burst"] if b["error"]]
+            if args.tpot_contexts:
+                report.figures["tpot"] = run_tpot(args, server)
+                report.failures += [f"tpot {t['context']}: {t['error']}" for t in report.figures["tpot"] if t["error"]]
         except (ServerError, OSError, ValueError) as e:  # requests' errors are OSErrors, bad JSON ValueError
             report.failures.append(f"server: {e}")
     lines = server.log_lines_before_stop()  # the with-block stopped the server
     report.findings = scan_for_errors(lines, args.ignore_log_pattern)
-    report.figures = capacity_figures(server_info, parse_capacity_lines(lines), host_totals)
+    report.figures.update(capacity_figures(server_info, parse_capacity_lines(lines), host_totals))
     activity = hicache_activity(report.records)
     report.figures["hicache_activity"] = activity
     report.figures["ttft"] = ttft_summary(plan, report.records)
-    report.failures += request_failures(plan, report.records)
-    report.failures += hicache_failures(activity)
+    report.failures += request_failures(plan, report.records, judge_replays=False)
+    if "--enable-hierarchical-cache" in config.command():
+        report.failures += hicache_failures(activity)
     report.failures += log_failures(report.findings)
     report.failures += capacity_failures(config.shared_kv, config.tp_size, report.figures)
+    if args.audit:
+        audit_checks(args, config, out_dir, report)
     return report
+
+
+def wait_for_report(run_dir: Path, timeout_s: float) -> None:
+    """A reference run launched beside this one (another process) writes report.json when done."""
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "report.json").exists() and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) -> None:
+    """The oracle: pool dumps against the reference run's; under shared KV the read audit too."""
+    run_dir = audit_dir(out_dir, config.shared_kv)
+    if config.shared_kv:
+        totals = kv_audit_compare.read_audit_totals(run_dir)
+        report.figures["read_audit"] = totals
+        report.failures += kv_audit_compare.read_audit_failures(totals)
+    reference = None
+    if args.reference_dir:
+        reference = audit_dir(Path(args.reference_dir), False)
+    elif config.shared_kv and args.shared_kv == "both":
+        reference = audit_dir(out_dir, False)
+    if reference is not None:
+        wait_for_report(reference.parent, args.startup_timeout)
+        comparison = kv_audit_compare.compare_runs(run_dir, reference)
+        report.figures["pool_audit"] = comparison.to_json()
+        report.failures += comparison.failures
 
 
 def print_request(mode: str, tp_size: int, r: RequestRecord) -> None:
@@ -227,12 +336,15 @@ def print_summary(reports: List[RunReport], comparison: List[str]) -> None:
             from_host = statistics.median(r["from_host_ttft_ms"] for r in rows)
             print(f"TTFT, median of {len(rows)} prefixes of {rows[0]['prefix_tokens']} tokens: "
                   f"recomputed {recomputed:.1f} ms, prefix from host {from_host:.1f} ms")  # fmt: skip
+        for key in ("read_audit", "pool_audit", "burst", "tpot"):
+            if key in c:
+                print(f"{key}: {json.dumps(c[key])}")
         for f in report.findings:
             print(f"log {'ERROR' if f.fatal else 'notice'} line {f.line_no}: {f.text[:200]}")
         for failure in report.failures:
             print(f"FAIL {failure}")
-    for failure in comparison:
-        print(f"FAIL {failure}")
+    for note in comparison:
+        print(f"note (greedy tokens, not judged: stock NSA kernels are not run-to-run deterministic): {note}")
 
 
 def _raise_on_sigterm(signum, frame):
@@ -248,26 +360,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     port = args.port or free_port()
     configs = serve_configs(args, port)
+    out_dir = Path(args.out_dir or f"glm5_smoke_{time.strftime('%Y%m%d_%H%M%S')}")
     if args.dry_run:
-        env = " ".join(f"{k}={v}" for k, v in server_env(args).items())
         for config in configs:
+            env = " ".join(f"{k}={v}" for k, v in server_env(args, config.shared_kv, out_dir).items())
             print(f"[{mode_name(config.shared_kv)}] {env} {shlex.join(config.command())}")
         print("\n".join(plan.describe()))
         return 0
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the server is stopped on SIGTERM too
-    out_dir = Path(args.out_dir or f"glm5_smoke_{time.strftime('%Y%m%d_%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = [run_mode(args, config, plan, out_dir) for config in configs]
     comparison = compare_runs(plan, reports[0], reports[1]) if len(reports) == 2 else []
     print_summary(reports, comparison)
     (out_dir / "report.json").write_text(
         json.dumps(
-            {"plan": plan.describe(), "runs": [r.to_json() for r in reports], "comparison_failures": comparison},
+            {"plan": plan.describe(), "runs": [r.to_json() for r in reports], "greedy_differences": comparison},
             indent=1,
         )
     )
-    failed = comparison or any(r.failures for r in reports)
+    failed = any(r.failures for r in reports)
     print(f"\n{'FAILED' if failed else 'PASSED'}; report: {out_dir / 'report.json'}")
     return 1 if failed else 0
 

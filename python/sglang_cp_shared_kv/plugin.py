@@ -10,8 +10,8 @@ builds anything. Two tiers of hooks:
   validation sets ``CP_SHARED_KV_ENV`` in the launching process, and spawned scheduler processes
   inherit it. With the flag off no runtime hook exists, so the serving path is stock sglang.
 
-One test-only hook exists besides: the e2e smoke's dummy-weight init
-(``testing/e2e/dummy_weights.py``), registered only when the smoke sets its environment variable.
+No test-only hook lives here: the end-to-end smoke brings its own test plugin
+(``scripts/smoke_plugin``), visible only to the servers it launches.
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ def register() -> None:
     register_server_args_hooks(HookRegistry)
     if cp_shared_kv_enabled_in_env():
         register_runtime_hooks(HookRegistry)
-
-    from sglang_cp_shared_kv.testing.e2e import dummy_weights
-
-    if dummy_weights.smoke_dummy_init_enabled_in_env():
-        dummy_weights.register_hooks(HookRegistry)
 
 
 def register_runtime_hooks(registry=HookRegistry) -> None:

@@ -13,7 +13,12 @@
 # Our plugin is not staged: it travels with the repo (PYTHONPATH=python, see remote_env.sh). GPU
 # jobs import it directly; none needs the `sglang.srt.plugins` entry point.
 #
-# Usage: scripts/gpu/build_stage.sh [--reprobe]     (PART_LIMIT_MB=60 by default)
+# `--serve` adds what `sglang serve` needs (docs/gpu.md, "Serving"): scripts/gpu/serve_requirements.txt,
+# sgl_kernel's flash_ops.abi3.so (FA3; 1 GB as tar.xz -1, split into chunks that
+# remote_install.sh reassembles once every chunk has arrived), the deep_gemm package of the
+# sglang-kernel wheel, and this plugin built as a wheel (installed there as a user installs it).
+#
+# Usage: scripts/gpu/build_stage.sh [--reprobe] [--serve]     (PART_LIMIT_MB=60 by default)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -26,9 +31,19 @@ KERNEL_DIST="sglang-kernel"
 KERNEL_VERSION="0.4.2"
 start_s=$(date +%s)
 
-if [[ "${1:-}" == "--reprobe" ]]; then
-  python3 "$HERE/stage_probe.py" > "$REQUIREMENTS.new"
-  mv "$REQUIREMENTS.new" "$REQUIREMENTS"
+SERVE=0
+for arg in "$@"; do
+  case "$arg" in
+    --reprobe)
+      python3 "$HERE/stage_probe.py" > "$REQUIREMENTS.new"
+      mv "$REQUIREMENTS.new" "$REQUIREMENTS" ;;
+    --serve) SERVE=1 ;;
+    *) echo "build_stage: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+REQUIREMENT_FILES=("$REQUIREMENTS")
+if (( SERVE )); then
+  REQUIREMENT_FILES+=("$HERE/serve_requirements.txt")
 fi
 
 mkdir -p "$DOWNLOADS"
@@ -52,7 +67,7 @@ while IFS= read -r req; do
     download "$name"
     echo "$req has no cp312 wheel; staged the newest cp312 release of $name" | tee -a "$STAGE/substitutions.txt"
   fi
-done < "$REQUIREMENTS"
+done < <(cat "${REQUIREMENT_FILES[@]}")
 
 # 2. sglang-kernel, trimmed, from this machine's install (an abi3 wheel: the same files for cp312).
 site_packages="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -68,16 +83,44 @@ if [[ ! -f "$kernel_tar" ]]; then
     sgl_kernel "sglang_kernel-$KERNEL_VERSION.dist-info"
 fi
 
+# 2b. For serving: FA3 (chunked), deep_gemm, and the plugin's own wheel.
+rm -f "$DOWNLOADS"/*.chunk-* "$DOWNLOADS"/sglang_cp_shared_kv-*.whl
+if (( SERVE )); then
+  flash_tar="$DOWNLOADS/sgl_kernel-$KERNEL_VERSION-flash_ops.tar.xz"
+  if [[ ! -f "$flash_tar" ]]; then
+    tar -C "$site_packages" -cf - sgl_kernel/flash_ops.abi3.so | xz -T0 -1 > "$flash_tar.tmp"
+    mv "$flash_tar.tmp" "$flash_tar"
+  fi
+  chunk_mb=$(( PART_LIMIT_MB / 2 ))
+  chunks=$(( ($(stat -c %s "$flash_tar") + chunk_mb * 1048576 - 1) / (chunk_mb * 1048576) ))
+  split -b "${chunk_mb}M" -d -a 2 "$flash_tar" "$DOWNLOADS/split."
+  k=1
+  for f in "$DOWNLOADS"/split.*; do
+    mv "$f" "$DOWNLOADS/$(basename "$flash_tar").chunk-$k-of-$chunks"
+    k=$((k + 1))
+  done
+  deep_gemm_tar="$DOWNLOADS/deep_gemm-$KERNEL_VERSION.tar.xz"
+  [[ -f "$deep_gemm_tar" ]] || tar -C "$site_packages" -cJf "$deep_gemm_tar" --exclude='__pycache__' deep_gemm
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$DOWNLOADS" "$REPO"
+fi
+
 # 3. Keep only what the requirement list names (older downloads of other versions are dropped), then
 #    split into parts of at most PART_LIMIT_MB, largest first (first fit).
-python3 - "$REQUIREMENTS" "$DOWNLOADS" "$STAGE" "$PART_LIMIT_MB" "$KERNEL_DIST" <<'EOF'
+python3 - "$DOWNLOADS" "$STAGE" "$PART_LIMIT_MB" "$KERNEL_DIST" "$SERVE" "${REQUIREMENT_FILES[@]}" <<'EOF'
 import pathlib, re, shutil, sys
 
-requirements, downloads, stage, limit_mb, kernel_dist = sys.argv[1:]
+downloads, stage, limit_mb, kernel_dist, serve, *requirement_files = sys.argv[1:]
 limit = int(limit_mb) * 1024 * 1024
 norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()
-wanted = {norm(l.split("==")[0]) for l in open(requirements) if l.strip() and not l.startswith("#")}
+wanted = {
+    norm(l.split("==")[0])
+    for path in requirement_files
+    for l in open(path)
+    if l.strip() and not l.startswith("#")
+}
 wanted.discard(norm(kernel_dist))
+if serve == "1":
+    wanted.add("sglang_cp_shared_kv")
 by_name = {}
 for f in sorted(pathlib.Path(downloads).iterdir()):
     if f.suffix == ".whl":
@@ -86,7 +129,8 @@ missing = wanted - set(by_name)
 if missing:
     sys.exit(f"build_stage: no wheel downloaded for {sorted(missing)}")
 files = [max(by_name[n], key=lambda f: f.stat().st_mtime) for n in sorted(wanted)]
-files += list(pathlib.Path(downloads).glob("*.tar.xz"))
+files += [f for f in pathlib.Path(downloads).glob("*.tar.xz") if serve == "1" or "-trimmed" in f.name]
+files += list(pathlib.Path(downloads).glob("*.chunk-*"))
 files.sort(key=lambda f: f.stat().st_size, reverse=True)
 parts = []
 for f in files:

@@ -8,6 +8,9 @@
 # whole top-level folder that already exists, which would drop namespace packages (and bin/) that
 # two parts share.
 #
+# Chunks of a large tarball (NAME.tar.xz.chunk-K-of-N, see build_stage.sh --serve) can arrive in
+# different parts: they wait in $site.chunks/ and are unpacked once all N are there.
+#
 # Usage: bash scripts/gpu/remote_install.sh .gpu_stage/part-K
 set -euo pipefail
 part="${1:?usage: remote_install.sh .gpu_stage/part-K}"
@@ -16,9 +19,9 @@ manifest_line="$(head -1 "$part/MANIFEST")"            # "part K of N"
 start_s=$(date +%s)
 
 if [[ "$manifest_line" == "part 1 of "* ]]; then
-  rm -rf "$site"
+  rm -rf "$site" "$site.chunks"
 fi
-mkdir -p "$site"
+mkdir -p "$site" "$site.chunks"
 scratch="$(mktemp -d /tmp/stage-part.XXXXXX)"
 shopt -s nullglob
 wheels=("$part"/*.whl)
@@ -28,6 +31,19 @@ if (( ${#wheels[@]} )); then
 fi
 for tarball in "$part"/*.tar.xz; do
   tar -C "$scratch" -xJf "$tarball"
+done
+for chunk in "$part"/*.chunk-*-of-*; do
+  cp "$chunk" "$site.chunks"/
+done
+for first in "$site.chunks"/*.chunk-1-of-*; do
+  base="${first%.chunk-1-of-*}"
+  total="${first##*-of-}"
+  have=$(ls "$base".chunk-*-of-"$total" | wc -l)
+  if [[ "$have" == "$total" ]]; then
+    for k in $(seq 1 "$total"); do cat "$base.chunk-$k-of-$total"; done | tar -C "$scratch" -xJf -
+    rm -f "$base".chunk-*-of-"$total"
+    echo "remote_install: unpacked $(basename "$base") from $total chunks"
+  fi
 done
 cp -a "$scratch"/. "$site"/
 rm -rf "$scratch"

@@ -31,7 +31,7 @@ class ServeConfig:
     shared_kv: bool
     port: int
     physical_tokens_per_rank: int  # --max-total-tokens: sglang caps the per-rank pool before CP scaling
-    hicache_ratio: float
+    hicache_ratio: Optional[float]  # None: radix cache only, no HiCache
     mem_fraction_static: Optional[float] = None
     load_format: Optional[str] = None
     extra_args: Sequence[str] = ()
@@ -44,8 +44,6 @@ class ServeConfig:
             "--host", LOOPBACK,
             "--port", str(self.port),
             "--enable-nsa-prefill-context-parallel",
-            "--enable-hierarchical-cache",
-            "--hicache-ratio", f"{self.hicache_ratio:g}",
             "--max-total-tokens", str(self.physical_tokens_per_rank),
             "--enable-metrics",
             "--log-level", "info",
@@ -55,6 +53,8 @@ class ServeConfig:
             "--disable-cuda-graph",
             "--disable-piecewise-cuda-graph",
         ]  # fmt: skip
+        if self.hicache_ratio is not None:
+            cmd += ["--enable-hierarchical-cache", "--hicache-ratio", f"{self.hicache_ratio:g}"]
         if self.shared_kv:
             cmd.append(SHARED_KV_FLAG)
         if self.mem_fraction_static is not None:
@@ -184,9 +184,10 @@ class GenerateResult:
 
 
 def generate_greedy(
-    base_url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float
+    base_url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float, rid: Optional[str] = None
 ) -> GenerateResult:
-    """One streamed greedy ``/generate`` request with fixed length (``ignore_eos``)."""
+    """One streamed greedy ``/generate`` request with fixed length (``ignore_eos``); ``rid`` names it
+    (the KV audits key their dumps by it, so two servers' dumps of one request meet)."""
     import requests
 
     payload = {
@@ -194,6 +195,8 @@ def generate_greedy(
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
         "stream": True,
     }
+    if rid is not None:
+        payload["rid"] = rid
     start = time.perf_counter()
     ttft = None
     last: Dict[str, Any] = {}

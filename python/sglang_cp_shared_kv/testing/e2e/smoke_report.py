@@ -78,7 +78,12 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def request_failures(plan: RequestPlan, records: Sequence[RequestRecord]) -> List[str]:
+def request_failures(
+    plan: RequestPlan, records: Sequence[RequestRecord], judge_replays: bool = True
+) -> List[str]:
+    """Errors, short outputs and (``judge_replays``) replays whose greedy output changed. The smoke
+    reports replays without judging them: stock sglang's NSA kernels are not run-to-run
+    deterministic, so greedy tokens are no oracle there (its KV audits are)."""
     if not records:
         return [f"none of the {len(plan.requests)} planned requests ran"]
     failures = []
@@ -94,7 +99,7 @@ def request_failures(plan: RequestPlan, records: Sequence[RequestRecord]) -> Lis
                 f"#{planned.index} {planned.name}: {len(record.output_ids)} output tokens, "
                 f"expected {plan.max_new_tokens}"
             )
-    for planned in plan.requests:
+    for planned in plan.requests if judge_replays else ():
         if planned.replay_of is None:
             continue
         original, replay = by_index.get(planned.replay_of), by_index.get(planned.index)

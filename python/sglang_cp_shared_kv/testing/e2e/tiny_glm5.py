@@ -27,7 +27,7 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_TOKEN_ID = NUM_BYTE_TOKENS  # first id after the bytes
 # Prompts built from these ids are plain text for every GLM-5 tokenizer and for ours.
 ORDINARY_TOKEN_IDS = range(0, NUM_BYTE_TOKENS)
-MAX_POSITION_EMBEDDINGS = 32768
+MAX_POSITION_EMBEDDINGS = 131072  # room for the 64K-token TPOT request
 
 
 def tiny_glm5_config(num_hidden_layers: int = 4) -> Dict[str, Any]:

@@ -1,16 +1,20 @@
 """The smoke's unit-gain dummy init: why it exists, what it writes, and that only the smoke turns it on."""
 
 import os
+import sys
 import unittest
+from pathlib import Path
 
 import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e.dummy_weights import (
-    SMOKE_DUMMY_INIT_ENV,
-    initialize_unit_gain_dummy_weights,
-)
+
+# The smoke's test-only plugin is not installed; the smoke puts this folder on its servers' path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
+import cp_shared_kv_smoke_hooks  # noqa: E402
+from cp_shared_kv_smoke_hooks import SMOKE_DUMMY_INIT_ENV  # noqa: E402
+from cp_shared_kv_smoke_hooks.dummy_weights import initialize_unit_gain_dummy_weights  # noqa: E402
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -71,7 +75,7 @@ class TestSmokeDummyWeights(CustomTestCase):
         # Seeded by name: two same-shaped matrices do not repeat each other.
         self.assertFalse(torch.equal(a.kv_a_proj_with_mqa.weight[:, :512], a.o_proj.weight[:512, :]))
 
-    def test_the_plugin_swaps_the_init_only_when_the_smoke_sets_its_variable(self):
+    def test_only_the_smoke_plugin_swaps_the_init_and_only_when_the_smoke_asks(self):
         from sglang.srt.model_loader import loader, weight_utils
 
         from sglang_cp_shared_kv import plugin
@@ -89,10 +93,12 @@ class TestSmokeDummyWeights(CustomTestCase):
         try:
             os.environ.pop(CP_SHARED_KV_ENV, None)
             os.environ.pop(SMOKE_DUMMY_INIT_ENV, None)
-            with applied_hooks(lambda registry: plugin.register()):
+            with applied_hooks(lambda registry: cp_shared_kv_smoke_hooks.register()):
                 self.assertLessEqual(norm_weight_after_dummy_load(), 1e-3)  # stock U(+-1e-3)
             os.environ[SMOKE_DUMMY_INIT_ENV] = "1"
-            with applied_hooks(lambda registry: plugin.register()):
+            with applied_hooks(lambda registry: plugin.register()):  # the product never swaps it
+                self.assertLessEqual(norm_weight_after_dummy_load(), 1e-3)
+            with applied_hooks(lambda registry: cp_shared_kv_smoke_hooks.register()):
                 self.assertEqual(norm_weight_after_dummy_load(), 1.0)
             self.assertIs(loader.initialize_dummy_weights, stock)  # undone after the block
         finally:

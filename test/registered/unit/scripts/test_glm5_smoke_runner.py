@@ -166,15 +166,17 @@ class TestSmokeRunner(CustomTestCase):
         self.assertGreater(on["figures"]["hicache_activity"]["load_back_tokens"], 0)
         self.assertEqual(len(on["records"]), len(off["records"]))
         self.assertTrue(on["figures"]["ttft"])
-        self.assertEqual(report["comparison_failures"], [])
+        self.assertEqual(report["greedy_differences"], [])
         self.assert_no_server_process_left()
 
-    def test_outputs_that_change_under_shared_kv_fail_the_smoke(self):
+    def test_greedy_differences_are_reported_not_judged(self):
+        # Stock NSA kernels are not run-to-run deterministic: greedy tokens are no oracle (the KV
+        # audits are), so a difference is listed in the report and does not fail the run.
         os.environ["FAKE_CORRUPT_SHARED"] = "1"
         rc, report = self.run_smoke("--shared-kv", "both")
-        self.assertEqual(rc, 1)
-        self.assertTrue(report["comparison_failures"])
-        self.assertIn("shared-kv-on differs from shared-kv-off", report["comparison_failures"][0])
+        self.assertEqual(rc, 0, [r["failures"] for r in report["runs"]])
+        self.assertTrue(report["greedy_differences"])
+        self.assertIn("shared-kv-on differs from shared-kv-off", report["greedy_differences"][0])
         self.assert_no_server_process_left()
 
     def test_a_server_that_dies_at_startup_fails_with_its_log_error(self):

@@ -5,7 +5,7 @@ U(-1e-3, 1e-3) from one fixed seed. Behind RMSNorm weights of ~1e-3, each attent
 1e-3 of the residual stream and vanishes in bf16 rounding: greedy tokens then barely depend on the
 KV cache, and a smoke comparing outputs would pass with corrupt KV.
 
-With ``SMOKE_DUMMY_INIT_ENV=1`` in the server's environment the plugin replaces that init: norm
+With ``SMOKE_DUMMY_INIT_ENV=1`` in the server's environment the smoke plugin replaces that init: norm
 weights 1, other vectors 0, matrices U(+-sqrt(3 / fan_in)) (unit gain, fan_in = last dim). Each
 parameter is seeded from its name, so weights are identical across launches, and identical on
 every rank for replicated parameters, which is what comparing two servers needs. Nothing here runs
@@ -15,17 +15,11 @@ unless the smoke sets the variable.
 from __future__ import annotations
 
 import math
-import os
 import zlib
 
 import torch
 
-SMOKE_DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
 DUMMY_INIT_TARGET = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
-
-
-def smoke_dummy_init_enabled_in_env() -> bool:
-    return os.environ.get(SMOKE_DUMMY_INIT_ENV) == "1"
 
 
 def initialize_unit_gain_dummy_weights(model: torch.nn.Module, *args, seed: int = 1234, **kwargs) -> None:

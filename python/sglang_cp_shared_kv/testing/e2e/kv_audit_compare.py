@@ -1,0 +1,175 @@
+"""Client side of the smoke's KV audits (``scripts/smoke_plugin/cp_shared_kv_smoke_hooks/kv_audit.py``).
+
+A run's pool dumps hold, per finished request and rank, the KV and indexer-K bytes of every layer
+for the positions that rank stores. ``merge_request`` joins the ranks (every position exactly once)
+and ``compare_runs`` checks a run against a reference run (another server, e.g. stock replicated
+KV) request by request, at the positions where both saw the same token.
+
+Why a tolerance and why layer 0 decides: layer-0 KV and indexer K are a function of (token id,
+position) alone, so two servers agree up to GEMM rounding (batch shapes differ between them). A row
+of another token differs by about its own norm (relative error ~1.4 for independent rows), a
+rounding difference by ~1e-2 at most: ``WRONG_ROW_RELATIVE_ERROR`` sits between. Deeper layers
+depend on attention, whose noise stock sglang already shows between two identical requests: their
+errors are reported, not judged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+WRONG_ROW_RELATIVE_ERROR = 0.25
+KV_LORA_RANK = 512  # fp8 NSA KV row: 512 fp8 latent values, 4 fp32 scales, 64 bf16 rope values
+
+
+@dataclass
+class MergedRequest:
+    token_ids: np.ndarray  # [n]
+    kv: np.ndarray  # [n, layers, row bytes] uint8
+    index: np.ndarray  # [n, layers, token bytes] uint8
+    kv_dtype: str
+    problems: List[str] = field(default_factory=list)
+
+
+def load_dumps(run_dir: Path) -> Dict[str, List[dict]]:
+    by_rid: Dict[str, List[dict]] = defaultdict(list)
+    for path in sorted((Path(run_dir) / "pool").glob("*.rank*.npz")):
+        rid = path.name.rsplit(".rank", 1)[0]
+        with np.load(path) as f:
+            by_rid[rid].append({k: f[k] for k in f.files})
+    return by_rid
+
+
+def merge_request(rid: str, parts: List[dict]) -> MergedRequest:
+    token_ids = parts[0]["token_ids"]
+    n = len(token_ids)
+    counts = np.zeros(n, dtype=np.int64)
+    kv = np.zeros((n,) + parts[0]["kv"].shape[1:], dtype=np.uint8)
+    index = np.zeros((n,) + parts[0]["index"].shape[1:], dtype=np.uint8)
+    for part in parts:
+        positions = part["positions"]
+        np.add.at(counts, positions, 1)
+        kv[positions] = part["kv"]
+        index[positions] = part["index"]
+    merged = MergedRequest(token_ids, kv, index, str(parts[0]["kv_dtype"]))
+    if (counts == 0).any():
+        merged.problems.append(f"{rid}: {int((counts == 0).sum())} of {n} positions stored by no rank")
+    if (counts > 1).any():
+        merged.problems.append(f"{rid}: {int((counts > 1).sum())} of {n} positions stored by several ranks")
+    return merged
+
+
+def kv_values(rows: np.ndarray, kv_dtype: str) -> torch.Tensor:
+    """``[..., row bytes]`` -> float values (fp8 rows: latent and rope values, scales left out)."""
+    raw = torch.from_numpy(np.ascontiguousarray(rows))
+    if "float8" not in kv_dtype:
+        return raw.view(torch.bfloat16).float()
+    latent = raw[..., :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float()
+    rope = raw[..., KV_LORA_RANK + 16 :].contiguous().view(torch.bfloat16).float()
+    return torch.cat([latent, rope], dim=-1)
+
+
+def index_values(rows: np.ndarray) -> torch.Tensor:
+    """``[..., head bytes + 4]`` (fp8 head, fp32 scale) -> dequantized values."""
+    raw = torch.from_numpy(np.ascontiguousarray(rows))
+    head = raw[..., :-4].contiguous().view(torch.float8_e4m3fn).float()
+    scale = raw[..., -4:].contiguous().view(torch.float32).float()
+    return head * scale
+
+
+def relative_row_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row ``||a - b|| / max(||a||, ||b||)`` (0 for two zero rows)."""
+    norm = torch.maximum(a.norm(dim=-1), b.norm(dim=-1)).clamp_min(1e-30)
+    return (a - b).norm(dim=-1) / norm
+
+
+@dataclass
+class AuditComparison:
+    requests: int = 0
+    positions_compared: int = 0
+    positions_with_other_tokens: int = 0
+    layer0_wrong_kv_rows: int = 0
+    layer0_wrong_index_rows: int = 0
+    layer0_identical_kv_rows: int = 0
+    max_error_by_layer: List[float] = field(default_factory=list)
+    failures: List[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def compare_runs(run_dir: Path, reference_dir: Path) -> AuditComparison:
+    """Pool dumps of ``run_dir`` against ``reference_dir``, request by request (same rids)."""
+    result = AuditComparison()
+    run, reference = load_dumps(run_dir), load_dumps(reference_dir)
+    if not run:
+        result.failures.append(f"no pool audit dumps in {run_dir}")
+        return result
+    for rid in sorted(run):
+        merged = merge_request(rid, run[rid])
+        result.failures += merged.problems
+        if rid not in reference:
+            continue
+        ref = merge_request(rid, reference[rid])
+        result.failures += ref.problems
+        n = min(len(merged.token_ids), len(ref.token_ids))
+        same = np.nonzero(merged.token_ids[:n] == ref.token_ids[:n])[0]
+        result.requests += 1
+        result.positions_compared += len(same)
+        result.positions_with_other_tokens += n - len(same)
+        kv_err = relative_row_errors(
+            kv_values(merged.kv[same], merged.kv_dtype), kv_values(ref.kv[same], ref.kv_dtype)
+        )  # [positions, layers]
+        index_err = relative_row_errors(index_values(merged.index[same]), index_values(ref.index[same]))
+        layers = kv_err.shape[1] if kv_err.numel() else 0
+        if len(result.max_error_by_layer) < layers:
+            result.max_error_by_layer += [0.0] * (layers - len(result.max_error_by_layer))
+        for layer in range(layers):
+            worst = float(kv_err[:, layer].max())
+            result.max_error_by_layer[layer] = max(result.max_error_by_layer[layer], worst)
+        if layers:
+            wrong_kv = int((kv_err[:, 0] > WRONG_ROW_RELATIVE_ERROR).sum())
+            wrong_index = int((index_err[:, 0] > WRONG_ROW_RELATIVE_ERROR).sum())
+            result.layer0_wrong_kv_rows += wrong_kv
+            result.layer0_wrong_index_rows += wrong_index
+            result.layer0_identical_kv_rows += int(
+                (merged.kv[same, 0] == ref.kv[same, 0]).all(axis=-1).sum()
+            )
+            if wrong_kv or wrong_index:
+                result.failures.append(
+                    f"{rid}: layer-0 rows of another token: KV {wrong_kv}, indexer K {wrong_index} "
+                    f"of {len(same)} positions"
+                )
+    if result.requests == 0:
+        result.failures.append(f"no request of {run_dir} has a reference dump in {reference_dir}")
+    return result
+
+
+def read_audit_totals(run_dir: Path) -> Dict[str, int]:
+    totals: Dict[str, int] = defaultdict(int)
+    for path in sorted(Path(run_dir).glob("read_audit.rank*.json")):
+        for key, value in json.loads(path.read_text()).items():
+            totals[key] += value
+        totals["ranks"] += 1
+    return dict(totals)
+
+
+def read_audit_failures(totals: Dict[str, int]) -> List[str]:
+    if not totals.get("ranks"):
+        return ["read audit: no rank reported"]
+    failures = []
+    for kind in ("kv", "index"):
+        if not totals.get(f"{kind}_rows"):
+            failures.append(f"read audit: no {kind} rows were checked")
+        if totals.get(f"{kind}_mismatches"):
+            failures.append(
+                f"read audit: {totals[f'{kind}_mismatches']} of {totals[f'{kind}_rows']} {kind} rows "
+                "read through the scratch differ from their owner's rows"
+            )
+    return failures

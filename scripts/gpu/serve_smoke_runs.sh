@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs THERE (nvidia-h200-x2), after every staged part is installed (docs/gpu.md, "Serving"):
+# the end-to-end smoke of `sglang serve` at --tp 2 with the tiny GLM-5 (dummy weights).
+#
+#   correctness   reference servers (shared KV off) and shared-KV servers, all at once (each server
+#                 spans both GPUs; pools are capped by --max-total-tokens), with the KV audits on:
+#                 bf16 write_through + chunked prefill + a burst of 12; bf16 write_back; bf16 radix
+#                 cache only; fp8 write_through. Each shared-KV run compares its pool dumps with its
+#                 reference's and checks its read audit.
+#   plants        shared-KV bf16 runs with a planted bug; each must FAIL (the oracle catches it).
+#   perf          shared KV off, then on, alone on the machine, audits off: TTFT of 16K-token prefixes
+#                 from host vs recomputed, TPOT at 4K / 16K / 64K tokens of context.
+#
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|plants|perf   (results under $OUT)
+set -uo pipefail
+source scripts/gpu/remote_env.sh || exit 1
+export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH="/tmp/site/bin:$PATH"
+OUT="${OUT:-/tmp/smoke_out}"
+RUNS=/tmp/smoke_runs
+MODEL=/tmp/tiny-glm5
+mkdir -p "$OUT" "$RUNS"
+[[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null
+smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
+  local name=$1; shift
+  python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp 2 --load-format dummy \
+    --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+GRAMMAR="--grammar-backend none"
+case "${1:?correctness|plants|perf}" in
+  correctness)
+    smoke ref_bf16 --shared-kv off --audit --burst 12 \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
+    smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
+    smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_back" &
+    smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR" &
+    smoke ref_fp8 --shared-kv off --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
+    smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8" \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
+    wait ;;
+  plants)
+    for bug in read-wrong-owner load-back-wrong-page; do
+      smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
+        --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
+    done
+    wait ;;
+  perf)
+    for mode in off on; do
+      smoke "perf_$mode" --shared-kv $mode --physical-tokens-per-rank 81920 --max-prefix-tokens 16384 \
+        --tpot-contexts 4096,16384,65536 --max-new-tokens 8 --extra-server-args "$GRAMMAR --hicache-write-policy write_through"
+    done ;;
+esac
+for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done

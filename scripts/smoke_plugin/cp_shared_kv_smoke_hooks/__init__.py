@@ -1,0 +1,63 @@
+"""Test-only sglang plugin of the end-to-end smoke (``scripts/glm5_cp_hicache_smoke.py``).
+
+This is not part of the installed product. sglang discovers plugins through the
+``sglang.srt.plugins`` entry points of the distributions on ``sys.path``; this folder holds a
+dist-info of its own, and only the servers the smoke launches get the folder on their
+``PYTHONPATH``. What each hook does is chosen by the smoke through environment variables that it
+sets for those servers alone:
+
+* ``SMOKE_DUMMY_INIT_ENV=1``: unit-gain dummy weights (``dummy_weights``), so the KV cache matters.
+* ``SMOKE_LIFT_TP_RULE_ENV=1``: the *reference* server (shared KV off) runs NSA prefill CP at the
+  smoke's ``--tp`` too (the product lifts sglang's ``tp_size == 8`` rule only with its flag on).
+* ``SMOKE_AUDIT_DIR_ENV=<dir>``: the KV audits (``kv_audit``), the smoke's oracle.
+* ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+SMOKE_DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
+SMOKE_LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
+SMOKE_AUDIT_DIR_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"
+SMOKE_PLANT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_PLANT"
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    if os.environ.get(SMOKE_DUMMY_INIT_ENV) == "1":
+        from cp_shared_kv_smoke_hooks import dummy_weights
+
+        dummy_weights.register_hooks(HookRegistry)
+    if os.environ.get(SMOKE_LIFT_TP_RULE_ENV) == "1":
+        HookRegistry.register(
+            "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments",
+            _lift_tp_rule_for_the_reference,
+            HookType.AROUND,
+        )
+    if os.environ.get(SMOKE_AUDIT_DIR_ENV):
+        from cp_shared_kv_smoke_hooks import kv_audit
+
+        kv_audit.register_hooks(HookRegistry, os.environ[SMOKE_AUDIT_DIR_ENV])
+    if os.environ.get(SMOKE_PLANT_ENV):
+        from cp_shared_kv_smoke_hooks import planted_bugs
+
+        planted_bugs.register_hooks(HookRegistry, os.environ[SMOKE_PLANT_ENV])
+    logger.warning("cp-shared-kv smoke hooks loaded (test-only plugin)")
+
+
+def _lift_tp_rule_for_the_reference(original, server_args, *args, **kwargs):
+    """Shared KV off only: with the flag on, the product's own hook does this (and checks more)."""
+    from sglang_cp_shared_kv.server_args import (
+        cp_shared_kv_enabled,
+        lift_single_node_cp_tp_rule,
+        wants_round_robin_nsa_cp,
+    )
+
+    if cp_shared_kv_enabled(server_args) or not wants_round_robin_nsa_cp(server_args):
+        return original(server_args, *args, **kwargs)
+    return lift_single_node_cp_tp_rule(original, server_args, *args, **kwargs)

@@ -1,0 +1,192 @@
+"""The smoke's oracle: two KV audits that tell a wrong page from numerical noise.
+
+Comparing greedy tokens or logprobs cannot: with random weights attention is close to an average,
+so a wrong page moves outputs no more than the run-to-run noise of stock sglang's NSA kernels. The
+audits look at the bytes instead.
+
+1. Pool audit, on every server (shared KV on or off). When a request finishes, before the radix
+   cache takes its KV, every rank writes the KV rows (all layers) and indexer-K rows of the tokens
+   it stores (shared KV: the pages it owns; replicated: rank 0 writes all) with their positions and
+   token ids: ``<dir>/pool/<rid>.rank<r>.npz``. The smoke merges the ranks (each position exactly
+   once) and compares with the reference server's dump of the same request. Layer-0 KV and indexer
+   K depend only on (token id, position), not on attention, so a wrong write, host backup or
+   load-back shows as a row of another token, far above rounding noise.
+2. Read audit, on shared-KV servers. After each layer's store assembled the gather scratch, every
+   rank all-gathers the layer's whole physical pool, rebuilds the replicated (logical) view with
+   its own arithmetic, and checks that every row the forward references reads the same bytes
+   through the scratch as in that view: ``<dir>/read_audit.rank<r>.json`` counts rows compared and
+   rows that differ, and a mismatch is logged as an ERROR line. This covers the plan, the gather
+   and the local fills, where a wrong page never reaches the pool.
+
+Both cost an extra collective or device-to-host copy per layer: smoke servers only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sglang.srt.plugins.hook_registry import HookType
+
+logger = logging.getLogger(__name__)
+
+_RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
+_RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------- pool audit
+
+
+def stored_rows_of(pool, logical_locs: torch.Tensor):
+    """(positions in the request, pool rows) of the tokens this rank stores."""
+    from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
+
+    runtime = runtime_of(pool)
+    positions = torch.arange(logical_locs.numel(), device=logical_locs.device)
+    if runtime is None:
+        return (positions, logical_locs) if _rank() == 0 else (positions[:0], logical_locs[:0])
+    layout = runtime.layout
+    owned = layout.owned_by_this_rank(logical_locs)
+    return positions[owned], layout.logical_locs_to_physical(logical_locs[owned])
+
+
+def dump_finished_request(audit_dir: Path, cache, req) -> None:
+    pool = cache.token_to_kv_pool_allocator.get_kvcache()
+    n = req.kv_committed_len
+    locs = cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].long()
+    token_ids = np.asarray((req.origin_input_ids + req.output_ids)[:n], dtype=np.int64)
+    positions, rows = stored_rows_of(pool, locs)
+    if pool.device != "cpu":
+        torch.cuda.synchronize()
+    kv = torch.stack([buf[rows].reshape(rows.numel(), -1).view(torch.uint8) for buf in pool.kv_buffer], 1)
+    ps = pool.page_size
+    index = torch.stack([token_bytes(buf[rows // ps], rows % ps, ps, "index") for buf in pool.index_k_with_scale_buffer], 1)
+    out = audit_dir / "pool"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{req.rid}.rank{_rank()}.npz"
+    with open(tmp, "wb") as f:
+        np.savez(
+            f,
+            positions=positions.cpu().numpy(),
+            token_ids=token_ids,
+            kv=kv.cpu().numpy(),
+            index=index.cpu().numpy(),
+            kv_dtype=np.array(str(pool.dtype)),
+        )
+    os.replace(tmp, out / f"{req.rid}.rank{_rank()}.npz")
+
+
+# ---------------------------------------------------------------- read audit
+
+
+class ReadAudit:
+    """Counts of rows read through the scratch that differ from their owner's row (see module doc)."""
+
+    def __init__(self, audit_dir: Path):
+        self.path = audit_dir / f"read_audit.rank{_rank()}.json"
+        self.counts = {"forwards": 0, "kv_rows": 0, "kv_mismatches": 0, "index_rows": 0, "index_mismatches": 0}
+        self.referenced_locs = None
+
+    def begin_forward(self, forward_batch) -> None:
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices.tolist()
+        parts = [req_to_token[r, :n].long() for r, n in zip(rows, forward_batch.seq_lens_cpu.tolist())]
+        self.referenced_locs = torch.cat(parts) if parts else None
+        self.counts["forwards"] += 1
+
+    def check_layer(self, runtime, pool_pages: torch.Tensor, scratch_pages: torch.Tensor, kind: str):
+        """``pool_pages`` / ``scratch_pages``: one layer viewed as ``[pages, page bytes]`` (uint8)."""
+        locs = self.referenced_locs
+        if locs is None or runtime.plan is None or locs.numel() == 0:
+            return
+        layout = runtime.layout
+        ps, cp = layout.page_size, layout.cp_size
+        gathered = torch.empty((cp,) + tuple(pool_pages.shape), dtype=pool_pages.dtype, device=pool_pages.device)
+        dist.all_gather_into_tensor(gathered, pool_pages.contiguous(), group=runtime.cp_group)
+        page = locs // ps
+        owner, physical_page, slot = page % cp, page // cp, locs % ps
+        truth = token_bytes(gathered[owner, physical_page], slot, ps, kind)
+        scratch_locs = runtime.plan.remap_token_locs(locs)
+        read = token_bytes(scratch_pages[scratch_locs // ps], scratch_locs % ps, ps, kind)
+        mismatches = int((truth != read).any(dim=1).sum())
+        self.counts[f"{kind}_rows"] += locs.numel()
+        self.counts[f"{kind}_mismatches"] += mismatches
+        if mismatches:
+            logger.error(
+                "cp-shared-kv smoke read audit: %d of %d %s rows read through the scratch differ from "
+                "their owner's rows", mismatches, locs.numel(), kind,
+            )
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.counts))
+        os.replace(tmp, self.path)
+
+
+def token_bytes(pages: torch.Tensor, slots: torch.Tensor, page_size: int, kind: str) -> torch.Tensor:
+    """Bytes of token ``slots[i]`` in ``pages[i]`` (``pages``: ``[n, page bytes]`` uint8). KV pages
+    are token rows back to back; an NSA indexer page is ``[page_size x head bytes | page_size x 4
+    scale bytes]``."""
+    per_token = pages.shape[1] // page_size
+    if kind == "kv":
+        cols = slots[:, None] * per_token + torch.arange(per_token, device=pages.device)
+        return torch.gather(pages, 1, cols)
+    head = per_token - 4
+    head_cols = slots[:, None] * head + torch.arange(head, device=pages.device)
+    scale_cols = page_size * head + slots[:, None] * 4 + torch.arange(4, device=pages.device)
+    return torch.cat([torch.gather(pages, 1, head_cols), torch.gather(pages, 1, scale_cols)], dim=1)
+
+
+def register_hooks(registry, audit_dir: str) -> None:
+    root = Path(audit_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    audits = {}
+
+    def audit_of(runtime) -> ReadAudit:
+        return audits.setdefault(id(runtime), ReadAudit(root))
+
+    def before_cache_finished_req(cache, req, *args, **kwargs):
+        dump_finished_request(root, cache, req)
+
+    def after_begin_forward(plan, runtime, forward_batch):
+        audit_of(runtime).begin_forward(forward_batch)
+
+    def after_store_mla_kv(result, runtime, original, layer, *args, **kwargs):
+        from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
+        from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages
+
+        pool, scratch = runtime.pool, runtime.scratch
+        audit_of(runtime).check_layer(
+            runtime,
+            as_pages(pool.kv_buffer[layer.layer_id - pool.start_layer], pool.page_size).view(torch.uint8),
+            as_pages(scratch.kv_buffer[SCRATCH_LAYER_ID], scratch.page_size).view(torch.uint8),
+            "kv",
+        )
+
+    def after_store_index_k(result, runtime, original, indexer, forward_batch, layer_id, *args, **kwargs):
+        from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
+
+        pool, scratch = runtime.pool, runtime.scratch
+        audit_of(runtime).check_layer(
+            runtime,
+            pool.index_k_with_scale_buffer[layer_id - pool.start_layer],
+            scratch.index_k_with_scale_buffer[SCRATCH_LAYER_ID],
+            "index",
+        )
+
+    registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
+    from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled_in_env
+
+    if not cp_shared_kv_enabled_in_env():  # the read audit checks the shared-KV gather only
+        return
+    registry.register(f"{_RUNTIME}.begin_forward", after_begin_forward, HookType.AFTER)
+    registry.register(f"{_RUNTIME}.store_mla_kv", after_store_mla_kv, HookType.AFTER)
+    registry.register(f"{_RUNTIME}.store_index_k", after_store_index_k, HookType.AFTER)
