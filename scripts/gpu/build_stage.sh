@@ -101,7 +101,7 @@ if (( SERVE )); then
   done
   deep_gemm_tar="$DOWNLOADS/deep_gemm-$KERNEL_VERSION.tar.xz"
   [[ -f "$deep_gemm_tar" ]] || tar -C "$site_packages" -cJf "$deep_gemm_tar" --exclude='__pycache__' deep_gemm
-  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$DOWNLOADS" "$REPO"
+  python3 -m pip wheel -q --no-deps -w "$DOWNLOADS" "$REPO"
 fi
 
 # 3. Keep only what the requirement list names (older downloads of other versions are dropped), then
@@ -113,7 +113,7 @@ downloads, stage, limit_mb, kernel_dist, serve, *requirement_files = sys.argv[1:
 limit = int(limit_mb) * 1024 * 1024
 norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()
 wanted = {
-    norm(l.split("==")[0])
+    norm(l.split("==")[0].strip())
     for path in requirement_files
     for l in open(path)
     if l.strip() and not l.startswith("#")
@@ -129,7 +129,7 @@ missing = wanted - set(by_name)
 if missing:
     sys.exit(f"build_stage: no wheel downloaded for {sorted(missing)}")
 files = [max(by_name[n], key=lambda f: f.stat().st_mtime) for n in sorted(wanted)]
-files += [f for f in pathlib.Path(downloads).glob("*.tar.xz") if serve == "1" or "-trimmed" in f.name]
+files += [f for f in pathlib.Path(downloads).glob("*.tar.xz") if "-trimmed" in f.name or (serve == "1" and "flash_ops" not in f.name)]
 files += list(pathlib.Path(downloads).glob("*.chunk-*"))
 files.sort(key=lambda f: f.stat().st_size, reverse=True)
 parts = []

@@ -1,0 +1,120 @@
+"""The smoke's oracle on CPU: per-token bytes of NSA pages, merging ranks' pool dumps, and the
+comparison that must pass rounding noise and fail a page of another token."""
+
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing.e2e import kv_audit_compare
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
+from cp_shared_kv_smoke_hooks.kv_audit import token_bytes  # noqa: E402
+
+register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+
+PAGE = 64
+LAYERS = 2
+
+
+def kv_rows(token_ids, positions, layers=LAYERS):
+    """bf16 KV rows that depend on (token, position) only, as layer-0 KV does."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(256, 576, generator=g)
+    rows = torch.stack([table[t] * (1 + 0.001 * p) for t, p in zip(token_ids, positions)])
+    return torch.stack([rows] * layers, 1).to(torch.bfloat16).view(torch.uint8).numpy()
+
+
+def index_rows(token_ids, layers=LAYERS):
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(256, 128, generator=g).to(torch.float8_e4m3fn).view(torch.uint8)
+    scale = torch.ones(len(token_ids), 1, dtype=torch.float32).view(torch.uint8)
+    rows = torch.cat([table[torch.tensor(token_ids)], scale], 1)
+    return torch.stack([rows] * layers, 1).numpy()
+
+
+def write_dump(run_dir, rid, rank, positions, token_ids, kv, index):
+    out = Path(run_dir) / "pool"
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / f"{rid}.rank{rank}.npz", positions=np.asarray(positions), token_ids=np.asarray(token_ids),
+             kv=kv[positions], index=index[positions], kv_dtype=np.array("torch.bfloat16"))  # fmt: skip
+
+
+class TestSmokeKvAudit(CustomTestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        rng = np.random.default_rng(0)
+        self.tokens = rng.integers(0, 256, 4 * PAGE).tolist()
+        self.positions = np.arange(len(self.tokens))
+        self.kv = kv_rows(self.tokens, self.positions)
+        self.index = index_rows(self.tokens)
+        self.ref = Path(self.tmp.name) / "ref"
+        write_dump(self.ref, "r0", 0, self.positions, self.tokens, self.kv, self.index)
+
+    def shared_run(self, kv=None, index=None, drop_last=False):
+        """Two ranks, page p on rank p % 2, as shared KV stores it."""
+        run = Path(self.tmp.name) / f"run{len(list(Path(self.tmp.name).iterdir()))}"
+        kv = self.kv if kv is None else kv
+        index = self.index if index is None else index
+        for rank in (0, 1):
+            mine = self.positions[(self.positions // PAGE) % 2 == rank]
+            if drop_last and rank == 1:
+                mine = mine[:-1]
+            write_dump(run, "r0", rank, mine, self.tokens, kv, index)
+        return run
+
+    def test_token_bytes_reads_head_and_scale_of_a_slot(self):
+        page = torch.arange(PAGE * 132, dtype=torch.int64).remainder(251).to(torch.uint8)
+        got = token_bytes(page[None].repeat(2, 1), torch.tensor([0, 5]), PAGE, "index")
+        expect_5 = torch.cat([page[5 * 128 : 6 * 128], page[PAGE * 128 + 20 : PAGE * 128 + 24]])
+        self.assertTrue(torch.equal(got[1], expect_5))
+        kv_page = torch.arange(PAGE * 8, dtype=torch.int64).to(torch.uint8)
+        self.assertTrue(torch.equal(token_bytes(kv_page[None], torch.tensor([3]), PAGE, "kv")[0], kv_page[24:32]))
+
+    def test_same_bytes_pass(self):
+        result = kv_audit_compare.compare_runs(self.shared_run(), self.ref)
+        self.assertEqual(result.failures, [])
+        self.assertEqual(result.positions_compared, len(self.tokens))
+        self.assertEqual(result.layer0_identical_kv_rows, len(self.tokens))
+
+    def test_rounding_noise_passes(self):
+        noisy = torch.from_numpy(self.kv.copy()).view(torch.bfloat16)
+        noisy = (noisy.float() * (1 + 4e-3 * torch.randn(noisy.shape))).to(torch.bfloat16)
+        result = kv_audit_compare.compare_runs(self.shared_run(kv=noisy.view(torch.uint8).numpy()), self.ref)
+        self.assertEqual(result.failures, [])
+        self.assertLess(result.layer0_identical_kv_rows, len(self.tokens))
+
+    def test_a_page_of_other_tokens_fails(self):
+        wrong = self.kv.copy()
+        wrong[PAGE : 2 * PAGE] = self.kv[2 * PAGE : 3 * PAGE]  # page 1 holds page 2's rows
+        result = kv_audit_compare.compare_runs(self.shared_run(kv=wrong), self.ref)
+        self.assertEqual(len(result.failures), 1)
+        self.assertIn("layer-0 rows of another token: KV", result.failures[0])
+        self.assertGreaterEqual(result.layer0_wrong_kv_rows, PAGE - 2)  # a token may repeat by chance
+
+    def test_a_wrong_indexer_page_fails(self):
+        wrong = self.index.copy()
+        wrong[:PAGE] = self.index[3 * PAGE :]
+        result = kv_audit_compare.compare_runs(self.shared_run(index=wrong), self.ref)
+        self.assertGreater(result.layer0_wrong_index_rows, PAGE // 2)
+
+    def test_a_position_no_rank_stored_fails(self):
+        result = kv_audit_compare.compare_runs(self.shared_run(drop_last=True), self.ref)
+        self.assertTrue(any("stored by no rank" in f for f in result.failures))
+
+    def test_read_audit_needs_rows_and_no_mismatch(self):
+        ok = {"ranks": 2, "kv_rows": 10, "kv_mismatches": 0, "index_rows": 10, "index_mismatches": 0}
+        self.assertEqual(kv_audit_compare.read_audit_failures(ok), [])
+        self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "kv_mismatches": 1}))
+        self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "index_rows": 0}))
+        self.assertTrue(kv_audit_compare.read_audit_failures({}))
+
+
+if __name__ == "__main__":
+    unittest.main()
