@@ -68,7 +68,7 @@ def dump_finished_request(audit_dir: Path, cache, req) -> None:
     positions, rows = stored_rows_of(pool, locs)
     if pool.device != "cpu":
         torch.cuda.synchronize()
-    kv = torch.stack([buf[rows].reshape(rows.numel(), -1).view(torch.uint8) for buf in pool.kv_buffer], 1)
+    kv = torch.stack([buf[rows].flatten(1).view(torch.uint8) for buf in pool.kv_buffer], 1)
     ps = pool.page_size
     index = torch.stack([token_bytes(buf[rows // ps], rows % ps, ps, "index") for buf in pool.index_k_with_scale_buffer], 1)
     out = audit_dir / "pool"
