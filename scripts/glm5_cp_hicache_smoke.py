@@ -185,7 +185,8 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
 
 
 def rid_of(index: int, name: str) -> str:
-    return f"smoke-{index}-{name}"
+    """Request id; it names the KV audit's dump files, so no path separators."""
+    return f"smoke-{index}-{name.replace('/', '-')}"
 
 
 def run_burst(args, server, plan: RequestPlan) -> List[Dict]:

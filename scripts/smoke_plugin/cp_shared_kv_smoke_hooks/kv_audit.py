@@ -118,13 +118,17 @@ class ReadAudit:
         truth = token_bytes(gathered[owner, physical_page], slot, ps, kind)
         scratch_locs = runtime.plan.remap_token_locs(locs)
         read = token_bytes(scratch_pages[scratch_locs // ps], scratch_locs % ps, ps, kind)
-        mismatches = int((truth != read).any(dim=1).sum())
+        differs = (truth != read).any(dim=1)
+        mismatches = int(differs.sum())
         self.counts[f"{kind}_rows"] += locs.numel()
         self.counts[f"{kind}_mismatches"] += mismatches
         if mismatches:
+            first = int(torch.nonzero(differs)[0])
             logger.error(
                 "cp-shared-kv smoke read audit: %d of %d %s rows read through the scratch differ from "
-                "their owner's rows", mismatches, locs.numel(), kind,
+                "their owner's rows (first: referenced index %d, logical loc %d, scratch loc %d, "
+                "filled locally: %s)", mismatches, locs.numel(), kind, first, int(locs[first]),
+                int(scratch_locs[first]), bool(runtime.plan.fill_lookup[locs[first] // ps] != 0),
             )
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.counts))
