@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e import kv_audit_compare
+from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
 from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics

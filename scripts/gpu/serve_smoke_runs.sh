@@ -5,7 +5,8 @@
 #   correctness   reference servers (shared KV off) and shared-KV servers, all at once (each server
 #                 spans both GPUs; pools are capped by --max-total-tokens), with the KV audits on:
 #                 bf16 write_through + chunked prefill + a burst of 12; bf16 write_back; bf16 radix
-#                 cache only; fp8 write_through. Each shared-KV run compares its pool dumps with its
+#                 cache only (against a radix-only reference); fp8 write_through; bf16 without the
+#                 overlap scheduler. Each shared-KV run compares its pool dumps with its
 #                 reference's and checks its read audit.
 #   plants        shared-KV bf16 runs with a planted bug; each must FAIL (the oracle catches it).
 #   perf          shared KV off, then on, alone on the machine, audits off: TTFT of 16K-token prefixes
@@ -37,11 +38,14 @@ case "${1:?correctness|plants|perf}" in
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
     smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_back" &
-    smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16" \
+    smoke ref_bf16_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR" &
+    smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
       --extra-server-args "$GRAMMAR" &
     smoke ref_fp8 --shared-kv off --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
     smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8" \
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
+    smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule" &
     wait ;;
   plants)
     for bug in read-wrong-owner load-back-wrong-page; do
@@ -55,6 +59,5 @@ case "${1:?correctness|plants|perf}" in
         --tpot-contexts 4096,16384,65536 --max-new-tokens 8 --extra-server-args "$GRAMMAR --hicache-write-policy write_through"
     done ;;
 esac
-cp "$RUNS"/on_bf16_wt_chunked/server_shared-kv-on.log "$OUT/server_on_bf16_wt_chunked.log" 2>/dev/null
-cp "$RUNS"/perf_on/server_shared-kv-on.log "$OUT/server_perf_on.log" 2>/dev/null
+tar -C "$RUNS" -czf "$OUT/runs_$1.tgz" --exclude='*.npz' . 2>/dev/null
 for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done

@@ -31,6 +31,7 @@ SERVER_ARGS_TARGETS = {
     "sglang.srt.server_args.ServerArgs.__init__",
     "sglang.srt.server_args.ServerArgs.from_cli_args",
     "sglang.srt.server_args.ServerArgs.check_server_args",
+    "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments",
 }
 LOAD_BACK_QUOTA_TARGETS = {
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",

@@ -92,8 +92,9 @@ def parse_capacity_lines(lines: Sequence[str]) -> CapacityLines:
     for line in lines:
         rank = tp_rank_of(line)
         if m := _KV_POOL.search(line):
-            out.device_pool_tokens[rank] = int(m.group(1))
-            out.device_pool_gb[rank] = float(m.group(2))
+            # First per rank: under shared KV the gather scratch logs the same line afterwards.
+            out.device_pool_tokens.setdefault(rank, int(m.group(1)))
+            out.device_pool_gb.setdefault(rank, float(m.group(2)))
         elif m := _HOST_KV.search(line):
             out.host_kv_gb[rank] = float(m.group(1))
         elif m := _HOST_INDEXER.search(line):

@@ -11,9 +11,9 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e import kv_audit_compare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
+from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
 from cp_shared_kv_smoke_hooks.kv_audit import token_bytes  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
@@ -108,10 +108,13 @@ class TestSmokeKvAudit(CustomTestCase):
         result = kv_audit_compare.compare_runs(self.shared_run(drop_last=True), self.ref)
         self.assertTrue(any("stored by no rank" in f for f in result.failures))
 
-    def test_read_audit_needs_rows_and_no_mismatch(self):
-        ok = {"ranks": 2, "kv_rows": 10, "kv_mismatches": 0, "index_rows": 10, "index_mismatches": 0}
+    def test_read_audit_fails_on_wrong_rows_and_dummy_references_not_on_rounding(self):
+        ok = {"ranks": 2, "dummy_refs": 0, "kv_rows": 10, "kv_bit_diffs": 3, "kv_wrong": 0,
+              "index_rows": 10, "index_bit_diffs": 1, "index_wrong": 0}  # fmt: skip
         self.assertEqual(kv_audit_compare.read_audit_failures(ok), [])
-        self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "kv_mismatches": 1}))
+        self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "kv_wrong": 1}))
+        self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "index_wrong": 1}))
+        self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "dummy_refs": 1}))
         self.assertTrue(kv_audit_compare.read_audit_failures({**ok, "index_rows": 0}))
         self.assertTrue(kv_audit_compare.read_audit_failures({}))
 

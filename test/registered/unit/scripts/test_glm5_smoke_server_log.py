@@ -95,6 +95,17 @@ class TestSmokeServerLog(CustomTestCase):
         self.assertEqual(capacity.scheduler_max_total_num_tokens, 131072)
         self.assertGreater(indexer.size_per_token, 0)
 
+    def test_the_shared_kv_scratch_line_after_the_pool_is_not_the_pool(self):
+        # The gather scratch is an NSATokenToKVPool too and logs the same line, after the pool.
+        import re
+
+        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+
+        pool_line = next(l for l in self.lines if "KV Cache is allocated" in l)
+        scratch_line = re.sub(r"#tokens: \d+", f"#tokens: {2 * self.pools['device'].size}", pool_line)
+        capacity = parse_capacity_lines(self.lines + [scratch_line])
+        self.assertEqual(capacity.device_pool_tokens, {TP_RANK: self.pools["device"].size})
+
     def test_errors_are_found_with_their_rank_and_startup_lines_are_not(self):
         from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors, tp_rank_of
 

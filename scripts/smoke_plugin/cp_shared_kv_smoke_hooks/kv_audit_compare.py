@@ -1,4 +1,5 @@
-"""Client side of the smoke's KV audits (``scripts/smoke_plugin/cp_shared_kv_smoke_hooks/kv_audit.py``).
+"""Client side of the smoke's KV audits (``kv_audit.py`` beside this module), and the row decoding
+both sides share.
 
 A run's pool dumps hold, per finished request and rank, the KV and indexer-K bytes of every layer
 for the positions that rank stores. ``merge_request`` joins the ranks (every position exactly once)
@@ -65,9 +66,13 @@ def merge_request(rid: str, parts: List[dict]) -> MergedRequest:
     return merged
 
 
-def kv_values(rows: np.ndarray, kv_dtype: str) -> torch.Tensor:
-    """``[..., row bytes]`` -> float values (fp8 rows: latent and rope values, scales left out)."""
-    raw = torch.from_numpy(np.ascontiguousarray(rows))
+def _as_tensor(rows) -> torch.Tensor:
+    return rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
+
+
+def kv_values(rows, kv_dtype: str) -> torch.Tensor:
+    """``[..., row bytes]`` uint8 -> float values (fp8 rows: latent and rope values, scales left out)."""
+    raw = _as_tensor(rows).contiguous()
     if "float8" not in kv_dtype:
         return raw.view(torch.bfloat16).float()
     latent = raw[..., :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float()
@@ -75,9 +80,9 @@ def kv_values(rows: np.ndarray, kv_dtype: str) -> torch.Tensor:
     return torch.cat([latent, rope], dim=-1)
 
 
-def index_values(rows: np.ndarray) -> torch.Tensor:
-    """``[..., head bytes + 4]`` (fp8 head, fp32 scale) -> dequantized values."""
-    raw = torch.from_numpy(np.ascontiguousarray(rows))
+def index_values(rows) -> torch.Tensor:
+    """``[..., head bytes + 4]`` uint8 (fp8 head, fp32 scale) -> dequantized values."""
+    raw = _as_tensor(rows).contiguous()
     head = raw[..., :-4].contiguous().view(torch.float8_e4m3fn).float()
     scale = raw[..., -4:].contiguous().view(torch.float32).float()
     return head * scale
@@ -161,15 +166,22 @@ def read_audit_totals(run_dir: Path) -> Dict[str, int]:
 
 
 def read_audit_failures(totals: Dict[str, int]) -> List[str]:
+    """Rows of another token and references to never-allocated locs fail; rows that differ only in
+    rounding (a rank's own decode KV against the owner's copy of the same token) are reported."""
     if not totals.get("ranks"):
         return ["read audit: no rank reported"]
     failures = []
     for kind in ("kv", "index"):
         if not totals.get(f"{kind}_rows"):
             failures.append(f"read audit: no {kind} rows were checked")
-        if totals.get(f"{kind}_mismatches"):
+        if totals.get(f"{kind}_wrong"):
             failures.append(
-                f"read audit: {totals[f'{kind}_mismatches']} of {totals[f'{kind}_rows']} {kind} rows "
-                "read through the scratch differ from their owner's rows"
+                f"read audit: {totals[f'{kind}_wrong']} of {totals[f'{kind}_rows']} {kind} rows read "
+                "through the scratch hold another token than their owner's rows"
             )
+    if totals.get("dummy_refs"):
+        failures.append(
+            f"read audit: {totals['dummy_refs']} referenced positions point into never-allocated "
+            "logical pages (the dummy pages)"
+        )
     return failures
