@@ -48,16 +48,34 @@ case "${1:?correctness|plants|perf}" in
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule" &
     wait ;;
   plants)
+    # fp8: stock 0.5.11's NSA host pool corrupts fp8 KV on load-back (docs/gpu.md), so the fp8
+    # shared-KV run is also judged against a stock reference that never loads back (radix only).
+    smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
     for bug in read-wrong-owner load-back-wrong-page; do
       smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
         --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
     done
-    wait ;;
+    wait
+    python3 - "$RUNS" <<'PY' > "$OUT/fp8_vs_radix_reference.log" 2>&1
+import json, sys
+sys.path.insert(0, "scripts/smoke_plugin")
+from pathlib import Path
+from cp_shared_kv_smoke_hooks import kv_audit_compare
+runs = Path(sys.argv[1])
+r = kv_audit_compare.compare_runs(runs / "on_fp8/audit_shared-kv-on", runs / "ref_fp8_radix/audit_shared-kv-off")
+print("on_fp8 vs ref_fp8_radix pool_audit:", json.dumps(r.to_json())[:3000])
+r = kv_audit_compare.compare_runs(runs / "ref_fp8/audit_shared-kv-off", runs / "ref_fp8_radix/audit_shared-kv-off")
+print("ref_fp8 (stock HiCache) vs ref_fp8_radix pool_audit:", json.dumps(r.to_json())[:3000])
+PY
+    ;;
   perf)
     for mode in off on; do
       smoke "perf_$mode" --shared-kv $mode --physical-tokens-per-rank 81920 --max-prefix-tokens 16384 \
         --tpot-contexts 4096,16384,65536 --max-new-tokens 8 --extra-server-args "$GRAMMAR --hicache-write-policy write_through"
     done ;;
 esac
-tar -C "$RUNS" -czf "$OUT/runs_$1.tgz" --exclude='*.npz' . 2>/dev/null
+mkdir -p "$OUT/logs"
+for d in "$RUNS"/*/; do for f in "$d"server_*.log; do [[ -f $f ]] && cp "$f" "$OUT/logs/$(basename "$d").log"; done; done
+tar -C "$OUT" -czf "$OUT/server_logs.tgz" logs && rm -rf "$OUT/logs"
+rm -f "$OUT"/ref_*.log
 for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done

@@ -110,8 +110,10 @@ class ReadAudit:
     def begin_forward(self, forward_batch) -> None:
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices.tolist()
-        parts = [req_to_token[r, :n].long() for r, n in zip(rows, forward_batch.seq_lens_cpu.tolist())]
+        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        parts = [req_to_token[r, :n].long() for r, n in zip(rows, seq_lens)]
         self.referenced_locs = torch.cat(parts) if parts else None
+        self.forward_desc = f"{forward_batch.forward_mode.name} req_pool_indices={rows[:8]} seq_lens={seq_lens[:8]}"
         self.counts["forwards"] += 1
 
     def check_layer(self, runtime, pool_pages: torch.Tensor, scratch_pages: torch.Tensor, kind: str):
@@ -125,8 +127,15 @@ class ReadAudit:
         dist.all_gather_into_tensor(gathered, pool_pages.contiguous(), group=runtime.cp_group)
         page = locs // ps
         allocated = page >= cp  # logical pages 0..cp-1 are the ranks' dummy pages, never handed out
-        if kind == "kv":
+        if kind == "kv" and not bool(allocated.all()):
             self.counts["dummy_refs"] += int((~allocated).sum())
+            if self.counts["dummy_refs"] < 20:
+                first = int(torch.nonzero(~allocated)[0])
+                logger.error(
+                    "cp-shared-kv smoke read audit: %d referenced positions in never-allocated pages "
+                    "(first: referenced index %d of %d, loc %d) in %s", int((~allocated).sum()), first,
+                    locs.numel(), int(locs[first]), self.forward_desc,
+                )
         locs, page = locs[allocated], page[allocated]
         owner, physical_page, slot = page % cp, page // cp, locs % ps
         truth = token_bytes(gathered[owner, physical_page], slot, ps, kind)
