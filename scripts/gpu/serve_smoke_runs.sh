@@ -70,7 +70,7 @@ PY
     ;;
   perf)
     for mode in off on; do
-      smoke "perf_$mode" --shared-kv $mode --physical-tokens-per-rank 81920 --max-prefix-tokens 16384 \
+      smoke "perf_$mode" --shared-kv $mode --physical-tokens-per-rank 81920 --max-prefix-tokens 32768 \
         --tpot-contexts 4096,16384,65536 --max-new-tokens 8 --extra-server-args "$GRAMMAR --hicache-write-policy write_through"
     done ;;
 esac
