@@ -150,7 +150,7 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
         problems.append(f"host hit lengths {match_a.host_hit_length}, {match_b.host_hit_length}")
     if torch.equal(new_a, locs_a):
         problems.append("load-back reused the old locs: nothing moved")
-    if not torch.equal(layout.owner_of(new_a), layout.owner_of(locs_a)):
+    if not torch.equal(layout.owner_of_page(new_a // PAGE), layout.owner_of_page(locs_a // PAGE)):
         problems.append("a page came back on another rank than the one holding it on host")
 
     kv_a, index_a = bytes_a.count_owned_mismatches(stack, new_a)

@@ -91,7 +91,7 @@ class Stack:
             return torch.arange(len(logical_locs), device=logical_locs.device), logical_locs
         mask = self.layout.owned_by_this_rank(logical_locs)
         positions = torch.nonzero(mask).flatten()
-        return positions, self.layout.logical_locs_to_physical(logical_locs[mask])
+        return positions, self.layout.physical_locs_or_dummy(logical_locs[mask])
 
 
 def _nsa_pool(kv_format: str, physical_tokens: int, layers: int, device: str) -> NSATokenToKVPool:

@@ -100,7 +100,7 @@ def owned_kv_mismatches(
     """Logical locs this rank owns whose device KV row or indexer slot lacks its token's pattern."""
     owned = stack.layout.owned_by_this_rank(logical_locs)
     locs, tokens = logical_locs[owned], token_ids[owned]
-    rows = stack.layout.logical_locs_to_physical(locs)
+    rows = stack.layout.physical_locs_or_dummy(locs)  # owned locs: their physical rows
     pool = stack.kv_pool
     bad = _rows_mismatching(
         rows, tokens, pool.layer_num, pool.page_size,
@@ -458,7 +458,7 @@ class RankInvariants:
                 (allocator.release_pages_by_owner, "release list"),
             ):
                 pages = lists[rank]
-                if bool((pages % cp_size != rank).any()):
+                if bool((self.stack.layout.owner_of_page(pages) != rank).any()):
                     return f"a logical page of another owner is on the {what} of owner {rank}"
                 sources.append((f"{what} of owner {rank}", pages))
         sources += [(f"node {n.id}", n.value[::page] // page) for n in nodes if not n.evicted]

@@ -316,7 +316,7 @@ def clear_device_pool(stack: CpuHiCacheStack) -> None:
 def _owned_rows(stack: CpuHiCacheStack, logical_locs: torch.Tensor):
     mask = stack.layout.owned_by_this_rank(logical_locs)
     positions = torch.nonzero(mask).flatten()
-    return positions, stack.layout.logical_locs_to_physical(logical_locs[mask])
+    return positions, stack.layout.physical_locs_or_dummy(logical_locs[mask])
 
 
 def _kv_row_bytes(pool: NSATokenToKVPool, layer: int) -> torch.Tensor:

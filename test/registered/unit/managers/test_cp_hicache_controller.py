@@ -85,7 +85,7 @@ class TestCpHybridCacheController(CustomTestCase):
         self.assertTrue(
             torch.equal(
                 reservation.physical_device_indices,
-                self.stack.layout.logical_locs_to_physical(locs[owned]),
+                self.stack.layout.physical_locs_or_dummy(locs[owned]),
             )
         )
         self.assertEqual(reservation.owner_ranks.tolist(), (locs // PAGE % 2).tolist())
@@ -163,8 +163,9 @@ class TestCpHybridCacheController(CustomTestCase):
         new_locs = self.controller.alloc_logical_locs(metadata)
         self.assertEqual(len(new_locs), len(locs))
         self.assertFalse(torch.equal(new_locs, locs))
+        owner_of_page = self.stack.layout.owner_of_page
         self.assertEqual(
-            self.stack.layout.owner_of(new_locs).tolist(), self.stack.layout.owner_of(locs).tolist()
+            owner_of_page(new_locs // PAGE).tolist(), owner_of_page(locs // PAGE).tolist()
         )
         self.controller.load_reserved(metadata, new_locs, node_id=1)
         self.assertGreaterEqual(self.controller.start_loading(), 0)
