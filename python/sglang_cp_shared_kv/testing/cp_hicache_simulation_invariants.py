@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
 if TYPE_CHECKING:
     from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-    from sglang_cp_shared_kv.testing.cpu_hicache_fixture import CpuHiCacheStack
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import HiCacheStack
 
 # NSA indexer K per token: 128 fp8 values in the page's value block, one fp32 scale in its scale block.
 _INDEX_VALUE_BYTES = 128
@@ -78,7 +78,7 @@ def indexer_token_pattern(hashes, layer: int) -> torch.Tensor:
 
 
 def write_owned_kv(
-    stack: CpuHiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> None:
     """Store the tokens' KV and indexer bytes on this rank as the runtime's owner-filtered write does."""
     rows = stack.layout.physical_locs_or_dummy(logical_locs.to(torch.int64))
@@ -95,7 +95,7 @@ def write_owned_kv(
 
 
 def owned_kv_mismatches(
-    stack: CpuHiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> List[int]:
     """Logical locs this rank owns whose device KV row or indexer slot lacks its token's pattern."""
     owned = stack.layout.owned_by_this_rank(logical_locs)
@@ -110,7 +110,7 @@ def owned_kv_mismatches(
 
 
 def host_kv_mismatches(
-    stack: CpuHiCacheStack, host_slots: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, host_slots: torch.Tensor, token_ids: torch.Tensor
 ) -> List[int]:
     """Physical host slots of this rank whose KV row or indexer slot lacks its token's pattern."""
     host_group = stack.controller.mem_pool_host

@@ -7,13 +7,13 @@ import unittest
 
 import torch
 
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
-    build_cpu_cp_hicache,
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    build_cp_hicache_stack,
     clear_device_pool,
     count_owned_pattern_mismatches,
-    single_process_group,
     write_owned_pattern,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -48,7 +48,7 @@ class TestCpHybridCacheController(CustomTestCase):
     def setUpClass(cls):
         group = single_process_group()
         # Rank 1's view of a 2-rank layout: it owns the odd logical pages.
-        cls.stack = build_cpu_cp_hicache(cp_size=2, cp_rank=1, group=group, physical_pages=8)
+        cls.stack = build_cp_hicache_stack(cp_size=2, cp_rank=1, group=group, physical_pages=8)
 
     def setUp(self):
         super().setUp()
