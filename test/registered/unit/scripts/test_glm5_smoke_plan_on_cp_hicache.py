@@ -1,8 +1,8 @@
 """CPU dry run of the smoke's request plan on the real CP HiCache: backup, eviction and load-back happen.
 
 One CP rank's view (rank 0 of 8) of the real ``CpHiRadixCache`` with its allocator, NSA device pool
-and NSA host pools (``cpu_hicache_fixture``) receives the plan's requests through the calls sglang's
-scheduler makes for one request at a time: match (all but the last prompt token), lock, host
+and NSA host pools (``testing/cp_hicache_stack.py``) receives the plan's requests through the calls
+sglang's scheduler makes for one request at a time: match (all but the last prompt token), lock, host
 load-back, allocate (evicting if short), insert the finished sequence, unlock, and the write / load
 acknowledgement checks. Model compute is left out; the cache's decisions are what the plan is for.
 """
