@@ -15,13 +15,15 @@ server, TTFT of prefixes served from host vs recomputed, median TTFT / TPOT, eve
 either server's log. Exits 1 on any failure, 2 on bad arguments.
 
   python scripts/glm5_pd_smoke.py --model-path /tmp/tiny-glm5 --load-format dummy --dry-run
-  python scripts/glm5_pd_smoke.py --model-path /tmp/tiny-glm5 --load-format dummy \\
-      --stock-cp-tp-route NAME=VALUE   # placeholder, see --help
+  python scripts/glm5_pd_smoke.py --model-path /tmp/tiny-glm5 --load-format dummy
 
-The shared-KV-off reference prefill runs stock NSA prefill CP at ``--prefill-tp`` (2 by default),
-which sglang 0.5.11 refuses below 8 (``tp_size == 8`` assertion); the plugin lifts that rule only
-with its flag. ``--stock-cp-tp-route`` is a PLACEHOLDER for the test-only route that lifts it for the
-reference server (being built separately): environment assignments given to that server only.
+Both servers of each pair get the single-server smoke's test-only plugin (``scripts/smoke_plugin``)
+on their ``PYTHONPATH``, and nothing else does. Through it the shared-KV-off reference prefill runs
+stock NSA prefill CP at ``--prefill-tp`` (2 by default), which sglang 0.5.11 refuses below 8
+(``tp_size == 8`` assertion; the plugin itself lifts that rule only with its flag):
+``SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE=1`` on that server. With ``--load-format dummy`` it also
+gives both servers the unit-gain dummy init (``SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT=1``; the decode
+computes tokens 2.. with its own weights), unless ``--dummy-init stock``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from sglang_cp_shared_kv.testing.e2e.dummy_weights import SMOKE_DUMMY_INIT_ENV
+SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
+sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
+from cp_shared_kv_smoke_hooks import SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
 from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
@@ -92,10 +96,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="with --load-format dummy: plugin's unit-gain init (KV matters) or sglang's U(+-1e-3)")
     p.add_argument("--no-mooncake-tcp", action="store_true",
                    help="do not set MC_FORCE_TCP=true (use RDMA where the host has it)")
-    p.add_argument("--stock-cp-tp-route", action="append", default=[], metavar="NAME=VALUE",
-                   help="PLACEHOLDER: environment of the shared-KV-off reference prefill server that lifts "
-                   "sglang's tp_size == 8 NSA prefill CP rule through the smoke's test-only route (being "
-                   "built separately); required for --shared-kv off/both with --prefill-tp below 8")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--max-prefix-tokens", type=int, default=8192)
     p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids (byte tokens by default)")
@@ -121,24 +121,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     except ValueError:
         p.error("--token-id-range must be LOW:HIGH")
     args.token_id_range = (low, high)
-    try:
-        args.stock_cp_tp_route = dict(_assignment(a) for a in args.stock_cp_tp_route)
-    except ValueError as e:
-        p.error(str(e))
-    if needs_stock_cp_tp_route(args) and not args.stock_cp_tp_route and not args.dry_run:
-        p.error(
-            f"--shared-kv {args.shared_kv} runs a stock NSA prefill CP server at --prefill-tp {args.prefill_tp}, "
-            f"which sglang 0.5.11 refuses below {SGLANG_NSA_CP_TP_SIZE}: pass --stock-cp-tp-route "
-            "(placeholder for the test-only route), or --shared-kv on"
-        )
     return args
-
-
-def _assignment(text: str):
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise ValueError(f"--stock-cp-tp-route expects NAME=VALUE, got {text!r}")
-    return name, value
 
 
 def modes_of(shared_kv: str) -> List[bool]:
@@ -147,10 +130,6 @@ def modes_of(shared_kv: str) -> List[bool]:
 
 def mode_name(shared_kv: bool) -> str:
     return "pd-shared-kv-on" if shared_kv else "pd-shared-kv-off"
-
-
-def needs_stock_cp_tp_route(args) -> bool:
-    return False in modes_of(args.shared_kv) and args.prefill_tp != SGLANG_NSA_CP_TP_SIZE
 
 
 def logical_device_tokens(args, shared_kv: bool) -> int:
@@ -195,10 +174,22 @@ def decode_max_total_tokens(args, plan: RequestPlan) -> int:
 
 
 def common_env(args) -> Dict[str, str]:
+    """Both servers: the smoke's test plugin (``scripts/smoke_plugin``) reaches them, and only them,
+    through ``PYTHONPATH``; what it does is chosen by the variables set here and in ``prefill_only_env``."""
+    inherited = os.environ.get("PYTHONPATH")
     env = dict(OFFLINE_ENV)
+    env["PYTHONPATH"] = str(SMOKE_PLUGIN_DIR) + (os.pathsep + inherited if inherited else "")
     if args.load_format == "dummy" and args.dummy_init == "unit-gain":
         env[SMOKE_DUMMY_INIT_ENV] = "1"  # both servers: the decode computes tokens 2.. with its weights
     return env
+
+
+def prefill_only_env(args, shared_kv: bool) -> Dict[str, str]:
+    """The stock reference prefill (shared KV off) runs NSA prefill CP at ``--prefill-tp``: the smoke
+    plugin lifts sglang's ``tp_size == 8`` rule for it (with the flag on the product does)."""
+    if shared_kv or args.prefill_tp == SGLANG_NSA_CP_TP_SIZE:
+        return {}
+    return {SMOKE_LIFT_TP_RULE_ENV: "1"}
 
 
 def pair_configs(args, plan: RequestPlan, ports: Dict[str, int]) -> List[PDPairConfig]:
@@ -223,7 +214,7 @@ def pair_configs(args, plan: RequestPlan, ports: Dict[str, int]) -> List[PDPairC
             prefill_extra_args=shlex.split(args.extra_prefill_args),
             decode_extra_args=shlex.split(args.extra_decode_args),
             common_env=common_env(args),
-            prefill_only_env={} if shared_kv else dict(args.stock_cp_tp_route),
+            prefill_only_env=prefill_only_env(args, shared_kv),
         )
         for shared_kv in modes_of(args.shared_kv)
     ]
@@ -359,11 +350,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.dry_run:
         for config in configs:
             print("\n".join(describe_pair(config)))
-        if needs_stock_cp_tp_route(args) and not args.stock_cp_tp_route:
-            print(
-                f"NOTE: the shared-KV-off prefill at --prefill-tp {args.prefill_tp} needs "
-                "--stock-cp-tp-route (placeholder) to start"
-            )
         print("\n".join(plan.describe()))
         return 0
 

@@ -51,8 +51,8 @@ class PDPairConfig:
     mooncake_tcp: bool = True
     prefill_extra_args: Sequence[str] = ()
     decode_extra_args: Sequence[str] = ()
-    # Environment of both servers (offline hub, dummy-weight init), and of the prefill only
-    # (e.g. the stock reference's route around sglang's tp_size == 8 NSA-CP rule).
+    # Environment of both servers (offline hub, smoke plugin path, dummy-weight init), and of the
+    # prefill only (the smoke plugin's lift of sglang's tp_size == 8 NSA-CP rule for the stock reference).
     common_env: Dict[str, str] = field(default_factory=dict)
     prefill_only_env: Dict[str, str] = field(default_factory=dict)
 

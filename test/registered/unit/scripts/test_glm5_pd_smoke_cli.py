@@ -4,7 +4,8 @@ per mode, the request plan), argument errors, and sglang's parser accepting the 
 What each side must set is the point of the PD smoke: the prefill command is the single-server
 smoke's plus the disaggregation flags, the decode command is stock sglang (no plugin flag, CUDA graphs
 on), SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is set on both servers exactly when shared KV is on,
-and the stock reference prefill gets the placeholder tp-rule route environment.
+both servers get the smoke's test plugin on their PYTHONPATH (and the unit-gain dummy init), and only
+the stock reference prefill gets the plugin's tp-rule lift.
 """
 
 import argparse
@@ -26,6 +27,9 @@ register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 REPO = Path(__file__).resolve().parents[4]
 SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
+DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
+SMOKE_PLUGIN_DIR = str(REPO / "scripts" / "smoke_plugin")
 
 
 def load_script():
@@ -76,12 +80,12 @@ class TestPDSmokeCli(CustomTestCase):
         rc, out = self.run_main("--help")
         self.assertEqual(rc, 0)
         for option in ("--prefill-tp", "--decode-tp", "--prefill-gpus", "--decode-gpu", "--shared-kv",
-                       "--stock-cp-tp-route", "--decode-mem-fraction-static", "--dry-run"):  # fmt: skip
+                       "--dummy-init", "--decode-mem-fraction-static", "--dry-run"):  # fmt: skip
             self.assertIn(option, out)
-        self.assertIn("PLACEHOLDER", out)
+        self.assertNotIn("--stock-cp-tp-route", out)  # the placeholder gave way to the smoke plugin
 
     def test_dry_run_commands_and_environments(self):
-        commands, out = self.dry_run("--stock-cp-tp-route", "LIFT_TP_RULE=1", "--bootstrap-port", "31111")
+        commands, out = self.dry_run("--bootstrap-port", "31111")
         self.assertEqual(
             set(commands),
             {(m, s) for m in ("pd-shared-kv-off", "pd-shared-kv-on") for s in ("prefill", "decode")},
@@ -107,17 +111,20 @@ class TestPDSmokeCli(CustomTestCase):
                 self.assertNotIn(stock_only, decode)  # a stock decode server with CUDA graphs
             self.assertEqual(env["CUDA_VISIBLE_DEVICES"], "1")
             self.assertEqual(env["MC_FORCE_TCP"], "true")
-            self.assertEqual(env["SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"], "1")
+            self.assertEqual(env[DUMMY_INIT_ENV], "1")
+            # the smoke's test plugin reaches both servers of both pairs, first on their path
+            for side_env in (env, commands[(mode, "prefill")][0]):
+                self.assertEqual(side_env["PYTHONPATH"].split(os.pathsep)[0], SMOKE_PLUGIN_DIR)
             # all-CP-ranks transfer on both servers exactly when shared KV is on
             self.assertEqual(env.get(ALL_CP_RANKS_ENV), "1" if mode.endswith("on") else None, mode)
             self.assertEqual(commands[(mode, "prefill")][0].get(ALL_CP_RANKS_ENV), env.get(ALL_CP_RANKS_ENV))
         self.assertEqual(env_on["CUDA_VISIBLE_DEVICES"], "0,1")
-        # the placeholder route reaches the stock reference prefill only
-        self.assertEqual(env_off.get("LIFT_TP_RULE"), "1")
-        self.assertNotIn("LIFT_TP_RULE", env_on)
-        self.assertNotIn("LIFT_TP_RULE", commands[("pd-shared-kv-off", "decode")][0])
+        # the smoke plugin's tp-rule lift reaches the stock reference prefill only
+        self.assertEqual(env_off.get(LIFT_TP_RULE_ENV), "1")
+        self.assertNotIn(LIFT_TP_RULE_ENV, env_on)
+        for mode in ("pd-shared-kv-off", "pd-shared-kv-on"):
+            self.assertNotIn(LIFT_TP_RULE_ENV, commands[(mode, "decode")][0])
         self.assertIn("group 1: device D=32768 host H=65536", out)  # 2 x 16384 with shared KV
-        self.assertNotIn("NOTE:", out)
 
     def test_decode_pool_fits_twice_the_longest_request(self):
         commands, out = self.dry_run("--shared-kv", "on")
@@ -126,17 +133,24 @@ class TestPDSmokeCli(CustomTestCase):
         self.assertEqual(tokens % 64, 0)
         self.assertGreaterEqual(tokens, 2 * (8128 + 16))
 
-    def test_missing_route_is_a_note_in_dry_run_and_an_error_otherwise(self):
-        _, out = self.dry_run("--shared-kv", "both")
-        self.assertIn("--stock-cp-tp-route", out)
-        rc, _ = self.run_main("--model-path", self.model_dir, "--shared-kv", "off")
-        self.assertEqual(rc, 2)
-        rc, _ = self.run_main("--model-path", self.model_dir, "--prefill-tp", "8", "--dry-run")
-        self.assertEqual(rc, 0)  # stock NSA prefill CP runs at tp 8 without the route
+    def test_tp_rule_lift_only_where_stock_sglang_refuses(self):
+        commands, _ = self.dry_run("--shared-kv", "off", "--prefill-tp", "8", "--prefill-gpus", "0,1,2,3,4,5,6,7")
+        env_off, prefill_off = commands[("pd-shared-kv-off", "prefill")]
+        self.assertEqual(prefill_off[prefill_off.index("--tp") + 1], "8")
+        self.assertNotIn(LIFT_TP_RULE_ENV, env_off)  # stock NSA prefill CP runs at tp 8 by itself
+        self.assertEqual(env_off["PYTHONPATH"].split(os.pathsep)[0], SMOKE_PLUGIN_DIR)
+
+    def test_dummy_init_only_with_dummy_weights_and_unit_gain(self):
+        commands, _ = self.dry_run("--dummy-init", "stock")
+        for key, (env, _) in commands.items():
+            self.assertNotIn(DUMMY_INIT_ENV, env, key)
+        rc, out = self.run_main("--model-path", self.model_dir, "--dry-run")  # real weights
+        self.assertEqual(rc, 0, out)
+        self.assertNotIn(DUMMY_INIT_ENV, out)
+        self.assertIn(LIFT_TP_RULE_ENV, out)  # the reference still needs the lift
 
     def test_bad_arguments_exit_2(self):
         for argv in (
-            ("--stock-cp-tp-route", "NOEQUALS", "--dry-run"),
             ("--prefill-tp", "1", "--dry-run"),
             ("--decode-port", "60000", "--dry-run"),
             ("--physical-tokens-per-rank", "1000", "--dry-run"),
