@@ -1,9 +1,9 @@
 """Which PD disaggregation setups ``--enable-nsa-prefill-cp-shared-kv`` supports, as startup messages.
 
 ``unsupported_disaggregation_server_args(server_args)`` returns one message per offending setting,
-each naming its flag or variable, for the plugin's server-args validation to add to its list (which
-today refuses every ``--disaggregation-mode``). Supported: ``--disaggregation-mode prefill`` with
-``--disaggregation-transfer-backend mooncake`` and ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1``.
+each naming its flag or variable; the plugin's server-args validation (``server_args.py``,
+``_unsupported_combinations``) adds them to its list. Supported: ``--disaggregation-mode prefill``
+with ``--disaggregation-transfer-backend mooncake`` and ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1``.
 
 Why the others are refused:
 

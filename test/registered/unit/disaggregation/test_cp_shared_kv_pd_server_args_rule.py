@@ -1,4 +1,4 @@
-"""The proposed startup rule for PD with shared KV: prefill + mooncake + all-CP-ranks transfer only,
+"""The startup rule for PD with shared KV: prefill + mooncake + all-CP-ranks transfer only,
 each refusal naming the flag or variable to change."""
 
 import os
