@@ -27,8 +27,8 @@ from bench_cp_hicache_transfer import (  # noqa: E402
     TARGET_CPU_RATIO,
     CacheTimer,
     build_stock_and_cp_stacks,
-    one_process_group,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -56,7 +56,7 @@ def median_cpu_seconds(timer: CacheTimer, tokens: int, repeats: int) -> tuple[fl
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    group = one_process_group()
+    group = single_process_group()
     print(
         f"### CPU bookkeeping per call without copies (cpu, cp rank 0 of {args.cp_size}), "
         f"CP over stock (target <= {TARGET_CPU_RATIO})\n"

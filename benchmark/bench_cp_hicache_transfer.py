@@ -3,7 +3,7 @@
 GLM-5-shaped pools (78 layers, page 64, NSA rows: bf16 576 x 2 B or fp8 656 B, indexer 132 B per token
 per layer) and logical prefixes of 8K / 32K / 128K tokens, one node each. Three ways to move them:
 
-* CP: rank 0 of a cp_size-rank group (simulated in one process, ``cp_hicache_stack.build_cp_stack``)
+* CP: rank 0 of a cp_size-rank group (simulated in one process, ``build_cp_hicache_stack``)
   backs up and loads back only the pages it owns (about 1/cp_size) through ``CpHiRadixCache`` and our
   ``CpHybridCacheController``;
 * stock: sglang's ``HiRadixCache`` on a pool holding every token, as stock CP keeps it on each rank;
@@ -27,24 +27,20 @@ sglang 0.5.11 builds 576-byte host rows for fp8's 656-byte device rows, which lo
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "gpu"))
-
-from cp_hicache_stack import (  # noqa: E402
-    INDEXER_BYTES_PER_TOKEN,
-    PAGE_SIZE,
-    build_cp_stack,
-    build_stock_stack,
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    NSA_PAGE_SIZE as PAGE_SIZE,
+    build_cp_hicache_stack,
+    build_stock_hicache_stack,
+    glm5_nsa,
     host_rows_as_wide_as_device_rows,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 
 TARGET_TIME_RATIO = 1.25
 TARGET_CPU_RATIO = 1.5
@@ -66,12 +62,6 @@ def parse_args(argv=None):
         args.device, args.layers, args.tokens, args.repeats = "cpu", 4, [8192, 32768], 2
         args.io_backend, args.host_layout = "direct", "layer_first"
     return args
-
-
-def one_process_group():
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_gloo_"), "rendezvous")
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    return dist.group.WORLD
 
 
 def sync(device):
@@ -148,7 +138,7 @@ class CacheTimer:
 
     def _bytes_moved(self, node, tokens):
         owned = tokens if self.stack.layout is None else node.cp_hicache.num_owned
-        per_token = self.stack.kv_row_bytes() + INDEXER_BYTES_PER_TOKEN
+        per_token = self.stack.kv_row_bytes() + self.stack.index_page_bytes() // PAGE_SIZE
         return owned * per_token * self.stack.kv_pool.layer_num
 
 
@@ -183,16 +173,18 @@ def measure(timer, tokens, repeats):
     }
 
 
-def build_stock_and_cp_stacks(max_pages: int, cp_size: int, **common):
+def build_stock_and_cp_stacks(max_pages: int, cp_size: int, kv_format: str, layers: int, **common):
     """Stock (replicated) and CP rank-0 stacks for nodes of up to ``max_pages`` logical pages, both with
     KV host rows as wide as the device rows (see the module docstring)."""
+    shape = glm5_nsa(kv_format, layers)
     with host_rows_as_wide_as_device_rows():
-        stock = build_stock_stack(pages=max_pages + 4, **common)
+        stock = build_stock_hicache_stack(pages=max_pages + 4, shape=shape, **common)
         # Rank 0 owns about 1/cp_size of the pages; the allocator may place a page or two more.
-        cp = build_cp_stack(
+        cp = build_cp_hicache_stack(
             cp_size=cp_size,
             cp_rank=0,
             physical_pages=max_pages // cp_size + 8,
+            shape=shape,
             **common,
         )
     return stock, cp
@@ -206,7 +198,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --quick (or --device cpu) for a CPU dry run")
-    group = one_process_group()
+    group = single_process_group()
     rows = []
     for kv_format in args.kv_formats:
         max_pages = max(args.tokens) // PAGE_SIZE

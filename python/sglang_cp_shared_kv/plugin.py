@@ -6,9 +6,10 @@ builds anything. Two tiers of hooks:
 * Server-argument hooks are always registered: they add ``--enable-nsa-prefill-cp-shared-kv`` and
   validate it. With the flag off they only add the (default False) flag.
 * Runtime hooks (capacity, allocator, CP HiRadixCache, owner-filtered writes, peer-page reads,
-  load-back quota) are registered only in processes started after the flag was validated on: the
-  validation sets ``CP_SHARED_KV_ENV`` in the launching process, and spawned scheduler processes
-  inherit it. With the flag off no runtime hook exists, so the serving path is stock sglang.
+  load-back quota, PD prefill transfer classes) are registered only in processes started after the
+  flag was validated on: the validation sets ``CP_SHARED_KV_ENV`` in the launching process, and
+  spawned scheduler processes inherit it. With the flag off no runtime hook exists, so the serving
+  path is stock sglang.
 
 No test-only hook lives here: the end-to-end smoke brings its own test plugin
 (``scripts/smoke_plugin``), visible only to the servers it launches.
@@ -36,6 +37,7 @@ def register() -> None:
 
 def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
+    from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
     from sglang_cp_shared_kv.managers import prefill_load_back_quota
     from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache
     from sglang_cp_shared_kv.model_executor import cp_shared_kv_capacity, cp_shared_kv_runtime
@@ -44,4 +46,5 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     cp_hiradix_cache.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
+    disaggregation_utils.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

@@ -198,7 +198,11 @@ def validate_cp_shared_kv_server_args(server_args) -> None:
 def _unsupported_combinations(server_args) -> list[str]:
     """One message per offending setting, each naming its flag."""
     # What the shared-KV runtime cannot serve (CUDA graphs, in-seq-split, speculative decoding,
-    # ...) is listed by the runtime itself, next to the reasons.
+    # ...) is listed by the runtime itself, next to the reasons; which PD disaggregation setups it
+    # serves, by the disaggregation package.
+    from sglang_cp_shared_kv.disaggregation.server_args_rule import (
+        unsupported_disaggregation_server_args,
+    )
     from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import unsupported_server_args
 
     problems = []
@@ -217,11 +221,7 @@ def _unsupported_combinations(server_args) -> list[str]:
         problems.append(
             "--enable-return-routed-experts: its host buffer is indexed by loc and sized physically"
         )
-    if server_args.disaggregation_mode != "null":
-        problems.append(
-            f"--disaggregation-mode {server_args.disaggregation_mode}: PD disaggregation transfers whole "
-            "pages by page id and is not supported with page-sharded KV"
-        )
+    problems += unsupported_disaggregation_server_args(server_args)
     if server_args.pp_size > 1:
         problems.append(f"--pipeline-parallel-size {server_args.pp_size}: only 1 is supported")
     if server_args.nnodes != 1:

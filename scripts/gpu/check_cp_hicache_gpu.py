@@ -1,9 +1,10 @@
 """Bit-exact check of the CP HiCache data path: write -> device evict -> load-back, per CP rank.
 
 Simulates a CP group with one process per rank (all on the same GPU, or all on the CPU) joined by a
-gloo group. Each rank builds its real stack (``cp_hicache_stack.build_cp_stack``: CUDA
-``NSATokenToKVPool`` shard, our allocator, real ``CpHiRadixCache`` with sglang's KV + indexer host pools
-and our ``CpHybridCacheController``), then every rank runs the same calls:
+gloo group (``multi_rank.run_ranks``). Each rank builds its real stack
+(``cp_hicache_stack.build_cp_hicache_stack``: CUDA ``NSATokenToKVPool`` shard, our allocator, real
+``CpHiRadixCache`` with sglang's KV + indexer host pools and our ``CpHybridCacheController``), then every
+rank runs the same calls:
 
 1. insert sequence A (2 * cp_size + 1 pages) and B (A's first cp_size + 1 pages and one page of its own,
    which splits A's node and gives a one-page node in which cp_size - 1 ranks own nothing), after
@@ -26,16 +27,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import os
-import socket
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 PAGE = 64
 
@@ -64,7 +60,7 @@ def parse_args(argv=None):
 
 
 def configurations(args):
-    from cp_hicache_stack import HOST_LAYOUTS
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import HOST_LAYOUTS
 
     for kv_format in args.kv_formats:
         for cp_size in args.cp_sizes:
@@ -82,36 +78,36 @@ def _sync(device: str) -> None:
 
 def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layout, seed):
     """One configuration on this rank; returns the rank's numbers (rank 0 aggregates)."""
-    from cp_hicache_stack import (
-        SequenceBytes,
-        build_cp_stack,
-        host_rows_as_wide_as_device_rows,
-        poison_device_pool,
-    )
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_shared_kv.testing.cpu_hicache_fixture import tree_signature
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+        SequenceBytes,
+        build_cp_hicache_stack,
+        clear_device_pool,
+        glm5_nsa,
+        host_rows_as_wide_as_device_rows,
+        tree_signature,
+    )
 
     widen = host_rows_as_wide_as_device_rows() if args.widen_host_rows else contextlib.nullcontext()
     with widen:
-        stack = build_cp_stack(
+        stack = build_cp_hicache_stack(
             device=args.device,
-            kv_format=kv_format,
+            shape=glm5_nsa(kv_format, args.layers),
             io_backend=backend,
             host_layout=host_layout,
             cp_size=cp_size,
             cp_rank=rank,
             group=group,
             physical_pages=args.physical_pages,
-            layers=args.layers,
         )
     cache, allocator, layout = stack.cache, stack.allocator, stack.layout
     len_a, split = (2 * cp_size + 1) * PAGE, (cp_size + 1) * PAGE
     seq_a = list(range(len_a))
     seq_b = seq_a[:split] + list(range(10**6, 10**6 + PAGE))
-    bytes_a = SequenceBytes(len_a, stack.kv_row_bytes(), args.layers, seed)
-    bytes_b = SequenceBytes(PAGE, stack.kv_row_bytes(), args.layers, seed + 1)
+    bytes_a = SequenceBytes(stack, len_a, seed)
+    bytes_b = SequenceBytes(stack, PAGE, seed + 1)
 
     full = allocator.available_size()
     locs_a = allocator.alloc(len_a)
@@ -129,7 +125,7 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
     cache.evict(EvictParams(num_tokens=len_a + PAGE))
     if allocator.available_size() != full:
         problems.append("device eviction did not free every page")
-    poison_device_pool(stack)
+    clear_device_pool(stack, kv_byte=0xA5, index_byte=0x5A)  # poison: freed pages get reused
     allocator.alloc(2 * PAGE)  # the load-back must land on other logical pages
 
     match_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(seq_a)))
@@ -150,11 +146,11 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
         problems.append(f"host hit lengths {match_a.host_hit_length}, {match_b.host_hit_length}")
     if torch.equal(new_a, locs_a):
         problems.append("load-back reused the old locs: nothing moved")
-    if not torch.equal(layout.owner_of(new_a), layout.owner_of(locs_a)):
+    if not torch.equal(layout.owner_of_page(new_a // PAGE), layout.owner_of_page(locs_a // PAGE)):
         problems.append("a page came back on another rank than the one holding it on host")
 
-    kv_a, index_a = bytes_a.count_owned_mismatches(stack, new_a)
-    kv_b, index_b = bytes_b.count_owned_mismatches(stack, new_suffix_b)
+    kv_a, index_a = bytes_a.owned_mismatches(stack, new_a)
+    kv_b, index_b = bytes_b.owned_mismatches(stack, new_suffix_b)
     owned = int(layout.owned_by_this_rank(new_a).sum()) + int(
         layout.owned_by_this_rank(new_suffix_b).sum()
     )
@@ -201,88 +197,65 @@ def summarize(results, cp_size):
     return mismatches, problems, detail
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=args.timeout_s),
-        )
-        if args.device == "cuda":
-            torch.cuda.set_device(0)
-        groups = {
-            cp: dist.group.WORLD if cp == world else dist.new_group(ranks=list(range(cp)))
-            for cp in sorted(set(args.cp_sizes))
-        }
-        if args.device == "cuda":
-            # Build the bf16 JIT HiCache kernel once before every rank asks for it.
-            from sglang.jit_kernel.hicache import can_use_hicache_jit_kernel
+def rank_main(rank, world, args):
+    """Every configuration this rank takes part in; rank 0 returns (mismatches, passed, failed)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    groups = {
+        cp: dist.group.WORLD if cp == world else dist.new_group(ranks=list(range(cp)))
+        for cp in sorted(set(args.cp_sizes))
+    }
+    if args.device == "cuda":
+        # Build the bf16 JIT HiCache kernel once before every rank asks for it.
+        from sglang.jit_kernel.hicache import can_use_hicache_jit_kernel
 
-            if rank == 0:
-                can_use_hicache_jit_kernel(element_size=576 * 2)
-            dist.barrier()
-            can_use_hicache_jit_kernel(element_size=576 * 2)
-
-        total_mismatches, failed, passed = 0, 0, 0
-        for index, (cp_size, kv_format, backend, host_layout) in enumerate(configurations(args)):
-            if rank >= cp_size:
-                continue
-            group = groups[cp_size]
-            start = time.time()
-            name = f"cp={cp_size} {kv_format} {backend}/{host_layout}"
-            try:
-                result = run_configuration(
-                    args, rank, group, cp_size, kv_format, backend, host_layout, seed=1000 + 10 * index
-                )
-            except Exception:
-                print(f"[FAIL] {name}: rank {rank} raised", flush=True)
-                raise
-            gathered = [None] * cp_size
-            dist.all_gather_object(gathered, result, group=group)
-            if rank == 0:
-                mismatches, problems, detail = summarize(gathered, cp_size)
-                ok = mismatches == 0 and not problems
-                passed, failed = passed + ok, failed + (not ok)
-                total_mismatches += mismatches
-                print(
-                    f"[{'PASS' if ok else 'FAIL'}] {name}: {detail} ({time.time() - start:.1f} s)"
-                    + "".join(f"\n    {p}" for p in problems),
-                    flush=True,
-                )
         if rank == 0:
-            queue.put((total_mismatches, passed, failed))
+            can_use_hicache_jit_kernel(element_size=576 * 2)
         dist.barrier()
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)  # peers blocked in a collective time out instead of hanging
+        can_use_hicache_jit_kernel(element_size=576 * 2)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    total_mismatches, failed, passed = 0, 0, 0
+    for index, (cp_size, kv_format, backend, host_layout) in enumerate(configurations(args)):
+        if rank >= cp_size:
+            continue
+        group = groups[cp_size]
+        start = time.time()
+        name = f"cp={cp_size} {kv_format} {backend}/{host_layout}"
+        try:
+            result = run_configuration(
+                args, rank, group, cp_size, kv_format, backend, host_layout, seed=1000 + 10 * index
+            )
+        except Exception:
+            print(f"[FAIL] {name}: rank {rank} raised", flush=True)
+            raise
+        gathered = [None] * cp_size
+        dist.all_gather_object(gathered, result, group=group)
+        if rank == 0:
+            mismatches, problems, detail = summarize(gathered, cp_size)
+            ok = mismatches == 0 and not problems
+            passed, failed = passed + ok, failed + (not ok)
+            total_mismatches += mismatches
+            print(
+                f"[{'PASS' if ok else 'FAIL'}] {name}: {detail} ({time.time() - start:.1f} s)"
+                + "".join(f"\n    {p}" for p in problems),
+                flush=True,
+            )
+    dist.barrier()
+    return (total_mismatches, passed, failed) if rank == 0 else None
 
 
 def main(argv=None) -> int:
+    from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, run_ranks
+
     args = parse_args(argv)
     start = time.time()
-    world = max(args.cp_sizes)
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
     try:
-        mp.start_processes(
-            worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn"
-        )
-    except Exception as exc:
+        results = run_ranks(rank_main, max(args.cp_sizes), (args,), timeout_s=args.timeout_s)
+    except RanksFailed as exc:
         print(f"check: a rank failed: {exc}")
         print("mismatches = unknown")
         return 1
-    total_mismatches, passed, failed = queue.get()
+    total_mismatches, passed, failed = results[0]
     print(f"mismatches = {total_mismatches}")
     print(f"check: {passed} passed, {failed} failed ({time.time() - start:.0f} s)")
     return 1 if failed or total_mismatches else 0

@@ -1,8 +1,8 @@
 """Check the CP shared KV runtime (owner-filtered writes + peer-page gather) against a replicated pool.
 
-Ranks are processes sharing one device, joined by a gloo group (NCCL cannot put two ranks on one
-GPU; the runtime stages gloo gathers of CUDA tensors through host memory). Each rank holds a real
-``NSATokenToKVPool`` shard (page 64, bf16 576-wide rows and fp8 656-byte rows) and writes through
+Ranks are processes sharing one device, joined by a gloo group (``multi_rank.launch``; NCCL cannot
+put two ranks on one GPU; the runtime stages gloo gathers of CUDA tensors through host memory). Each
+rank holds a real ``NSATokenToKVPool`` shard (page 64, bf16 576-wide rows and fp8 656-byte rows) and writes through
 sglang's own ``set_mla_kv_buffer`` and ``Indexer._store_index_k_cache`` with our hooks applied, then
 reads through the hooked getters what the kernels would read; everything is compared bit for bit
 with a replicated pool written by the same sglang code without hooks
@@ -24,13 +24,12 @@ Prints ``ran``, ``rows compared`` and ``mismatches``; exits non-zero unless ever
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 
 
-def _rank_main(rank, world_size, init_file, args, results):
+def _rank_main(rank, world_size, args):
+    """This rank's cases: ``[(cp_size, dtype, rank, rows compared, mismatches)]``."""
     import torch
     import torch.distributed as dist
 
@@ -43,31 +42,24 @@ def _rank_main(rank, world_size, init_file, args, results):
         torch.cuda.set_device(0)
         kernels = None
     else:
-        torch.set_num_threads(1)
         act_quant, kernels = act_quant_torch, cpu_kernels
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     if args.device == "cuda":
         _build_indexer_store_kernel_once(rank)
     runtime_check.apply_hooks()
-    try:
-        for cp_size in args.cp_sizes:
-            group = dist.new_group(list(range(cp_size)))  # every process joins the creation
-            for dtype_name in args.dtypes:
-                if rank >= cp_size:
-                    continue
-                try:
-                    if kernels is None:
-                        result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
-                    else:
-                        with kernels():
-                            result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
-                    results.put((cp_size, dtype_name, rank, result.rows_compared, result.mismatches, ""))
-                except Exception as error:  # report, then let the group fail the same way
-                    results.put((cp_size, dtype_name, rank, 0, 0, repr(error)))
-                    raise
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    rows = []
+    for cp_size in args.cp_sizes:
+        group = dist.new_group(list(range(cp_size)))  # every process joins the creation
+        for dtype_name in args.dtypes:
+            if rank >= cp_size:
+                continue
+            if kernels is None:
+                result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
+            else:
+                with kernels():
+                    result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
+            rows.append((cp_size, dtype_name, rank, result.rows_compared, result.mismatches))
+        dist.barrier()
+    return rows
 
 
 def _build_indexer_store_kernel_once(rank):
@@ -112,37 +104,28 @@ def main() -> int:
     args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
     args.dtypes = args.dtypes.split(",")
 
-    import torch.multiprocessing as mp
+    from sglang_cp_shared_kv.testing.multi_rank import launch
 
     start = time.time()
-    world_size = max(args.cp_sizes)
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "gloo_init")
-        ranks = [
-            context.Process(target=_rank_main, args=(r, world_size, init_file, args, results))
-            for r in range(world_size)
-        ]
-        for process in ranks:
-            process.start()
-        deadline = start + args.timeout_s
-        for process in ranks:
-            process.join(max(1.0, deadline - time.time()))
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-        exit_codes = [process.exitcode for process in ranks]
+    # One torch thread per CPU rank (ranks share the cores); a hung rank fails the run at the deadline.
+    outcomes = launch(
+        _rank_main,
+        max(args.cp_sizes),
+        (args,),
+        timeout_s=args.timeout_s,
+        deadline_s=args.timeout_s,
+        threads_per_rank=1 if args.device == "cpu" else None,
+    )
+    exit_codes = [outcome.exitcode for outcome in outcomes]
+    rows = [row for outcome in outcomes if outcome.ok for row in outcome.value]
+    errors_by_rank = {o.rank: repr(o.error) for o in outcomes if o.error is not None}
 
-    rows = []
-    while not results.empty():
-        rows.append(results.get())
     expected_cases = len(args.cp_sizes) * len(args.dtypes)
     ran = compared = mismatches = 0
     for cp_size in args.cp_sizes:
         for dtype_name in args.dtypes:
             case = [r for r in rows if r[0] == cp_size and r[1] == dtype_name]
-            errors = [r[5] for r in case if r[5]]
+            errors = [errors_by_rank[r] for r in range(cp_size) if r in errors_by_rank]
             case_ok = len(case) == cp_size and not errors
             ran += case_ok
             compared += sum(r[3] for r in case)

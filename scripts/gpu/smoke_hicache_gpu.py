@@ -20,22 +20,15 @@ Prints one line per check and ``smoke: N passed, M failed``; exits 1 on any fail
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import sys
-import tempfile
-import threading
 import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 PAGE_SIZE = 64
-KV_LORA_RANK = 512
-QK_ROPE_HEAD_DIM = 64
-INDEX_HEAD_DIM = 128
-# NSA latent row per token: bf16 576 values; fp8 512 fp8 nope + 16 B scales + 64 bf16 rope = 656 B.
-KV_FORMATS = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 656)}
+KV_FORMATS = ("bf16", "fp8")  # GLM-5 NSA rows (cp_hicache_stack.KV_FORMATS): 576 x 2 B, 656 B
 BACKEND_LAYOUTS = (
     ("kernel", "layer_first"),
     ("kernel", "page_first"),
@@ -94,85 +87,31 @@ def check_plugin_import():
     return True, "sglang_cp_shared_kv.plugin"
 
 
-def one_process_group():
-    if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(prefix="smoke_gloo_"), "rendezvous")
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    return dist.group.WORLD
-
-
 class RoundTrip:
-    """One stock NSA HiCache stack on the GPU; kept alive for the whole run (see ``_keep``)."""
-
-    # Host pools register their buffers with cudaHostRegister; a pool freed and another allocated
-    # at the same address fails with cudaErrorHostMemoryAlreadyRegistered. Never free them.
-    _keep: list = []
+    """One stock NSA HiCache stack on the GPU, built as the server builds it
+    (``cp_hicache_stack.build_stock_hicache_stack``: sglang's NSA assembler makes the KV and indexer
+    host pools and the ``HybridCacheController``); this smoke drives the controller directly."""
 
     def __init__(self, kv_format, io_backend, host_layout, layers, pages, override_host_row=True):
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
-            HybridCacheController,
+        from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+            build_stock_hicache_stack,
+            glm5_nsa,
+            host_rows_as_wide_as_device_rows,
         )
-        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
-        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-        from sglang.srt.mem_cache.memory_pool_host import (
-            HostPoolGroup,
-            MLATokenToKVPoolHost,
-            NSAIndexerPoolHost,
-        )
+        from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 
-        dtype, kv_cache_dim = KV_FORMATS[kv_format]
-        size = pages * PAGE_SIZE
-        self.pool = NSATokenToKVPool(
-            size=size,
-            page_size=PAGE_SIZE,
-            kv_lora_rank=KV_LORA_RANK,
-            dtype=dtype,
-            qk_rope_head_dim=QK_ROPE_HEAD_DIM,
-            layer_num=layers,
-            device="cuda",
-            index_head_dim=INDEX_HEAD_DIM,
-            enable_memory_saver=False,
-            kv_cache_dim=kv_cache_dim,
-        )
-        self.allocator = PagedTokenToKVPoolAllocator(
-            size, PAGE_SIZE, dtype, "cuda", kvcache=self.pool, need_sort=False
-        )
-        host_kwargs = {"override_kv_cache_dim": kv_cache_dim} if override_host_row else {}
-        kv_host = MLATokenToKVPoolHost(self.pool, 2.0, 0, PAGE_SIZE, host_layout, **host_kwargs)
-        indexer_host = NSAIndexerPoolHost(self.pool, kv_host, host_layout)
-        layer_mapping = {layer: layer for layer in range(layers)}
-        entries = [
-            build_pool_entry(
-                name=PoolName.KV,
-                host_pool=kv_host,
-                device_pool=self.pool,
-                layer_mapping=layer_mapping,
-                transfer_layer_num=layers,
-                is_anchor=True,
-            ),
-            build_pool_entry(
-                name=PoolName.INDEXER,
-                host_pool=indexer_host,
-                device_pool=self.pool,
-                layer_mapping=layer_mapping,
-                transfer_layer_num=layers,
-                share_indices_with_anchor=True,
-            ),
-        ]
-        self.controller = HybridCacheController(
-            self.allocator,
-            HostPoolGroup(entries),
-            PAGE_SIZE,
-            one_process_group(),
-            load_cache_event=threading.Event(),
-            write_policy="write_through",
-            io_backend=io_backend,
-            transfer_layer_num=layers,
-        )
-        self.kv_host = kv_host
-        RoundTrip._keep.append(self)
+        widen = host_rows_as_wide_as_device_rows() if override_host_row else contextlib.nullcontext()
+        with widen:
+            stack = build_stock_hicache_stack(
+                pages=pages,
+                group=single_process_group(),
+                device="cuda",
+                shape=glm5_nsa(kv_format, layers),
+                io_backend=io_backend,
+                host_layout=host_layout,
+            )
+        self.pool, self.allocator = stack.kv_pool, stack.allocator
+        self.controller, self.kv_host = stack.controller, stack.kv_host
 
     def _indexer_extra_pools(self):
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer

@@ -70,13 +70,10 @@ class CpHybridCacheController(HybridCacheController):
     host pools (pinned and registered with CUDA in production) and registers the layer counter on the
     device pool; building a second controller would allocate host memory twice, and replacing
     ``HybridCacheController`` globally would also change the Mamba / unified caches that use it. The
-    only state this subclass adds is ``layout`` and the in-page offsets ``0..page_size-1`` (NumPy and on
-    the device) that expand page heads to rows.
+    only state this subclass adds is ``layout``, which answers every ownership question.
     """
 
     layout: CpSharedKVLayout
-    _page_slots_np: np.ndarray
-    _page_slots_device: torch.Tensor
 
     @classmethod
     def adopt(
@@ -108,10 +105,6 @@ class CpHybridCacheController(HybridCacheController):
             )
         controller.__class__ = cls
         controller.layout = layout
-        controller._page_slots_np = np.arange(layout.page_size, dtype=np.int64)
-        controller._page_slots_device = torch.arange(
-            layout.page_size, dtype=torch.int64, device=controller.device
-        )
         return controller
 
     # ---- write (device -> host) ----
@@ -134,9 +127,7 @@ class CpHybridCacheController(HybridCacheController):
         owned_pages = np.flatnonzero(page_owners == self.layout.cp_rank)  # node-local page numbers
         reservation = CpWriteReservation(
             logical_len=logical_len,
-            owned_positions=torch.from_numpy(
-                (owned_pages[:, None] * page_size + self._page_slots_np).reshape(-1)
-            ),
+            owned_positions=torch.from_numpy(self.layout.rows_of_pages(owned_pages * page_size)),
             owner_ranks=torch.from_numpy(np.repeat(page_owners.astype(np.int8), page_size)),
             physical_device_indices=self._physical_rows_on_device(logical_pages[owned_pages]),
             host_indices=None,
@@ -326,5 +317,4 @@ class CpHybridCacheController(HybridCacheController):
         """Physical device rows of logical pages this rank owns (callers have checked that); only
         the physical page heads go to the device, rows are expanded there."""
         physical_heads = self.layout.physical_page_of(owned_logical_pages) * self.page_size
-        physical_heads_device = torch.from_numpy(physical_heads).to(self.device)
-        return (physical_heads_device[:, None] + self._page_slots_device).reshape(-1)
+        return self.layout.rows_of_pages(torch.from_numpy(physical_heads).to(self.device))

@@ -1,4 +1,4 @@
-"""Prefill admission hands its remaining token budget to HiCache load-back (design README, fix 1).
+"""Prefill admission hands its remaining token budget to HiCache load-back as ``mem_quota``.
 
 ``HiRadixCache.load_back(node, mem_quota)`` loads all evicted ancestors of ``node`` or nothing, and
 refuses when they exceed ``mem_quota``; ``init_load_back`` then returns no indices and the request
@@ -20,6 +20,9 @@ Units: every number here is a *logical* token count. ``rem_total_tokens`` is bui
 allocator's ``available_size()`` (logical for ``CPSharedPagedTokenToKVPoolAllocator``), the tree's
 ``evictable_size()`` and the adder's offsets, all of which are identical on every CP rank, so all
 ranks compute the same quota and take the same load / recompute decision without a collective.
+
+The user-facing summary is in the README ("Supported combinations"); the tests are in
+``test/registered/unit/managers/test_prefill_load_back_quota.py``.
 """
 
 from __future__ import annotations

@@ -88,21 +88,16 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.num_physical_pages = self.physical_size // page_size
         # The base constructor sets num_pages (logical pages handed out) and calls clear().
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
-        self._page_slots = torch.arange(page_size, dtype=torch.int64, device=device)
 
     # ---- state ----
 
     def clear(self):
-        # Owner r holds logical pages r + k * cp_size for its physical pages k = 1..num_physical_pages.
+        # Owner r holds the logical pages of its physical pages 1..num_physical_pages (0 is the dummy).
+        physical_pages = torch.arange(
+            1, self.num_physical_pages + 1, dtype=torch.int64, device=self.device
+        )
         self.free_pages_by_owner: List[torch.Tensor] = [
-            torch.arange(
-                self.cp_size + rank,
-                self.cp_size * (self.num_physical_pages + 1),
-                self.cp_size,
-                dtype=torch.int64,
-                device=self.device,
-            )
-            for rank in range(self.cp_size)
+            self.layout.logical_page_of(physical_pages, rank) for rank in range(self.cp_size)
         ]
         self.release_pages_by_owner: List[torch.Tensor] = [
             self._empty_pages() for _ in range(self.cp_size)
@@ -328,7 +323,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self.free_group.append(free_index)
             return
         pages = torch.unique(free_index.to(torch.int64) // self.page_size)
-        owner = pages % self.cp_size
+        owner = self.layout.owner_of_page(pages)
         counts = torch.bincount(owner, minlength=self.cp_size).tolist()
         pages_by_owner = torch.split(pages[torch.argsort(owner, stable=True)], counts)
         target = self.release_pages_by_owner if self.need_sort else self.free_pages_by_owner
@@ -339,11 +334,14 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self._check_free_lists()
 
     def _check_free_lists(self):
-        lowest, highest = self.cp_size, self.cp_size * (self.num_physical_pages + 1) - 1
         for rank in range(self.cp_size):
             pages = torch.cat((self.free_pages_by_owner[rank], self.release_pages_by_owner[rank]))
-            assert bool((pages % self.cp_size == rank).all()), "page on the wrong owner list"
-            assert bool(((pages >= lowest) & (pages <= highest)).all()), "page out of range"
+            owner = self.layout.owner_of_page(pages)
+            assert bool((owner == rank).all()), "page on the wrong owner list"
+            physical = self.layout.physical_page_of(pages)
+            assert bool(((physical >= 1) & (physical <= self.num_physical_pages)).all()), (
+                "page out of range"
+            )
             assert len(torch.unique(pages)) == len(pages), "page freed twice"
 
     # ---- unsupported ----
@@ -362,7 +360,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def _page_locs(self, pages: torch.Tensor) -> torch.Tensor:
         """All locs of logical ``pages``, page by page."""
-        return (pages[:, None] * self.page_size + self._page_slots).reshape(-1)
+        return self.layout.rows_of_pages(pages * self.page_size)
 
     def _empty_pages(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)

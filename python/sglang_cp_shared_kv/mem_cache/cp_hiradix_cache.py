@@ -102,6 +102,7 @@ class CpHiRadixCache(HiRadixCache):
         return cache
 
     def __init__(self, params: CacheInitParams, server_args: ServerArgs):
+        """Stock constructor, between a check of the layout against the CP group and adopt()."""
         allocator = params.token_to_kv_pool_allocator
         _check_supported(allocator.get_kvcache(), server_args)
         cp_rank, cp_size = self._attn_cp_rank_and_size(params)
@@ -160,6 +161,7 @@ class CpHiRadixCache(HiRadixCache):
         return node.cp_hicache.host_indices
 
     def reset(self):
+        """Stock reset, then plain-dict root children and no backed-up logical tokens."""
         super().reset()
         self.root_node.children = {}
         self.host_logical_tokens = 0
@@ -184,7 +186,10 @@ class CpHiRadixCache(HiRadixCache):
     # ---- write (device -> host) ----
 
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """Back up ``node``'s owned pages; returns the logical tokens backed up (0 if not)."""
+        """Stock writes all of ``node`` to ``host_value``; here owned pages, once all ranks got slots.
+
+        Returns the logical tokens backed up (0 if not).
+        """
         # Write-through keeps backed-up nodes a contiguous prefix from the root.
         if not write_back and not self._node_backuped(node.parent):
             return 0
@@ -215,6 +220,7 @@ class CpHiRadixCache(HiRadixCache):
         return controller.write_reserved(reservation, node_id=node.id)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool = False):
+        """Stock, with ``_node_backuped`` for ``node.backuped``; ``host_value`` is never set."""
         if self.cache_controller.write_policy == "write_back" or chunked:
             return
         node.hit_count += 1
@@ -224,7 +230,9 @@ class CpHiRadixCache(HiRadixCache):
     # ---- host eviction ----
 
     def evict_host(self, physical_slots_needed: int) -> int:
-        """Evict host-only nodes until this rank freed ``physical_slots_needed`` host slots, keeping the
+        """Stock frees ``host_value`` tokens per rank; here physical slots, with one agreed node set.
+
+        Evict host-only nodes until this rank freed ``physical_slots_needed`` host slots, keeping the
         evicted set identical on every rank. Returns this rank's physical slots freed.
 
         Progress counts physical slots, not logical ``host_len``: a node can be long and hold nothing
@@ -271,6 +279,7 @@ class CpHiRadixCache(HiRadixCache):
             self._note_host_event()
 
     def _update_host_leaf_status(self, node: TreeNode):
+        """Stock, with ``_node_backuped`` for ``child.backuped``."""
         if not node.evicted or node.lock_ref > 0:
             self.evictable_host_leaves.discard(node)
             return
@@ -282,6 +291,7 @@ class CpHiRadixCache(HiRadixCache):
     # ---- device eviction ----
 
     def evict(self, params: EvictParams) -> EvictResult:
+        """Stock, with ``_node_backuped`` for ``backuped`` and ``node.id`` breaking priority ties."""
         start_time = time.perf_counter()
         write_back = self.cache_controller.write_policy == "write_back"
         heap = [self._eviction_entry(node) for node in self.evictable_leaves]
@@ -317,7 +327,10 @@ class CpHiRadixCache(HiRadixCache):
     def load_back(
         self, node: TreeNode, mem_quota: Optional[int] = None
     ) -> Optional[torch.Tensor]:
-        """Load the evicted path ending at ``node``; returns its new logical locs or ``None``."""
+        """Stock loads ``host_value``; here ranks agree on the same new locs and each loads its own.
+
+        Loads the evicted path ending at ``node``; returns its new logical locs or ``None``.
+        """
         start_time = time.perf_counter()
         last_hit_node = node
         nodes_to_load: List[TreeNode] = []
@@ -405,6 +418,7 @@ class CpHiRadixCache(HiRadixCache):
     # ---- matching and insertion ----
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Stock, with ``_node_host_len`` and ``_node_backuped`` for ``host_value`` and ``backuped``."""
         key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
         # A key shorter than one page (e.g. a short EAGLE bigram key) aligns to empty and matches nothing.
         key = key.page_aligned(self.page_size)
@@ -436,6 +450,7 @@ class CpHiRadixCache(HiRadixCache):
         )
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        """Stock, but host state splits as ``cp_hicache`` + ``host_len``, not ``host_value``."""
         # child is split into new_node (first split_len tokens) -> child (the rest).
         new_node = self._new_node(priority=child.priority)
         new_node.children = {key[split_len:].child_key(self.page_size): child}
@@ -460,6 +475,7 @@ class CpHiRadixCache(HiRadixCache):
         return new_node
 
     def insert(self, params: InsertParams) -> InsertResult:
+        """Stock, but new nodes come from ``_new_node`` and no storage hash value is computed."""
         priority = params.priority or 0
         key, value = params.key.maybe_to_bigram_view(self.is_eagle, params.value)
         # A key shorter than one page aligns to empty: nothing is inserted, and the caller frees the
@@ -513,6 +529,7 @@ class CpHiRadixCache(HiRadixCache):
     # ---- storage and observability ----
 
     def attach_storage_backend(self, storage_backend: str, *args, **kwargs) -> tuple[bool, str]:
+        """Stock attaches a storage backend; here it is always refused."""
         return (
             False,
             f"HiCache storage backends are not supported with {FLAG}: host copies are sharded "

@@ -23,7 +23,8 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 logger = logging.getLogger(__name__)
 
 SCRATCH_LAYER_ID = 0  # the scratch pool's only layer
-INDEX_K_BYTES_PER_TOKEN = 128 + 4  # fp8 index K (head dim 128) + one fp32 scale
+# The indexer head dim of GLM-5 / DeepSeek-V3.2, and the only one NSATokenToKVPool accepts (it asserts).
+NSA_INDEX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,24 @@ class _ScratchLayer:
 SCRATCH_LAYER = _ScratchLayer()
 
 
-def scratch_bytes(scratch_tokens: int, kv_row_bytes: int, page_size: int) -> int:
+def index_k_bytes_per_token(index_head_dim: int = NSA_INDEX_HEAD_DIM) -> int:
+    """Indexer bytes per token as ``NSATokenToKVPool`` lays them out: one byte per fp8 K value and one
+    fp32 scale per ``quant_block_size`` values, read from the pool class rather than restated here."""
+    pool = NSATokenToKVPool
+    values_and_scales = index_head_dim + index_head_dim // pool.quant_block_size * 4
+    return values_and_scales * torch.empty(0, dtype=pool.index_k_with_scale_buffer_dtype).element_size()
+
+
+def scratch_bytes(
+    scratch_tokens: int,
+    kv_row_bytes: int,
+    page_size: int,
+    index_head_dim: int = NSA_INDEX_HEAD_DIM,
+) -> int:
     """Bytes of a scratch of ``scratch_tokens`` (logical) tokens, as ``NSATokenToKVPool`` allocates them."""
     kv_rows = scratch_tokens + page_size  # + dummy page 0
     index_pages = (scratch_tokens + page_size + 1) // page_size
-    return kv_rows * kv_row_bytes + index_pages * page_size * INDEX_K_BYTES_PER_TOKEN
+    return kv_rows * kv_row_bytes + index_pages * page_size * index_k_bytes_per_token(index_head_dim)
 
 
 def reserve_scratch_bytes(
@@ -49,13 +63,16 @@ def reserve_scratch_bytes(
     cp_size: int,
     kv_row_bytes: int,
     page_size: int,
+    index_head_dim: int = NSA_INDEX_HEAD_DIM,
 ) -> int:
     """KV-budget bytes to hold back for the scratch.
 
     ``unreserved_physical_tokens`` is what the pool would get from the whole ``available_bytes``;
     the pool sized from what remains is no larger, so its scratch fits the reservation.
     """
-    reserve = scratch_bytes(cp_size * unreserved_physical_tokens, kv_row_bytes, page_size)
+    reserve = scratch_bytes(
+        cp_size * unreserved_physical_tokens, kv_row_bytes, page_size, index_head_dim
+    )
     if reserve >= available_bytes:
         raise ValueError(
             f"--enable-nsa-prefill-cp-shared-kv: the gather scratch needs {reserve} bytes but only "

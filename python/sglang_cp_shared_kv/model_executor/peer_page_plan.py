@@ -92,7 +92,7 @@ def build_peer_page_plan(
     """
     if len(seq_lens) != len(new_token_counts):
         raise ValueError("seq_lens and new_token_counts differ in length")
-    page_size, cp_size = layout.page_size, layout.cp_size
+    cp_size = layout.cp_size
     device = req_to_token.device
     lookup = torch.zeros(num_logical_pages, dtype=torch.int32, device=device)
     fill_lookup = torch.zeros_like(lookup)
@@ -101,12 +101,12 @@ def build_peer_page_plan(
         req_to_token, req_pool_indices, seq_lens, new_token_counts, layout
     )
     fill = referenced[~torch.isin(referenced, gathered)]
-    counts = torch.bincount(gathered % cp_size, minlength=cp_size).tolist()
+    counts = torch.bincount(layout.owner_of_page(gathered), minlength=cp_size).tolist()
     if 1 + cp_size * max(counts) + fill.numel() > scratch_num_pages:
         # Owners are unbalanced inside this batch. Gather everything instead: a rank owns at most
         # its physical page count, so cp_size * n then fits a scratch sized from logical capacity.
         gathered, fill = referenced, referenced[:0]
-        counts = torch.bincount(gathered % cp_size, minlength=cp_size).tolist()
+        counts = torch.bincount(layout.owner_of_page(gathered), minlength=cp_size).tolist()
     n = max(counts)
     if 1 + cp_size * n + fill.numel() > scratch_num_pages:
         raise RuntimeError(
@@ -116,7 +116,7 @@ def build_peer_page_plan(
 
     # Owner-major scratch positions of the gathered pages (gathered is sorted, so each owner's
     # pages stay in ascending logical order).
-    owners = gathered % cp_size
+    owners = layout.owner_of_page(gathered)
     order = torch.argsort(owners, stable=True)
     gathered, owners = gathered[order], owners[order]
     counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
@@ -130,9 +130,7 @@ def build_peer_page_plan(
 
     own_logical_pages = gathered[owners == layout.cp_rank]
     send = torch.zeros(n, dtype=torch.int64, device=device)
-    send[: own_logical_pages.numel()] = (
-        layout.logical_locs_to_physical(own_logical_pages * page_size) // page_size
-    )
+    send[: own_logical_pages.numel()] = layout.physical_page_of(own_logical_pages)
     return PeerPagePlan(
         layout=layout,
         lookup=lookup,
@@ -168,7 +166,7 @@ def _referenced_and_old_pages(
     )
     read = column[None, :] < pages_read[:, None]
     old = column[None, :] < first_new_column[:, None]
-    # Logical pages 0..cp_size-1 are never allocated: padded requests (req_to_token row 0) land
-    # there and read nothing real.
-    real = pages >= layout.cp_size
+    # Logical pages on the dummy physical page 0 are never allocated: padded requests
+    # (req_to_token row 0) land there and read nothing real.
+    real = layout.physical_page_of(pages) > 0
     return torch.unique(pages[read & real]), torch.unique(pages[read & old & real])

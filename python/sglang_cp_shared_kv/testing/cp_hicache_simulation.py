@@ -1,7 +1,7 @@
 """Multi-rank CP HiCache simulation on the CPU: every rank of a CP group, checked after every step.
 
-``run_simulation(cp_size, scenarios)`` starts ``cp_size`` processes joined by a gloo group. Each builds
-its real stack (``build_cpu_cp_hicache``: ``CpHiRadixCache``, the CP allocator, an NSA device pool and
+``run_simulation(cp_size, scenarios)`` starts ``cp_size`` processes joined by a gloo group
+(``multi_rank.launch``). Each builds its real stack (``build_cp_hicache_stack``: ``CpHiRadixCache``, the CP allocator, an NSA device pool and
 sglang's KV + indexer host pools, io backend "direct", small enough that device eviction and host
 pressure happen all the time) and, per scenario, drives it with the seeded workload
 (``cp_hicache_simulation_workload``): the same operations on every rank. After every operation each rank
@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import os
-import pickle
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 import zlib
@@ -34,7 +30,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import (
     RankInvariants,
@@ -43,11 +38,12 @@ from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import (
     shared_state,
 )
 from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
-    CpuHiCacheStack,
-    build_cpu_cp_hicache,
+    HiCacheStack,
+    build_cp_hicache_stack,
 )
+from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, launch
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -65,7 +61,7 @@ class SimulationScenario:
     max_running_requests: int = 4
     # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
     # bug and check that the harness reports it. Must be picklable (a module-level function).
-    plant: Optional[Callable[[CpuHiCacheStack, int], None]] = None
+    plant: Optional[Callable[[HiCacheStack, int], None]] = None
 
     def describe(self) -> str:
         return (
@@ -127,22 +123,25 @@ def run_simulation(
     Raises ``SimulationViolation`` for the first violation (the run stops there). ``timeout_s`` bounds
     every collective: a rank that dies or hangs fails the run instead of blocking it.
     """
-    out_dir = tempfile.mkdtemp(prefix="cp_hicache_sim_")
     start = time.monotonic()
-    try:
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload([__name__])
-        args = (cp_size, list(scenarios), os.path.join(out_dir, "rendezvous"), out_dir, timeout_s)
-        mp.start_processes(_worker, args=args, nprocs=cp_size, start_method="forkserver")
-        outcomes = []
-        for rank in range(cp_size):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-                outcomes.append(pickle.load(f))
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    violation = _root_cause([o["violation"] for o in outcomes if o["violation"] is not None])
+    ranks = launch(
+        _rank, cp_size, (list(scenarios),), start_method="forkserver", preload=[__name__],
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    # A rank returns a violation the group detected together, and raises one from inside an
+    # operation (invariant "exception"); anything else (a crash, the deadline) is the launcher's.
+    violations = []
+    for r in ranks:
+        if isinstance(r.error, SimulationViolation):
+            violations.append(r.error)
+        elif not r.ok:
+            raise RanksFailed(ranks)
+        elif r.value["violation"] is not None:
+            violations.append(r.value["violation"])
+    violation = _root_cause(violations)
     if violation is not None:
         raise violation
+    outcomes = [r.value for r in ranks]
     results = []
     for index, result in enumerate(outcomes[0]["results"]):
         local = collections.Counter()
@@ -166,27 +165,18 @@ def _root_cause(violations: List[SimulationViolation]) -> Optional[SimulationVio
 _PEER_FAILURE = "collective failed (a peer rank died or diverged)"
 
 
-def _worker(rank: int, cp_size: int, scenarios, rendezvous: str, out_dir: str, timeout_s: float):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=cp_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+def _rank(rank: int, cp_size: int, scenarios) -> dict:
     outcome = {"results": [], "violation": None}
     try:
         for scenario in scenarios:
             outcome["results"].append(_RankRun(rank, cp_size, scenario, dist.group.WORLD).run())
     except SimulationViolation as violation:
+        if violation.invariant == "exception":
+            # Peers may be blocked in a collective: raising makes the launcher leave without another
+            # one, so their collective fails as this process's sockets close.
+            raise
         outcome["violation"] = violation
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(outcome, f)
-    if outcome["violation"] is None or outcome["violation"].invariant != "exception":
-        dist.destroy_process_group()
-    # After an exception, peers may be blocked in a collective: exit without another one; their
-    # collective then fails as this process's sockets close.
+    return outcome
 
 
 class _RankRun:
@@ -231,7 +221,7 @@ class _RankRun:
         logical_tokens = self.cp_size * scenario.physical_pages * NSA_PAGE_SIZE
         # A request may grow to 45% of the logical pool: several running requests overflow it.
         max_request_tokens = max(4 * NSA_PAGE_SIZE, logical_tokens * 45 // 100)
-        stack = build_cpu_cp_hicache(
+        stack = build_cp_hicache_stack(
             cp_size=self.cp_size,
             cp_rank=self.rank,
             group=self.group,

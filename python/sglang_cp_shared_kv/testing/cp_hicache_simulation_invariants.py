@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
 if TYPE_CHECKING:
     from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-    from sglang_cp_shared_kv.testing.cpu_hicache_fixture import CpuHiCacheStack
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import HiCacheStack
 
 # NSA indexer K per token: 128 fp8 values in the page's value block, one fp32 scale in its scale block.
 _INDEX_VALUE_BYTES = 128
@@ -78,7 +78,7 @@ def indexer_token_pattern(hashes, layer: int) -> torch.Tensor:
 
 
 def write_owned_kv(
-    stack: CpuHiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> None:
     """Store the tokens' KV and indexer bytes on this rank as the runtime's owner-filtered write does."""
     rows = stack.layout.physical_locs_or_dummy(logical_locs.to(torch.int64))
@@ -95,12 +95,12 @@ def write_owned_kv(
 
 
 def owned_kv_mismatches(
-    stack: CpuHiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> List[int]:
     """Logical locs this rank owns whose device KV row or indexer slot lacks its token's pattern."""
     owned = stack.layout.owned_by_this_rank(logical_locs)
     locs, tokens = logical_locs[owned], token_ids[owned]
-    rows = stack.layout.logical_locs_to_physical(locs)
+    rows = stack.layout.physical_locs_or_dummy(locs)  # owned locs: their physical rows
     pool = stack.kv_pool
     bad = _rows_mismatching(
         rows, tokens, pool.layer_num, pool.page_size,
@@ -110,7 +110,7 @@ def owned_kv_mismatches(
 
 
 def host_kv_mismatches(
-    stack: CpuHiCacheStack, host_slots: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, host_slots: torch.Tensor, token_ids: torch.Tensor
 ) -> List[int]:
     """Physical host slots of this rank whose KV row or indexer slot lacks its token's pattern."""
     host_group = stack.controller.mem_pool_host
@@ -458,7 +458,7 @@ class RankInvariants:
                 (allocator.release_pages_by_owner, "release list"),
             ):
                 pages = lists[rank]
-                if bool((pages % cp_size != rank).any()):
+                if bool((self.stack.layout.owner_of_page(pages) != rank).any()):
                     return f"a logical page of another owner is on the {what} of owner {rank}"
                 sources.append((f"{what} of owner {rank}", pages))
         sources += [(f"node {n.id}", n.value[::page] // page) for n in nodes if not n.evicted]

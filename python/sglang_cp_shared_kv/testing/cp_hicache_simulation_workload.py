@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import write_owned_kv
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import CpuHiCacheStack
+from sglang_cp_shared_kv.testing.cp_hicache_stack import HiCacheStack
 
 # (operation, relative weight). Drain and flush are rare: they empty the cache.
 OPERATIONS: Tuple[Tuple[str, float], ...] = (
@@ -139,7 +139,7 @@ class CpHiCacheWorkload:
 
     def __init__(
         self,
-        stack: CpuHiCacheStack,
+        stack: HiCacheStack,
         *,
         seed: int,
         max_running_requests: int,

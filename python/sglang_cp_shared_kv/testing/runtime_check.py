@@ -236,12 +236,12 @@ def _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, repli
 
 def _check_shard(layout, shard, replica, num_layers, result) -> None:
     """Each real physical row holds exactly the replicated row of the logical loc it stores."""
-    physical_locs = torch.arange(PAGE_SIZE, shard.size + PAGE_SIZE, device=shard.kv_buffer[0].device)
-    logical_locs = layout.physical_locs_to_logical(physical_locs)
+    pages = torch.arange(1, shard.size // PAGE_SIZE + 1, device=shard.kv_buffer[0].device)
+    logical_pages = layout.logical_page_of(pages)
+    physical_locs = layout.rows_of_pages(pages * PAGE_SIZE)
+    logical_locs = layout.rows_of_pages(logical_pages * PAGE_SIZE)
     for layer in range(num_layers):
         result.compare(shard.kv_buffer[layer][physical_locs], replica.kv_buffer[layer][logical_locs])
-        pages = torch.arange(1, shard.size // PAGE_SIZE + 1, device=physical_locs.device)
-        logical_pages = layout.physical_locs_to_logical(pages * PAGE_SIZE) // PAGE_SIZE
         result.compare(
             shard.index_k_with_scale_buffer[layer][pages],
             replica.index_k_with_scale_buffer[layer][logical_pages],

@@ -65,7 +65,8 @@ def stored_rows_of(pool, logical_locs: torch.Tensor):
         return (positions, logical_locs) if _rank() == 0 else (positions[:0], logical_locs[:0])
     layout = runtime.layout
     owned = layout.owned_by_this_rank(logical_locs)
-    return positions[owned], layout.logical_locs_to_physical(logical_locs[owned])
+    # Every loc passed is owned, so none falls back to the dummy page.
+    return positions[owned], layout.physical_locs_or_dummy(logical_locs[owned])
 
 
 def dump_finished_request(audit_dir: Path, cache, req) -> None:

@@ -37,6 +37,7 @@ LOAD_BACK_QUOTA_TARGETS = {
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.init_load_back",
 }
+PD_TRANSFER_TARGETS = {"sglang.srt.disaggregation.utils.get_kv_class"}
 
 # Runs as a file so that the spawned child can import it (multiprocessing "spawn", as sglang uses).
 LAUNCHER = textwrap.dedent(
@@ -149,7 +150,9 @@ class TestPluginWiring(CustomTestCase):
         self.assertIs(child["flag"], True)
         self.assertEqual(child["env"], "1")
         registered = set(child["registered"])
-        self.assertTrue(SERVER_ARGS_TARGETS | LOAD_BACK_QUOTA_TARGETS <= registered, registered)
+        self.assertTrue(
+            SERVER_ARGS_TARGETS | LOAD_BACK_QUOTA_TARGETS | PD_TRANSFER_TARGETS <= registered, registered
+        )
         self.assertEqual(set(child["applied"]), registered)
 
 

@@ -16,6 +16,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
+from sglang_cp_shared_kv.disaggregation.server_args_rule import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,
@@ -172,15 +173,52 @@ class TestCpSharedKVServerArgs(CustomTestCase):
             with self.subTest(extra=extra):
                 self.assertRejected(*flags, model_path="dummy", **{**CP_ON, **extra})
 
-    def test_rejects_pd_disaggregation(self):
-        for mode in ("prefill", "decode"):
-            with self.subTest(mode=mode):
-                self.assertRejected(
-                    f"--disaggregation-mode {mode}",
-                    model_path="dummy",
-                    disaggregation_mode=mode,
-                    **CP_ON,
-                )
+    # ---- PD disaggregation (docs/pd-disaggregation.md) ----
+
+    def test_rejects_pd_decode_mode(self):
+        with mock.patch.dict(os.environ, {ALL_CP_RANKS_ENV: "1"}):
+            self.assertRejected(
+                "--disaggregation-mode decode",
+                "supported on the prefill server only",
+                model_path="dummy",
+                disaggregation_mode="decode",
+                disaggregation_transfer_backend="mooncake",
+                **CP_ON,
+            )
+
+    def test_accepts_pd_prefill_with_mooncake_and_all_cp_ranks_transfer(self):
+        with mock.patch.dict(os.environ, {ALL_CP_RANKS_ENV: "1"}):
+            args = self.glm5_args(
+                tp_size=2,
+                disaggregation_mode="prefill",
+                disaggregation_transfer_backend="mooncake",
+                **CP_ON,
+            )
+            self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")  # patch.dict restores it on exit
+        self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
+        self.assertEqual(args.disaggregation_mode, "prefill")
+        self.assertEqual((args.tp_size, args.attn_cp_size), (2, 2))
+
+    def test_rejects_pd_prefill_without_all_cp_ranks_transfer(self):
+        with mock.patch.dict(os.environ):
+            os.environ.pop(ALL_CP_RANKS_ENV, None)
+            self.assertRejected(
+                f"{ALL_CP_RANKS_ENV} is unset",
+                model_path="dummy",
+                disaggregation_mode="prefill",
+                disaggregation_transfer_backend="mooncake",
+                **CP_ON,
+            )
+
+    def test_rejects_pd_prefill_with_nixl(self):
+        with mock.patch.dict(os.environ, {ALL_CP_RANKS_ENV: "1"}):
+            self.assertRejected(
+                "--disaggregation-transfer-backend nixl",
+                model_path="dummy",
+                disaggregation_mode="prefill",
+                disaggregation_transfer_backend="nixl",
+                **CP_ON,
+            )
 
     def test_rejects_non_nsa_model(self):
         self.assertRejected(

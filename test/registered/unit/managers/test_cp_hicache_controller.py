@@ -7,13 +7,13 @@ import unittest
 
 import torch
 
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
-    build_cpu_cp_hicache,
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    build_cp_hicache_stack,
     clear_device_pool,
     count_owned_pattern_mismatches,
-    single_process_group,
     write_owned_pattern,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -48,7 +48,7 @@ class TestCpHybridCacheController(CustomTestCase):
     def setUpClass(cls):
         group = single_process_group()
         # Rank 1's view of a 2-rank layout: it owns the odd logical pages.
-        cls.stack = build_cpu_cp_hicache(cp_size=2, cp_rank=1, group=group, physical_pages=8)
+        cls.stack = build_cp_hicache_stack(cp_size=2, cp_rank=1, group=group, physical_pages=8)
 
     def setUp(self):
         super().setUp()
@@ -85,7 +85,7 @@ class TestCpHybridCacheController(CustomTestCase):
         self.assertTrue(
             torch.equal(
                 reservation.physical_device_indices,
-                self.stack.layout.logical_locs_to_physical(locs[owned]),
+                self.stack.layout.physical_locs_or_dummy(locs[owned]),
             )
         )
         self.assertEqual(reservation.owner_ranks.tolist(), (locs // PAGE % 2).tolist())
@@ -163,8 +163,9 @@ class TestCpHybridCacheController(CustomTestCase):
         new_locs = self.controller.alloc_logical_locs(metadata)
         self.assertEqual(len(new_locs), len(locs))
         self.assertFalse(torch.equal(new_locs, locs))
+        owner_of_page = self.stack.layout.owner_of_page
         self.assertEqual(
-            self.stack.layout.owner_of(new_locs).tolist(), self.stack.layout.owner_of(locs).tolist()
+            owner_of_page(new_locs // PAGE).tolist(), owner_of_page(locs // PAGE).tolist()
         )
         self.controller.load_reserved(metadata, new_locs, node_id=1)
         self.assertGreaterEqual(self.controller.start_loading(), 0)

@@ -6,17 +6,13 @@ host pool) or gets injected device allocation failures. The parent process compa
 report.
 """
 
-import datetime
-import os
-import pickle
-import tempfile
 import unittest
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 
@@ -43,25 +39,17 @@ class _FailNextAllocs:
         return self.original(page_owners)
 
 
-def _worker(rank, rendezvous, out_dir):
-    # A rank that skips a collective must fail the test quickly, not hang for gloo's default 30 min.
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=CP_SIZE,
-        timeout=datetime.timedelta(seconds=120),
-    )
+def _rank(rank, world_size):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
-        build_cpu_cp_hicache,
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+        build_cp_hicache_stack,
         owned_host_slots_in_tree,
         tree_signature,
     )
 
-    stack = build_cpu_cp_hicache(
+    stack = build_cp_hicache_stack(
         cp_size=CP_SIZE, cp_rank=rank, group=dist.group.WORLD, physical_pages=16
     )
     cache, allocator, host = stack.cache, stack.allocator, stack.controller.mem_pool_host
@@ -131,23 +119,14 @@ def _worker(rank, rendezvous, out_dir):
     report["one_page_owned"] = node_of(one_page).cp_hicache.num_owned
     snapshot("zero_owned_ack")
 
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 class TestCpHiCacheAgreement(CustomTestCase):
     @classmethod
     def setUpClass(cls):
-        out_dir = tempfile.mkdtemp(prefix="cp_hicache_agreement_")
-        rendezvous = os.path.join(out_dir, "rendezvous")
-        mp.start_processes(
-            _worker, args=(rendezvous, out_dir), nprocs=CP_SIZE, start_method="spawn"
-        )
-        cls.reports = []
-        for rank in range(CP_SIZE):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-                cls.reports.append(pickle.load(f))
+        # A rank that skips a collective fails the test within the timeout, not gloo's default 30 min.
+        cls.reports = run_ranks(_rank, CP_SIZE, timeout_s=120)
 
     def _both(self, name):
         return self.reports[0][name], self.reports[1][name]

@@ -8,14 +8,14 @@ import unittest
 
 import torch
 
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
-    build_cpu_cp_hicache,
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    build_cp_hicache_stack,
     clear_device_pool,
     count_owned_pattern_mismatches,
-    single_process_group,
     tree_signature,
     write_owned_pattern,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -40,7 +40,7 @@ class TestCpHiCacheRoundTrip(CustomTestCase):
     def _round_trip(self, cp_size, write_policy="write_through"):
         group = single_process_group()
         views = [
-            build_cpu_cp_hicache(
+            build_cp_hicache_stack(
                 cp_size=cp_size,
                 cp_rank=rank,
                 group=group,
@@ -82,7 +82,9 @@ class TestCpHiCacheRoundTrip(CustomTestCase):
 
             self.assertFalse(torch.equal(new_a, locs_a))
             layout = view.layout
-            self.assertTrue(torch.equal(layout.owner_of(new_a), layout.owner_of(locs_a)))
+            self.assertTrue(
+                torch.equal(layout.owner_of_page(new_a // PAGE), layout.owner_of_page(locs_a // PAGE))
+            )
             self.assertEqual(count_owned_pattern_mismatches(view, new_a, seed=1), 0)
             self.assertEqual(count_owned_pattern_mismatches(view, new_suffix_b, seed=2), 0)
             owned_rows = int(layout.owned_by_this_rank(new_a).sum()) + int(

@@ -13,10 +13,10 @@ from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
     SimulationViolation,
     run_simulation,
 )
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
-    build_cpu_cp_hicache,
-    single_process_group,
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    build_cp_hicache_stack,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -155,7 +155,7 @@ class TestLoadBackKeepsItsHostCopies(CustomTestCase):
     bytes while ``protected_size_`` kept counting the detached node."""
 
     def test_write_back_eviction_during_load_back_spares_the_loaded_node(self):
-        stack = build_cpu_cp_hicache(
+        stack = build_cp_hicache_stack(
             cp_size=1,
             cp_rank=0,
             group=single_process_group(),

@@ -9,12 +9,12 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     HiCacheServerArgs,
-    build_cpu_cp_hicache,
-    single_process_group,
+    build_cp_hicache_stack,
     unpinned_host_pools,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -95,7 +95,7 @@ class TestCpHiRadixCacheTree(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         # Rank 1's view of a 2-rank layout (owns the odd logical pages).
-        cls.stack = build_cpu_cp_hicache(
+        cls.stack = build_cp_hicache_stack(
             cp_size=2, cp_rank=1, group=single_process_group(), physical_pages=16
         )
 
@@ -238,7 +238,7 @@ class TestCpHiRadixCacheTree(CustomTestCase):
 
 class TestShortBigramKeys(CustomTestCase):
     def test_key_shorter_than_a_page_matches_and_inserts_nothing_and_frees_its_page(self):
-        stack = build_cpu_cp_hicache(
+        stack = build_cp_hicache_stack(
             cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=4, is_eagle=True
         )
         tokens = list(range(20))  # 19 bigrams < one page

@@ -203,8 +203,7 @@ class Workload:
         valid = range(cp, cp * (a.num_physical_pages + 1))
         for page in held_pages:
             t.assertIn(page, valid)
-            owner_layout = a.layout.for_rank(page % cp)
-            phys = owner_layout.logical_locs_to_physical(torch.tensor([page * ps])).item() // ps
+            phys = a.layout.physical_page_of(page)
             t.assertTrue(1 <= phys <= a.num_physical_pages)
         free_pages = torch.cat(a.free_pages_by_owner + a.release_pages_by_owner).tolist()
         t.assertFalse(set(free_pages) & set(held_pages))

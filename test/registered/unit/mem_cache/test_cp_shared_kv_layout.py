@@ -16,78 +16,84 @@ CONFIGS = [(1, 64), (2, 1), (2, 64), (3, 4), (4, 64), (8, 64), (8, 16)]
 
 
 class TestCpSharedKVLayout(CustomTestCase):
-    def test_formula_on_known_locs(self):
+    def test_formula_on_known_pages(self):
         layout = CpSharedKVLayout(cp_size=4, cp_rank=2, page_size=64)
-        # logical page 6 -> owner 2, physical page 1; slot 5 kept
-        loc = torch.tensor([6 * 64 + 5])
-        self.assertEqual(layout.owner_of(loc).item(), 2)
-        self.assertEqual(layout.logical_locs_to_physical(loc).item(), 64 + 5)
-        self.assertEqual(layout.physical_locs_to_logical(torch.tensor([64 + 5])).item(), 6 * 64 + 5)
-        self.assertEqual(layout.logical_page_of(1), 6)
+        # logical page 6 -> owner 2, physical page 1
+        self.assertEqual(layout.owner_of_page(6), 2)
         self.assertEqual(layout.physical_page_of(6), 1)
+        self.assertEqual(layout.logical_page_of(1), 6)
+        self.assertEqual(layout.logical_page_of(1, rank=3), 7)
+        # same answers element-wise on NumPy arrays and tensors, type kept
+        pages = np.array([6, 7, 9])
+        self.assertEqual(layout.owner_of_page(pages).tolist(), [2, 3, 1])
+        self.assertEqual(layout.physical_page_of(torch.tensor(pages)).tolist(), [1, 1, 2])
+        self.assertIsInstance(layout.logical_page_of(np.array([1])), np.ndarray)
 
-    def test_every_logical_loc_has_exactly_one_owner_and_round_trips(self):
+    def test_every_logical_page_has_one_owner_and_round_trips(self):
         for cp_size, page_size in CONFIGS:
-            locs = torch.arange(cp_size * page_size * 7, dtype=torch.int64)
-            owners_seen = torch.zeros_like(locs)
+            pages = torch.arange(cp_size * 8, dtype=torch.int64)
+            owners_seen = torch.zeros_like(pages)
+            for rank in range(cp_size):
+                layout = CpSharedKVLayout(cp_size, rank, page_size)
+                owned = pages[layout.owner_of_page(pages) == rank]
+                owners_seen[owned] += 1
+                physical = layout.physical_page_of(owned)
+                # physical pages of one rank are dense: 8 pages (dummy page 0 included), no collision
+                self.assertEqual(sorted(physical.tolist()), list(range(8)))
+                self.assertTrue(torch.equal(layout.logical_page_of(physical), owned))
+            self.assertTrue(bool((owners_seen == 1).all()), (cp_size, page_size))
+
+    def test_per_loc_mask_and_map_agree_with_the_page_formula(self):
+        for cp_size, page_size in CONFIGS:
+            locs = torch.arange(cp_size * page_size * 5, dtype=torch.int64)
+            pages, slots = locs // page_size, locs % page_size
             for rank in range(cp_size):
                 layout = CpSharedKVLayout(cp_size, rank, page_size)
                 mask = layout.owned_by_this_rank(locs)
-                owners_seen += mask.long()
-                owned = locs[mask]
-                phys = layout.logical_locs_to_physical(owned)
-                # physical rows of one rank are dense: 7 pages, no collision
-                self.assertEqual(sorted(phys.tolist()), list(range(7 * page_size)))
-                self.assertTrue(torch.equal(layout.physical_locs_to_logical(phys), owned))
-                # NumPy twin agrees
-                np_phys = layout.logical_locs_to_physical_np(owned.numpy())
-                self.assertTrue(np.array_equal(np_phys, phys.numpy()))
-                self.assertTrue(
-                    np.array_equal(layout.physical_locs_to_logical_np(np_phys), owned.numpy())
+                self.assertTrue(torch.equal(mask, layout.owner_of_page(pages) == rank))
+                expected = torch.where(
+                    mask, layout.physical_page_of(pages) * page_size + slots, slots
                 )
-                self.assertTrue(
-                    np.array_equal(layout.owned_by_this_rank_np(locs.numpy()), mask.numpy())
-                )
-            self.assertTrue(bool((owners_seen == 1).all()), (cp_size, page_size))
+                self.assertTrue(torch.equal(layout.physical_locs_or_dummy(locs), expected))
 
-    def test_dtype_and_int32_preserved(self):
+    def test_physical_locs_or_dummy_keeps_int32(self):
         layout = CpSharedKVLayout(2, 1, 64)
-        locs = torch.tensor([64, 65, 200], dtype=torch.int32)
-        phys = layout.logical_locs_to_physical(locs)
-        self.assertEqual(phys.dtype, torch.int32)
-        self.assertEqual(phys.tolist(), [0, 1, 72])
-
-    def test_non_owned_loc_raises(self):
-        layout = CpSharedKVLayout(4, 1, 64)
-        with self.assertRaisesRegex(ValueError, "not owned by cp_rank 1"):
-            layout.logical_locs_to_physical(torch.tensor([64, 128]))
-        with self.assertRaisesRegex(ValueError, "not owned"):
-            layout.logical_locs_to_physical_np(np.array([0]))
-        # empty input is fine
-        self.assertEqual(layout.logical_locs_to_physical(torch.empty(0, dtype=torch.int64)).numel(), 0)
+        # pages 1 and 3 are rank 1's physical pages 0 and 1; page 2 is rank 0's
+        locs = torch.tensor([64, 65, 200, 130], dtype=torch.int32)
+        mapped = layout.physical_locs_or_dummy(locs)
+        self.assertEqual(mapped.dtype, torch.int32)
+        self.assertEqual(mapped.tolist(), [0, 1, 72, 2])
 
     def test_mapping_page_heads_then_expanding_equals_mapping_every_loc(self):
-        # The HiCache adapter maps only page heads and expands them: it must match the per-loc map.
+        # The allocator and the HiCache adapter map page heads and expand them: it must match the
+        # per-loc map, for tensors and NumPy arrays alike.
         for cp_size, page_size in CONFIGS:
             pages = torch.tensor([5, 2, 9, 7, 3, 12], dtype=torch.int64) * cp_size // 2 + 1
             for rank in range(cp_size):
                 layout = CpSharedKVLayout(cp_size, rank, page_size)
-                owned_pages = pages[pages % cp_size == rank]
+                owned_pages = pages[layout.owner_of_page(pages) == rank]
                 owned_locs = layout.rows_of_pages(owned_pages * page_size)
                 self.assertEqual(len(owned_locs), len(owned_pages) * page_size)
-                heads = owned_locs[::page_size]
+                physical_heads = layout.physical_page_of(owned_pages) * page_size
                 self.assertTrue(
                     torch.equal(
-                        layout.rows_of_pages(layout.logical_locs_to_physical(heads)),
-                        layout.logical_locs_to_physical(owned_locs),
+                        layout.rows_of_pages(physical_heads),
+                        layout.physical_locs_or_dummy(owned_locs),
                     ),
                     (cp_size, page_size, rank),
+                )
+                self.assertTrue(
+                    np.array_equal(
+                        layout.rows_of_pages(physical_heads.numpy()),
+                        layout.rows_of_pages(physical_heads).numpy(),
+                    )
                 )
         layout = CpSharedKVLayout(2, 0, 4)
         expanded = layout.rows_of_pages(torch.tensor([8, 0], dtype=torch.int32))
         self.assertEqual(expanded.tolist(), [8, 9, 10, 11, 0, 1, 2, 3])
         self.assertEqual(expanded.dtype, torch.int32)
         self.assertEqual(layout.rows_of_pages(torch.empty(0, dtype=torch.int64)).numel(), 0)
+        self.assertEqual(layout.rows_of_pages(np.array([4], dtype=np.int32)).dtype, np.int32)
 
     def test_per_rank_counts_of_page_aligned_range_differ_by_at_most_one_page(self):
         rng = random.Random(0)
@@ -114,8 +120,6 @@ class TestCpSharedKVLayout(CustomTestCase):
             CpSharedKVLayout(4, 0, 0)
         with self.assertRaisesRegex(TypeError, "page_size"):
             CpSharedKVLayout(4, 0, 64.0)
-        with self.assertRaises(ValueError):
-            CpSharedKVLayout(2, 0, 64).physical_locs_to_logical(torch.tensor([-1]))
 
 
 if __name__ == "__main__":

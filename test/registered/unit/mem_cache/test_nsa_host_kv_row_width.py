@@ -14,7 +14,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from sglang.test.test_utils import CustomTestCase  # noqa: E402
 
 from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width  # noqa: E402
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (  # noqa: E402
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (  # noqa: E402
     HiCacheServerArgs,
     unpinned_host_pools,
 )

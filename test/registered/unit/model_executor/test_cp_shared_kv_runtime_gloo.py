@@ -6,17 +6,14 @@ cached prefix, and decode, and compare every read and every stored row with a re
 (``sglang_cp_shared_kv.testing.runtime_check``).
 """
 
-import multiprocessing
-import os
-import tempfile
 import unittest
 
-import torch
 import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing import runtime_check
+from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
@@ -24,39 +21,28 @@ register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 TIMEOUT_S = 120
 
 
-def _rank_main(rank, world_size, init_file, dtype_name, results):
-    torch.set_num_threads(1)
-    # A group of our own, not the default one: the forked parent may hold a default group already.
-    group = dist.ProcessGroupGloo(dist.FileStore(init_file, world_size), rank, world_size)
-    runtime_check.apply_hooks()  # this process only (forked child)
+def _rank(rank, world_size, dtype_name):
+    runtime_check.apply_hooks()  # this rank's process only
     with cpu_kernels():
         result = runtime_check.run_rank(
-            rank, world_size, group, device="cpu", dtype_name=dtype_name,
+            rank, world_size, dist.group.WORLD, device="cpu", dtype_name=dtype_name,
             act_quant=act_quant_torch, seed=world_size,
         )
-    results.put((rank, result.rows_compared, result.mismatches))
+    return rank, result.rows_compared, result.mismatches
 
 
 class TestRuntimeAcrossRanks(CustomTestCase):
     def _run_group(self, world_size, dtype_name):
-        # fork: children inherit the imported sglang modules instead of importing them again.
-        context = multiprocessing.get_context("fork")
-        results = context.SimpleQueue()
-        with tempfile.TemporaryDirectory() as tmp:
-            init_file = os.path.join(tmp, "gloo_init")
-            ranks = [
-                context.Process(target=_rank_main, args=(r, world_size, init_file, dtype_name, results))
-                for r in range(world_size)
-            ]
-            for process in ranks:
-                process.start()
-            for process in ranks:
-                process.join(TIMEOUT_S)
-            for process in ranks:
-                if process.is_alive():
-                    process.kill()
-            self.assertEqual([p.exitcode for p in ranks], [0] * world_size)
-        rows = sorted(results.get() for _ in range(world_size))
+        # Ranks fork from a server that imported sglang and this check once.
+        rows = run_ranks(
+            _rank,
+            world_size,
+            (dtype_name,),
+            start_method="forkserver",
+            preload=[runtime_check.__name__],
+            timeout_s=TIMEOUT_S,
+            deadline_s=TIMEOUT_S,
+        )
         self.assertEqual([r[0] for r in rows], list(range(world_size)))
         compared = {r[1] for r in rows}
         self.assertEqual(len(compared), 1)  # every rank checked the same reads

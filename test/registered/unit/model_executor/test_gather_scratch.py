@@ -14,6 +14,7 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
 )
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
+    index_k_bytes_per_token,
     reserve_scratch_bytes,
     scratch_bytes,
 )
@@ -45,8 +46,14 @@ class TestScratchSize(CustomTestCase):
             self.assertEqual(scratch.nsa_kv_cache_store_fp8, pool.nsa_kv_cache_store_fp8)
             self.assertEqual(
                 scratch.get_kv_size_bytes(),
-                scratch_bytes(15 * PAGE, _kv_row_bytes(dtype_name), PAGE),
+                scratch_bytes(15 * PAGE, _kv_row_bytes(dtype_name), PAGE, pool.index_head_dim),
             )
+
+    def test_indexer_row_bytes_come_from_the_pool_geometry(self):
+        pool = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
+        page_bytes = pool.index_k_with_scale_buffer[0].shape[1]
+        self.assertEqual(index_k_bytes_per_token(pool.index_head_dim), page_bytes // PAGE)
+        self.assertEqual(index_k_bytes_per_token(), 128 + 4)  # fp8 values + one fp32 scale
 
 
 class TestReservation(CustomTestCase):

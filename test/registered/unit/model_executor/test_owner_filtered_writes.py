@@ -48,8 +48,9 @@ def _replica(dtype_name, layers=2):
 
 def _physical_rows(runtime):
     """Physical locs of the real pages (1..) and the logical locs they store."""
-    physical = torch.arange(PAGE_SIZE, (PHYSICAL_PAGES + 1) * PAGE_SIZE)
-    return physical, runtime.layout.physical_locs_to_logical(physical)
+    layout, pages = runtime.layout, torch.arange(1, PHYSICAL_PAGES + 1)
+    physical = layout.rows_of_pages(pages * PAGE_SIZE)
+    return physical, layout.rows_of_pages(layout.logical_page_of(pages) * PAGE_SIZE)
 
 
 def _hooks():

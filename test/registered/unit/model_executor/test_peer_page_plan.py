@@ -151,10 +151,12 @@ class TestRemapReadsTheReplicatedRows(CustomTestCase):
             self.assertTrue(torch.equal(plan.lookup, plans[0].lookup))
             self.assertEqual(plan.gather_pages_per_rank, plans[0].gather_pages_per_rank)
         # The replicated pool holds, at every row, that row's logical loc. Each shard holds the
-        # rows of its owned pages (physical row p stores logical loc physical_locs_to_logical(p)).
+        # rows of its owned pages (physical page p stores logical page logical_page_of(p)).
+        physical = torch.arange(physical_pages + 1)
         shards = [
-            plan.layout.physical_locs_to_logical(torch.arange((physical_pages + 1) * page_size))
-            .view(-1, page_size)
+            plan.layout.rows_of_pages(plan.layout.logical_page_of(physical) * page_size).view(
+                -1, page_size
+            )
             for plan in plans
         ]
         scratch = torch.full((plans[0].scratch_pages_used, page_size), -1, dtype=torch.int64)

@@ -1,0 +1,1 @@
+"""The mooncake connector of a shared-KV prefill server (``conn.py``)."""

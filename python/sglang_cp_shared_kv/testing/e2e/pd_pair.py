@@ -1,0 +1,116 @@
+"""The two ``sglang serve`` launches of a PD pair: a prefill server (NSA prefill CP, HiCache, shared KV
+on or off) and a stock decode server, on one host, KV moved by mooncake.
+
+What each side must set (docs/pd-disaggregation.md):
+
+* prefill: ``--disaggregation-mode prefill --disaggregation-transfer-backend mooncake
+  --disaggregation-bootstrap-port B`` on top of the single-server smoke's command
+  (``server_process.ServeConfig``: NSA prefill CP, HiCache, no CUDA graphs);
+* decode: ``--disaggregation-mode decode --disaggregation-transfer-backend mooncake``, plain sglang
+  (no plugin flag), CUDA graphs on;
+* both, with shared KV on: ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` (every prefill CP rank
+  sends the pages it owns and the decode waits for each). With shared KV off it stays unset: stock
+  sglang then sends from prefill CP rank 0, which holds the whole KV (its all-ranks range split
+  assumes a request's pages are contiguous, which radix-cache reuse breaks);
+* both, on a host without RDMA: ``MC_FORCE_TCP=true`` (mooncake's transfer engine over TCP).
+
+GPUs: the prefill gets ``prefill_gpus`` (``CUDA_VISIBLE_DEVICES``), the decode ``decode_gpu``, which may
+be one of the prefill's. sglang sizes memory from ``--mem-fraction-static`` of the *whole* GPU minus
+what is already taken, so the decode, launched second, needs a fraction above the prefill's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, ServeConfig
+
+ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+MOONCAKE_FORCE_TCP_ENV = "MC_FORCE_TCP"
+TRANSFER_BACKEND = "mooncake"
+
+
+@dataclass(frozen=True)
+class PDPairConfig:
+    model_path: str
+    shared_kv: bool
+    prefill_tp: int
+    decode_tp: int
+    prefill_port: int
+    decode_port: int
+    bootstrap_port: int
+    prefill_gpus: str  # CUDA_VISIBLE_DEVICES of the prefill server, e.g. "0,1"
+    decode_gpu: str  # CUDA_VISIBLE_DEVICES of the decode server, e.g. "1"
+    physical_tokens_per_rank: int  # prefill --max-total-tokens
+    decode_max_total_tokens: int
+    hicache_ratio: float
+    prefill_mem_fraction_static: Optional[float] = None
+    decode_mem_fraction_static: Optional[float] = None
+    load_format: Optional[str] = None
+    mooncake_tcp: bool = True
+    prefill_extra_args: Sequence[str] = ()
+    decode_extra_args: Sequence[str] = ()
+    # Environment of both servers (offline hub, smoke plugin path, dummy-weight init), and of the
+    # prefill only (the smoke plugin's lift of sglang's tp_size == 8 NSA-CP rule for the stock reference).
+    common_env: Dict[str, str] = field(default_factory=dict)
+    prefill_only_env: Dict[str, str] = field(default_factory=dict)
+
+    def prefill_command(self) -> List[str]:
+        disaggregation = [
+            "--disaggregation-mode", "prefill",
+            "--disaggregation-transfer-backend", TRANSFER_BACKEND,
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+        ]  # fmt: skip
+        return ServeConfig(
+            model_path=self.model_path,
+            tp_size=self.prefill_tp,
+            shared_kv=self.shared_kv,
+            port=self.prefill_port,
+            physical_tokens_per_rank=self.physical_tokens_per_rank,
+            hicache_ratio=self.hicache_ratio,
+            mem_fraction_static=self.prefill_mem_fraction_static,
+            load_format=self.load_format,
+            extra_args=disaggregation + list(self.prefill_extra_args),
+        ).command()
+
+    def decode_command(self) -> List[str]:
+        cmd = [
+            "sglang", "serve",
+            "--model-path", self.model_path,
+            "--tp", str(self.decode_tp),
+            "--host", LOOPBACK,
+            "--port", str(self.decode_port),
+            "--disaggregation-mode", "decode",
+            "--disaggregation-transfer-backend", TRANSFER_BACKEND,
+            "--max-total-tokens", str(self.decode_max_total_tokens),
+            "--enable-metrics",
+            "--log-level", "info",
+        ]  # fmt: skip
+        if self.decode_mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", f"{self.decode_mem_fraction_static:g}"]
+        if self.load_format is not None:
+            cmd += ["--load-format", self.load_format]
+        return cmd + list(self.decode_extra_args)
+
+    def _both_env(self) -> Dict[str, str]:
+        env = dict(self.common_env)
+        if self.shared_kv:
+            env[ALL_CP_RANKS_ENV] = "1"
+        if self.mooncake_tcp:
+            env[MOONCAKE_FORCE_TCP_ENV] = "true"
+        return env
+
+    def prefill_env(self) -> Dict[str, str]:
+        return {**self._both_env(), **self.prefill_only_env, "CUDA_VISIBLE_DEVICES": self.prefill_gpus}
+
+    def decode_env(self) -> Dict[str, str]:
+        return {**self._both_env(), "CUDA_VISIBLE_DEVICES": self.decode_gpu}
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.prefill_port}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.decode_port}"

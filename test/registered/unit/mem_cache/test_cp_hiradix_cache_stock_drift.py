@@ -1,0 +1,112 @@
+"""CpHiRadixCache against the installed sglang: no stock method may reach ``backuped`` / ``host_value``.
+
+Our nodes keep their host state in ``host_len`` + ``cp_hicache``; ``node.host_value`` stays ``None`` and
+``node.backuped`` is therefore always False. A stock ``HiRadixCache`` / ``RadixCache`` method that reads
+either one would silently take the wrong branch on our nodes, so every such method must be overridden
+by ``CpHiRadixCache``. This reads the source text of the installed stock classes: an sglang upgrade
+that adds or changes such a method fails here instead of in a server.
+"""
+
+import inspect
+import re
+import unittest
+from types import SimpleNamespace
+
+from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+
+sgl_kernel_cpu_shim.install()
+
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+from sglang.test.test_utils import CustomTestCase  # noqa: E402
+
+from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import (  # noqa: E402
+    CpHiRadixCache,
+    _check_supported,
+)
+
+register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
+
+STOCK_CLASSES = (HiRadixCache, RadixCache)
+HOST_STATE = re.compile(r"\b(backuped|host_value)\b")
+
+# Stock methods that read the host state but cannot run on a CP cache, and why. Each reason must stay
+# true: the test below checks the guard it names.
+UNREACHABLE = {
+    # Both run only with ``enable_storage``, i.e. a HiCache storage backend, which CpHiRadixCache
+    # refuses at construction (``_check_supported``) and at runtime (``attach_storage_backend``).
+    "write_backup_storage": "storage backend",
+    "_insert_helper_host": "storage backend",
+}
+
+
+def _functions(cls):
+    """Name -> plain function of every method written in ``cls`` (properties by their getter); hooks
+    that ``typing.Protocol`` adds to the class dict are not ours."""
+    functions = {}
+    for name, member in vars(cls).items():
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        elif isinstance(member, property):
+            member = member.fget
+        if inspect.isfunction(member) and member.__qualname__.startswith(f"{cls.__name__}."):
+            functions[name] = member
+    return functions
+
+
+def stock_methods_reading_host_state():
+    """``{name: "Class.name"}`` of stock methods whose source mentions ``backuped`` or ``host_value``."""
+    found = {}
+    for cls in STOCK_CLASSES:
+        for name, function in _functions(cls).items():
+            if HOST_STATE.search(inspect.getsource(function)):
+                found.setdefault(name, f"{cls.__name__}.{name}")
+    return found
+
+
+class TestStockHostPathsAreOverridden(CustomTestCase):
+    def test_every_stock_method_reading_host_state_is_overridden(self):
+        found = stock_methods_reading_host_state()
+        self.assertIn("load_back", found)  # the scan does see the stock host paths
+        overridden = _functions(CpHiRadixCache)
+        missing = sorted(
+            qualified
+            for name, qualified in found.items()
+            if name not in overridden and name not in UNREACHABLE
+        )
+        self.assertEqual(
+            missing,
+            [],
+            "stock methods read node.backuped / node.host_value, which CP nodes never set; override "
+            "them in CpHiRadixCache (or, if a CP cache can never run them, add them to UNREACHABLE "
+            "with the guard that makes it so)",
+        )
+
+    def test_unreachable_list_is_current(self):
+        found = stock_methods_reading_host_state()
+        for name in UNREACHABLE:
+            self.assertIn(name, found, f"{name} no longer reads host state: drop it from UNREACHABLE")
+            self.assertNotIn(name, _functions(CpHiRadixCache), f"{name} is overridden now")
+
+    def test_the_storage_guard_holds(self):
+        ok, message = CpHiRadixCache.attach_storage_backend(None, "file")
+        self.assertFalse(ok)
+        self.assertIn("not supported", message)
+        pool = NSATokenToKVPool.__new__(NSATokenToKVPool)  # only its type is looked at
+        with self.assertRaisesRegex(ValueError, "hicache-storage-backend"):
+            _check_supported(pool, SimpleNamespace(hicache_storage_backend="file"))
+
+    def test_every_override_of_a_stock_method_says_what_differs(self):
+        stock = set().union(*(_functions(cls) for cls in STOCK_CLASSES))
+        undocumented = sorted(
+            name
+            for name, function in _functions(CpHiRadixCache).items()
+            if name in stock and not (function.__doc__ or "").strip()
+        )
+        self.assertEqual(undocumented, [], "each override needs a docstring line: what differs")
+
+
+if __name__ == "__main__":
+    unittest.main()
