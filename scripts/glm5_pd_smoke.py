@@ -184,10 +184,16 @@ def common_env(args) -> Dict[str, str]:
     return env
 
 
+from sglang_cp_shared_kv.disaggregation.server_args_rule import EXPERIMENTAL_PD_ENV  # noqa: E402
+
+
 def prefill_only_env(args, shared_kv: bool) -> Dict[str, str]:
     """The stock reference prefill (shared KV off) runs NSA prefill CP at ``--prefill-tp``: the smoke
     plugin lifts sglang's ``tp_size == 8`` rule for it (with the flag on the product does)."""
-    if shared_kv or args.prefill_tp == SGLANG_NSA_CP_TP_SIZE:
+    if shared_kv:
+        # The smoke is the GPU run that PD prefill with shared KV waits for (server_args_rule.py).
+        return {EXPERIMENTAL_PD_ENV: "1"}
+    if args.prefill_tp == SGLANG_NSA_CP_TP_SIZE:
         return {}
     return {SMOKE_LIFT_TP_RULE_ENV: "1"}
 

@@ -12,7 +12,9 @@
 #   perf          shared KV off, then on, alone on the machine, audits off: TTFT of 16K-token prefixes
 #                 from host vs recomputed, TPOT at 4K / 16K / 64K tokens of context.
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|plants|perf   (results under $OUT)
+#   confirm       the bf16 write_through/chunked/burst and fp8 runs with their references only.
+#
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf   (results under $OUT)
 set -uo pipefail
 source scripts/gpu/remote_env.sh || exit 1
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,7 +32,7 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   echo "$name: exit $?"
 }
 GRAMMAR="--grammar-backend none"
-case "${1:?correctness|plants|perf}" in
+case "${1:?correctness|confirm|plants|perf}" in
   correctness)
     smoke ref_bf16 --shared-kv off --audit --burst 12 \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
@@ -46,6 +48,15 @@ case "${1:?correctness|plants|perf}" in
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
     smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule" &
+    wait ;;
+  confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
+    smoke ref_bf16 --shared-kv off --audit --burst 12 \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
+    smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
+    smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
+    smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
     wait ;;
   plants)
     # fp8: stock 0.5.11's NSA host pool corrupts fp8 KV on load-back (docs/gpu.md), so the fp8

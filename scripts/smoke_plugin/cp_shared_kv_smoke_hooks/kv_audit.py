@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+PADDING_REQ_POOL_IDX = 0
 
 
 def _rank() -> int:
@@ -103,16 +104,20 @@ class ReadAudit:
 
     def __init__(self, audit_dir: Path):
         self.path = audit_dir / f"read_audit.rank{_rank()}.json"
-        self.counts = {"forwards": 0, "dummy_refs": 0}
+        self.counts = {"forwards": 0, "padding_requests": 0, "dummy_refs": 0}
         for kind in ("kv", "index"):
             self.counts.update({f"{kind}_rows": 0, f"{kind}_bit_diffs": 0, f"{kind}_wrong": 0})
         self.referenced_locs = None
 
     def begin_forward(self, forward_batch) -> None:
+        """Referenced locs of every real request of the forward. ``req_pool_idx`` 0 is never handed
+        to a request (sglang's ``ReqToTokenPool`` starts its free slots at 1): it is the padding row
+        DP-attention batches are padded with (one token at loc 0, output discarded), left out."""
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices.tolist()
         seq_lens = forward_batch.seq_lens_cpu.tolist()
-        parts = [req_to_token[r, :n].long() for r, n in zip(rows, seq_lens)]
+        parts = [req_to_token[r, :n].long() for r, n in zip(rows, seq_lens) if r != PADDING_REQ_POOL_IDX]
+        self.counts["padding_requests"] += sum(1 for r in rows if r == PADDING_REQ_POOL_IDX)
         self.referenced_locs = torch.cat(parts) if parts else None
         self.forward_desc = f"{forward_batch.forward_mode.name} req_pool_indices={rows[:8]} seq_lens={seq_lens[:8]}"
         self.counts["forwards"] += 1
