@@ -184,14 +184,14 @@ def common_env(args) -> Dict[str, str]:
     return env
 
 
-from sglang_cp_shared_kv.disaggregation.server_args_rule import EXPERIMENTAL_PD_ENV  # noqa: E402
+from sglang_cp_shared_kv.server_args import EXPERIMENTAL_PD_ENV  # noqa: E402
 
 
 def prefill_only_env(args, shared_kv: bool) -> Dict[str, str]:
     """The stock reference prefill (shared KV off) runs NSA prefill CP at ``--prefill-tp``: the smoke
     plugin lifts sglang's ``tp_size == 8`` rule for it (with the flag on the product does)."""
     if shared_kv:
-        # The smoke is the GPU run that PD prefill with shared KV waits for (server_args_rule.py).
+        # The smoke is the GPU run that PD prefill with shared KV waits for (server_args.py).
         return {EXPERIMENTAL_PD_ENV: "1"}
     if args.prefill_tp == SGLANG_NSA_CP_TP_SIZE:
         return {}

@@ -39,12 +39,21 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
     from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
     from sglang_cp_shared_kv.managers import prefill_load_back_quota
-    from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache
-    from sglang_cp_shared_kv.model_executor import cp_shared_kv_capacity, cp_shared_kv_runtime
+    from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache, nsa_host_kv_row_width
+    from sglang_cp_shared_kv.model_executor import (
+        cp_shared_kv_capacity,
+        cp_shared_kv_runtime,
+        owner_filtered_writes,
+        peer_page_reads,
+    )
 
     cp_shared_kv_capacity.register_hooks(registry)
     cp_hiradix_cache.register_hooks(registry)
+    # The host pools sglang's NSA assembler builds for the CP cache must hold whole fp8 NSA rows.
+    nsa_host_kv_row_width.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
+    owner_filtered_writes.register_hooks(registry)
+    peer_page_reads.register_hooks(registry)
     disaggregation_utils.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

@@ -197,14 +197,6 @@ def validate_cp_shared_kv_server_args(server_args) -> None:
 
 def _unsupported_combinations(server_args) -> list[str]:
     """One message per offending setting, each naming its flag."""
-    # What the shared-KV runtime cannot serve (CUDA graphs, in-seq-split, speculative decoding,
-    # ...) is listed by the runtime itself, next to the reasons; which PD disaggregation setups it
-    # serves, by the disaggregation package.
-    from sglang_cp_shared_kv.disaggregation.server_args_rule import (
-        unsupported_disaggregation_server_args,
-    )
-    from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import unsupported_server_args
-
     problems = []
     if not server_args.enable_nsa_prefill_context_parallel:
         problems.append(f"{CP_SHARED_KV_FLAG} requires --enable-nsa-prefill-context-parallel")
@@ -221,14 +213,14 @@ def _unsupported_combinations(server_args) -> list[str]:
         problems.append(
             "--enable-return-routed-experts: its host buffer is indexed by loc and sized physically"
         )
-    problems += unsupported_disaggregation_server_args(server_args)
+    problems += disaggregation_problems(server_args)
     if server_args.pp_size > 1:
         problems.append(f"--pipeline-parallel-size {server_args.pp_size}: only 1 is supported")
     if server_args.nnodes != 1:
         problems.append(
             f"--nnodes {server_args.nnodes}: shared KV runs NSA prefill CP within one node (--tp 2..8)"
         )
-    problems += unsupported_server_args(server_args)
+    problems += runtime_problems(server_args)
     problems += _platform_problems(server_args)
     problems += _model_problems(server_args)
     return problems
@@ -287,3 +279,114 @@ def _model_problems(server_args) -> list[str]:
             f"parallelism for {architectures[0]} (attn_cp_size is {server_args.attn_cp_size})"
         ]
     return []
+
+
+# ---- the shared-KV runtime ----
+
+
+def runtime_problems(server_args) -> list[str]:
+    """What the shared-KV runtime (owner-filtered writes, per-forward peer-page gather) cannot serve.
+    The runtime checks them again when it attaches to the pool (``cp_shared_kv_runtime``)."""
+    reasons = []
+    if not server_args.disable_cuda_graph:
+        reasons.append(
+            f"{CP_SHARED_KV_FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
+            f"variable-size page gather"
+        )
+    if not server_args.disable_piecewise_cuda_graph:
+        # sglang already turns them off for GLM-5 / DeepseekV32 architectures; a V3.2 checkpoint
+        # that resolves to DeepseekV3ForCausalLM would capture extend forwards in graphs.
+        reasons.append(f"{CP_SHARED_KV_FLAG} requires --disable-piecewise-cuda-graph")
+    if server_args.nsa_prefill_cp_mode != "round-robin-split":
+        reasons.append(f"{CP_SHARED_KV_FLAG} supports only --nsa-prefill-cp-mode round-robin-split")
+    if server_args.speculative_algorithm is not None:
+        reasons.append(f"{CP_SHARED_KV_FLAG} does not support speculative decoding (the draft pool is not sharded)")
+    if server_args.enable_two_batch_overlap:
+        reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-two-batch-overlap (one plan per forward)")
+    if server_args.enable_pdmux:
+        reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-pdmux")
+    if server_args.enable_torch_compile:
+        reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-torch-compile")
+    if (
+        server_args.kv_cache_dtype.startswith("fp8")
+        and server_args.nsa_prefill_backend in ("flashmla_sparse", "flashmla_auto")
+        and "trtllm" not in (server_args.nsa_prefill_backend, server_args.nsa_decode_backend)
+    ):
+        reasons.append(
+            f"{CP_SHARED_KV_FLAG} does not support fp8 KV with --nsa-prefill-backend "
+            f"{server_args.nsa_prefill_backend} (its RAGGED top-k checks logical locs against the "
+            f"physical pool size); use flashmla_kv"
+        )
+    return reasons
+
+
+# ---- PD disaggregation ----
+# Supported: ``--disaggregation-mode prefill`` with ``--disaggregation-transfer-backend mooncake`` and
+# ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` (on both servers), docs/pd-disaggregation.md.
+#
+# Why the others are refused:
+#
+# * ``--disaggregation-mode decode``: decode-side shared KV is out of scope; the decode server is stock
+#   sglang (no plugin flag).
+# * nixl: its decode side (0.5.11 ``NixlKVManager.update_transfer_status`` / ``TransferStatus``) counts
+#   KV chunk notifications per PP rank, not per sender; all CP ranks of a prefill share PP rank 0, so it
+#   cannot tell when every CP rank's pages have landed (and with all CP ranks sending it expects
+#   ``attn_cp_size`` PP ranks that never report, so requests wait until the timeout).
+# * mori, ascend: not ported (their senders filter a contiguous page range per CP rank, like stock
+#   mooncake, and index the pool by logical page).
+# * ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` unset or false: then only CP rank 0 sends and the
+#   decode asks only rank 0, but rank 0 holds ``1/cp_size`` of the pages. The decode server must set it
+#   too; this check sees only the prefill server's environment.
+
+ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+SUPPORTED_BACKEND = "mooncake"
+_TRUE = ("true", "1", "yes", "y")  # what sglang's EnvBool reads as true
+
+
+# PD prefill with shared KV has passed its CPU tests (a decode pool assembled from the CP ranks'
+# sends equals stock's byte for byte) but has not run on GPUs yet: until the PD smoke
+# (scripts/glm5_pd_smoke.py) has passed there, a user opts in explicitly.
+EXPERIMENTAL_PD_ENV = "SGLANG_CP_SHARED_KV_EXPERIMENTAL_PD"
+
+
+def disaggregation_problems(server_args) -> list[str]:
+    """Messages for the PD settings the flag cannot serve (empty: supported, or PD off)."""
+    mode = server_args.disaggregation_mode
+    if mode in (None, "null"):
+        return []
+    if mode == "decode":
+        return [
+            f"--disaggregation-mode decode: {CP_SHARED_KV_FLAG} is supported on the prefill server "
+            "only; run the decode server without it (it receives whole pages from every CP rank)"
+        ]
+    if mode != "prefill":
+        return [f"--disaggregation-mode {mode}: unknown mode"]
+
+    problems = []
+    if os.environ.get(EXPERIMENTAL_PD_ENV) != "1":
+        problems.append(
+            f"--disaggregation-mode prefill with {CP_SHARED_KV_FLAG} is experimental: it has passed "
+            f"CPU tests but has not run on GPUs yet; set {EXPERIMENTAL_PD_ENV}=1 to run it anyway"
+        )
+    backend = server_args.disaggregation_transfer_backend
+    if backend == "nixl":
+        problems.append(
+            "--disaggregation-transfer-backend nixl: not supported with "
+            f"{CP_SHARED_KV_FLAG}; nixl's decode side counts KV arrivals per PP rank, not per CP "
+            f"rank, so it cannot wait for every CP rank's pages; use --disaggregation-transfer-backend "
+            f"{SUPPORTED_BACKEND}"
+        )
+    elif backend != SUPPORTED_BACKEND:
+        problems.append(
+            f"--disaggregation-transfer-backend {backend}: not supported with {CP_SHARED_KV_FLAG}; "
+            f"use --disaggregation-transfer-backend {SUPPORTED_BACKEND}"
+        )
+    value = os.environ.get(ALL_CP_RANKS_ENV)
+    if value is None or value.strip().lower() not in _TRUE:
+        shown = "unset" if value is None else f"set to {value!r}"
+        problems.append(
+            f"{ALL_CP_RANKS_ENV} is {shown}: --disaggregation-mode prefill with {CP_SHARED_KV_FLAG} "
+            f"needs {ALL_CP_RANKS_ENV}=1 on the prefill and the decode server (every CP rank sends "
+            "the pages it owns)"
+        )
+    return problems

@@ -2,7 +2,7 @@
 
 ``PrefillBootstrapQueue`` asks it for the KV manager and for one sender per request. An AROUND hook
 answers mooncake's with the shared-KV subclasses (``mooncake/conn.py``); every other backend and
-class is stock (the startup rule, ``server_args_rule.py``, refuses other backends). The subclasses
+class is stock (the startup rule in ``server_args.py`` refuses other backends). The subclasses
 check ``--enable-nsa-prefill-cp-shared-kv`` on the manager's ``ServerArgs`` and act as stock with
 it off, and the hook itself is registered only in processes launched with the flag (plugin.py).
 """

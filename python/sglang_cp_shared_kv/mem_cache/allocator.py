@@ -46,7 +46,7 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
-FLAG = "--enable-nsa-prefill-cp-shared-kv"
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
 
 
 class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):

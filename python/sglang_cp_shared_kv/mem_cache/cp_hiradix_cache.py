@@ -48,7 +48,6 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_FIELD,
@@ -68,8 +67,6 @@ def register_hooks(registry) -> None:
     registry.register(
         "sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE
     )
-    # The host pools the stock assembler builds for us must hold whole fp8 NSA rows.
-    nsa_host_kv_row_width.register_hooks(registry)
 
 
 @dataclass

@@ -18,8 +18,8 @@ logical pool:
 Lifecycle hooks here: reserve the scratch's memory before sglang sizes the pool, and build the
 runtime once the pool, allocator and attention backend exist. Anything this runtime cannot serve
 correctly (CUDA-graph decode, speculative decoding, in-seq-split, ...) raises a ``ValueError``
-naming the flags at startup; ``unsupported_server_args`` lists those rules for server-args
-validation.
+naming the flags at startup; the rules themselves live with every other startup rule in
+``server_args.runtime_problems``.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
 )
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
-from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
 
 logger = logging.getLogger(__name__)
 
-FLAG = "--enable-nsa-prefill-cp-shared-kv"
 _RUNTIME_ATTR = "_cp_shared_kv_runtime"
 
 
@@ -206,41 +206,6 @@ class CpSharedKVRuntime:
 # ---- startup ----
 
 
-def unsupported_server_args(server_args) -> List[str]:
-    """Why this runtime cannot serve ``server_args`` (empty when it can). For startup validation."""
-    reasons = []
-    if not server_args.disable_cuda_graph:
-        reasons.append(
-            f"{FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
-            f"variable-size page gather"
-        )
-    if not server_args.disable_piecewise_cuda_graph:
-        # sglang already turns them off for GLM-5 / DeepseekV32 architectures; a V3.2 checkpoint
-        # that resolves to DeepseekV3ForCausalLM would capture extend forwards in graphs.
-        reasons.append(f"{FLAG} requires --disable-piecewise-cuda-graph")
-    if server_args.nsa_prefill_cp_mode != "round-robin-split":
-        reasons.append(f"{FLAG} supports only --nsa-prefill-cp-mode round-robin-split")
-    if server_args.speculative_algorithm is not None:
-        reasons.append(f"{FLAG} does not support speculative decoding (the draft pool is not sharded)")
-    if server_args.enable_two_batch_overlap:
-        reasons.append(f"{FLAG} does not support --enable-two-batch-overlap (one plan per forward)")
-    if server_args.enable_pdmux:
-        reasons.append(f"{FLAG} does not support --enable-pdmux")
-    if server_args.enable_torch_compile:
-        reasons.append(f"{FLAG} does not support --enable-torch-compile")
-    if (
-        server_args.kv_cache_dtype.startswith("fp8")
-        and server_args.nsa_prefill_backend in ("flashmla_sparse", "flashmla_auto")
-        and "trtllm" not in (server_args.nsa_prefill_backend, server_args.nsa_decode_backend)
-    ):
-        reasons.append(
-            f"{FLAG} does not support fp8 KV with --nsa-prefill-backend "
-            f"{server_args.nsa_prefill_backend} (its RAGGED top-k checks logical locs against the "
-            f"physical pool size); use flashmla_kv"
-        )
-    return reasons
-
-
 def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **kwargs):
     """AFTER ``_profile_available_bytes``: hold back the scratch's bytes from the KV budget."""
     if model_runner.is_draft_worker or not cp_shared_kv_enabled(model_runner.server_args):
@@ -283,7 +248,7 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     )
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 
-    reasons = unsupported_server_args(model_runner.server_args)
+    reasons = runtime_problems(model_runner.server_args)
     if model_runner.is_draft_worker:
         reasons.append(f"{FLAG} does not support speculative decoding (draft worker)")
     if type(pool) is not NSATokenToKVPool:
@@ -310,8 +275,6 @@ def attach_runtime(result, model_runner, *args, **kwargs):
 
 
 def register_hooks(registry) -> None:
-    from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
-
     mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
     registry.register(
         f"{mixin}._profile_available_bytes", reserve_scratch_before_pool_sizing, HookType.AFTER
@@ -321,5 +284,3 @@ def register_hooks(registry) -> None:
         attach_runtime,
         HookType.AFTER,
     )
-    owner_filtered_writes.register_hooks(registry)
-    peer_page_reads.register_hooks(registry)

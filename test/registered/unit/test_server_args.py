@@ -16,7 +16,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.disaggregation.server_args_rule import ALL_CP_RANKS_ENV, EXPERIMENTAL_PD_ENV
+from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV, EXPERIMENTAL_PD_ENV
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,

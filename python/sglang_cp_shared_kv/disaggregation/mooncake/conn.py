@@ -42,7 +42,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_cp_shared_kv.disaggregation.page_pairing import owned_page_pairs, position_aligned
-from sglang_cp_shared_kv.disaggregation.server_args_rule import ALL_CP_RANKS_ENV
+from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, cp_shared_kv_enabled
 

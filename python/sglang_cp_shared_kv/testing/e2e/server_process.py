@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
+
 LOOPBACK = "127.0.0.1"
-SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+SHARED_KV_FLAG = CP_SHARED_KV_FLAG
 
 
 @dataclass(frozen=True)

@@ -331,14 +331,25 @@ class TestConstructionChecks(CustomTestCase):
         cp_hiradix_cache.register_hooks(registry)
         self.assertEqual(
             registry.registered,
-            [
-                ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE),
-                (
-                    nsa_host_kv_row_width.BUILD_KV_HOST_POOL,
-                    nsa_host_kv_row_width.build_kv_host_pool_with_device_row_width,
-                    HookType.AROUND,
-                ),
-            ],
+            [("sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE)],
+        )
+
+    def test_the_plugin_widens_host_rows_wherever_it_replaces_the_cache(self):
+        from sglang_cp_shared_kv import plugin
+
+        registry = _RecordingRegistry()
+        plugin.register_runtime_hooks(registry)
+        self.assertIn(
+            ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, HookType.REPLACE),
+            registry.registered,
+        )
+        self.assertIn(
+            (
+                nsa_host_kv_row_width.BUILD_KV_HOST_POOL,
+                nsa_host_kv_row_width.build_kv_host_pool_with_device_row_width,
+                HookType.AROUND,
+            ),
+            registry.registered,
         )
 
 

@@ -12,11 +12,9 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
-    attach_runtime,
-    runtime_of,
-    unsupported_server_args,
-)
+from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
+from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
@@ -133,7 +131,8 @@ class TestHookTargets(CustomTestCase):
     def test_every_target_resolves_in_sglang(self):
         registered = []
         registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
-        cp_shared_kv_runtime.register_hooks(registry)
+        for module in (cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads):
+            module.register_hooks(registry)
         self.assertEqual(len(registered), len(set(registered)))
         for target in registered:
             owner, name = target.rsplit(".", 1)

@@ -1,0 +1,98 @@
+"""Structure the package keeps: no import circle among product modules (lazy imports included),
+startup rules only in ``server_args.py``, hook registration reached only from ``plugin.py``, one
+spelling of the flag, and no test-only module imported by product code."""
+
+import ast
+import unittest
+from pathlib import Path
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+register_cpu_ci(est_time=2, suite="stage-a-test-cpu")
+
+PACKAGE = "sglang_cp_shared_kv"
+ROOT = Path(__file__).resolve().parents[3] / "python" / PACKAGE
+
+
+def product_modules():
+    """Module name -> parsed source, ``testing`` (test helpers) left out."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        if name.endswith(".__init__"):
+            name = name[: -len(".__init__")]
+        if f"{PACKAGE}.testing" in name:
+            continue
+        modules[name] = ast.parse(path.read_text())
+    return modules
+
+
+def imports_of(tree):
+    """Every package module imported anywhere in the module, function bodies included."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
+            found.add(node.module)
+            for alias in node.names:
+                found.add(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith(PACKAGE)}
+    return found
+
+
+class TestModuleStructure(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.modules = product_modules()
+        cls.graph = {
+            name: {m for m in imports_of(tree) if m in cls.modules and m != name}
+            for name, tree in cls.modules.items()
+        }
+
+    def test_no_import_circle(self):
+        state = {}
+
+        def visit(node, path):
+            state[node] = "open"
+            for nxt in sorted(self.graph[node]):
+                if state.get(nxt) == "open":
+                    self.fail("import circle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+                if nxt not in state:
+                    visit(nxt, path + [nxt])
+            state[node] = "done"
+
+        for name in sorted(self.graph):
+            if name not in state:
+                visit(name, [name])
+
+    def test_product_code_imports_no_test_helper(self):
+        for name, tree in self.modules.items():
+            helpers = {m for m in imports_of(tree) if f"{PACKAGE}.testing" in m}
+            self.assertEqual(helpers, set(), name)
+
+    def test_the_flag_is_spelled_once(self):
+        spelled = [
+            name
+            for name, tree in self.modules.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value == "--enable-nsa-prefill-cp-shared-kv"
+        ]
+        self.assertEqual(spelled, [f"{PACKAGE}.server_args"])
+
+    def test_only_the_plugin_calls_register_hooks(self):
+        callers = set()
+        for name, tree in self.modules.items():
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("register_hooks", "register_server_args_hooks")
+                ):
+                    callers.add(name)
+        self.assertEqual(callers, {f"{PACKAGE}.plugin"})
+
+
+if __name__ == "__main__":
+    unittest.main()
