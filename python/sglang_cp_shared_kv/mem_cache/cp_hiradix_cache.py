@@ -50,6 +50,7 @@ from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheCont
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+from sglang_cp_shared_kv.mem_cache.eviction_candidates import EvictionCandidates
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
@@ -117,6 +118,9 @@ class CpHiRadixCache(HiRadixCache):
         self.host_logical_tokens = 0  # logical tokens of all backed-up nodes (same on every rank)
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
+        # The leaf sets stay sets for stock code, and keep their eviction order between calls.
+        self.evictable_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
+        self.evictable_host_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
         logger.info(
             "CP HiCache on cp rank %d of %d: %d physical host slots",
             cp_rank,
@@ -176,10 +180,50 @@ class CpHiRadixCache(HiRadixCache):
         self._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MAX)
         return int(tensor.item())
 
-    def _eviction_entry(self, node: TreeNode):
-        # node.id breaks priority ties the same way on every rank (ids follow the identical sequence of
-        # tree operations); comparing nodes would fall back to set iteration order, which differs.
+    # ---- eviction order ----
+    # Both evictions pop in one total order, ``(eviction priority, node.id)``: node.id breaks priority
+    # ties the same way on every rank (ids follow the identical sequence of tree operations); stock
+    # compares nodes, which falls back to set iteration order. The candidates are the leaf sets
+    # (``EvictionCandidates``, kept ordered between calls) plus, within one call, the parents stock
+    # pushes onto its per-call heap although they are not (yet) leaves; the sequence is exactly the one
+    # a heap rebuilt from the leaf set at the start of the call would give.
+
+    def _parent_entry(self, node: TreeNode):
         return (self.eviction_strategy.get_priority(node), node.id, node)
+
+    def _next_candidate(
+        self, candidates: EvictionCandidates, parents: list, taken: set
+    ) -> Optional[TreeNode]:
+        """The node a per-call heap would pop next: the smaller of the two tops, each node once per call."""
+        while True:
+            top = candidates.peek()
+            if parents and (top is None or parents[0][:2] < top[:2]):
+                node = heapq.heappop(parents)[2]
+            elif top is not None:
+                node = candidates.pop_top()
+            else:
+                return None
+            if node not in taken:
+                taken.add(node)
+                return node
+
+    @staticmethod
+    def _requeue_taken(candidates: EvictionCandidates, taken: set) -> None:
+        # A node taken but still a candidate (skipped, or its write-back refused) is back in the next
+        # call, as in a heap rebuilt from the set: give it its entry again.
+        for node in taken:
+            candidates.touch(node)
+
+    def _touch_path(self, node: Optional[TreeNode]) -> None:
+        """``node`` and its ancestors were just accessed: re-key those that are eviction candidates
+        (under MRU an access lowers the priority; see ``EvictionCandidates``)."""
+        while node is not None:
+            self._touch(node)
+            node = node.parent
+
+    def _touch(self, node: TreeNode) -> None:
+        self.evictable_leaves.touch(node)
+        self.evictable_host_leaves.touch(node)
 
     # ---- write (device -> host) ----
 
@@ -231,14 +275,16 @@ class CpHiRadixCache(HiRadixCache):
         on this rank. Each rank evicts in the same order until its own need is met; then all evict up
         to the largest node count any rank needed, so every rank ends with the same tree.
         """
-        heap = [self._eviction_entry(node) for node in self.evictable_host_leaves]
-        heapq.heapify(heap)
+        parents, taken = [], set()
         progress = _HostEvictionProgress()
         self._evict_host_nodes(
-            heap, progress, lambda: progress.physical_slots_freed >= physical_slots_needed
+            parents, taken, progress, lambda: progress.physical_slots_freed >= physical_slots_needed
         )
         nodes_target = self._max_over_ranks(progress.nodes_evicted)
-        self._evict_host_nodes(heap, progress, lambda: progress.nodes_evicted >= nodes_target)
+        self._evict_host_nodes(
+            parents, taken, progress, lambda: progress.nodes_evicted >= nodes_target
+        )
+        self._requeue_taken(self.evictable_host_leaves, taken)
         logger.debug(
             "CP HiCache host eviction: %d nodes, %d logical tokens, %d physical slots on this rank",
             progress.nodes_evicted,
@@ -247,9 +293,14 @@ class CpHiRadixCache(HiRadixCache):
         )
         return progress.physical_slots_freed
 
-    def _evict_host_nodes(self, heap, progress: _HostEvictionProgress, done) -> None:
-        while heap and not done():
-            _, _, node = heapq.heappop(heap)
+    def _evict_host_nodes(
+        self, parents: list, taken: set, progress: _HostEvictionProgress, done
+    ) -> None:
+        candidates = self.evictable_host_leaves
+        while not done():
+            node = self._next_candidate(candidates, parents, taken)
+            if node is None:
+                return
             if not node.evicted or node.host_ref_counter > 0:
                 continue
             self._record_remove_event(node, medium=StorageMedium.CPU)
@@ -264,10 +315,10 @@ class CpHiRadixCache(HiRadixCache):
             parent = node.parent
             removed = parent.children.pop(node.key.child_key(self.page_size), None)
             assert removed is node, f"host eviction: node {node.id} is not its parent's child"
-            self.evictable_host_leaves.discard(node)
+            candidates.discard(node)
             self._update_host_leaf_status(parent)
-            if len(parent.children) == 0 and parent.evicted:
-                heapq.heappush(heap, self._eviction_entry(parent))
+            if len(parent.children) == 0 and parent.evicted and parent not in candidates:
+                heapq.heappush(parents, self._parent_entry(parent))
             self._note_host_event()
 
     def _update_host_leaf_status(self, node: TreeNode):
@@ -284,12 +335,13 @@ class CpHiRadixCache(HiRadixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         start_time = time.perf_counter()
         write_back = self.cache_controller.write_policy == "write_back"
-        heap = [self._eviction_entry(node) for node in self.evictable_leaves]
-        heapq.heapify(heap)
+        candidates, parents, taken = self.evictable_leaves, [], set()
         num_evicted = 0  # logical tokens
         write_back_nodes = []
-        while num_evicted < params.num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while num_evicted < params.num_tokens:
+            node = self._next_candidate(candidates, parents, taken)
+            if node is None:
+                break
             if node.lock_ref > 0:
                 continue
             if self._node_backuped(node):
@@ -301,9 +353,18 @@ class CpHiRadixCache(HiRadixCache):
                     write_back_nodes.append(node)
             else:
                 num_evicted += self._evict_regular(node)
-            siblings = node.parent.children.values()
-            if all(s.evicted or s in write_back_nodes for s in siblings):
-                heapq.heappush(heap, self._eviction_entry(node.parent))
+            # Stock pushes the parent once every child is evicted or being written back. A parent that
+            # became a leaf is a candidate already; one whose children are being written back is not
+            # a leaf until they are evicted below, so it joins this call's parents.
+            parent = node.parent
+            siblings = parent.children.values()
+            if (
+                parent not in candidates
+                and parent.lock_ref == 0
+                and all(s.evicted or s in write_back_nodes for s in siblings)
+            ):
+                heapq.heappush(parents, self._parent_entry(parent))
+        self._requeue_taken(candidates, taken)
         if write_back:
             self.writing_check(write_back=True)
             for node in write_back_nodes:
@@ -416,6 +477,10 @@ class CpHiRadixCache(HiRadixCache):
                 host_hit_length=0,
             )
         values, last_node = self._match_prefix_helper(self.root_node, key)
+        self._touch_path(last_node)
+        if len(last_node.children) == 1:
+            # The match may have split an accessed node; its lower half is this only child.
+            self._touch(next(iter(last_node.children.values())))
         if values:
             device_indices = torch.cat(values)
         else:
@@ -478,6 +543,7 @@ class CpHiRadixCache(HiRadixCache):
             node.last_access_time = time.monotonic()
             node.priority = max(node.priority, priority)
             prefix_len = node.key.match(key, page_size=self.page_size)
+            self._touch(node)  # before a split: the accessed node stays below it
             if prefix_len < len(node.key):
                 node = self._split_node(node.key, node, prefix_len)
                 node.priority = max(node.priority, priority)
@@ -508,6 +574,7 @@ class CpHiRadixCache(HiRadixCache):
             self._record_store_event(new_node)
             if self.cache_controller.write_policy != "write_back":
                 self._inc_hit_count(new_node, params.chunked)
+            self._touch(new_node)
         return InsertResult(prefix_len=total_prefix_length)
 
     # ---- storage and observability ----
