@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
@@ -116,6 +117,7 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_layout = allocator.layout
         self._host_events = 0
         self.host_logical_tokens = 0  # logical tokens of all backed-up nodes (same on every rank)
+        self._op_stamp = 0.0  # the clock read of the current tree operation (see _start_tree_op)
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
         # The leaf sets stay sets for stock code, and keep their eviction order between calls.
@@ -142,6 +144,7 @@ class CpHiRadixCache(HiRadixCache):
 
     def _new_node(self, priority: int) -> TreeNode:
         node = TreeNode(priority=priority)
+        node.last_access_time = node.creation_time = self._access_stamp()
         # 0.5.11's TreeNode.children is a defaultdict(TreeNode): a lookup of a missing key would
         # insert an empty "ghost" child. Our nodes use a plain dict.
         node.children = {}
@@ -224,6 +227,44 @@ class CpHiRadixCache(HiRadixCache):
     def _touch(self, node: TreeNode) -> None:
         self.evictable_leaves.touch(node)
         self.evictable_host_leaves.touch(node)
+
+    # ---- timestamps ----
+    # One clock read per tree operation (match_prefix, insert), shared by every node it touches or
+    # creates; stock reads the clock per node. The LRU order is unchanged: nodes of different
+    # operations compare as before, and the nodes of one operation lie on one root path, so no two of
+    # them are eviction candidates at the same time (a candidate is a leaf); their ties go by node.id.
+    # Stamps strictly increase, so two operations never tie on one rank and not on another.
+
+    def _start_tree_op(self) -> None:
+        now = time.monotonic()
+        self._op_stamp = now if now > self._op_stamp else math.nextafter(self._op_stamp, math.inf)
+
+    def _access_stamp(self) -> float:
+        """The timestamp of a node touched now (the current operation's)."""
+        return self._op_stamp
+
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
+        # Stock HiRadixCache._match_prefix_helper with one stamp for the whole walk.
+        node.last_access_time = self._access_stamp()
+        child_key = key.child_key(self.page_size)
+        value = []
+        while len(key) > 0 and child_key in node.children:
+            child = node.children[child_key]
+            child.last_access_time = self._access_stamp()
+            prefix_len = child.key.match(key, page_size=self.page_size)
+            if prefix_len < len(child.key):
+                new_node = self._split_node(child.key, child, prefix_len)
+                if not new_node.evicted:
+                    value.append(new_node.value)
+                node = new_node
+                break
+            if not child.evicted:
+                value.append(child.value)
+            node = child
+            key = key[prefix_len:]
+            if len(key):
+                child_key = key.child_key(self.page_size)
+        return value, node
 
     # ---- write (device -> host) ----
 
@@ -469,6 +510,7 @@ class CpHiRadixCache(HiRadixCache):
         key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
         # A key shorter than one page (e.g. a short EAGLE bigram key) aligns to empty and matches nothing.
         key = key.page_aligned(self.page_size)
+        self._start_tree_op()
         if self.disable or len(key) == 0:
             return MatchResult(
                 device_indices=torch.empty((0,), dtype=torch.int64, device=self.device),
@@ -535,12 +577,13 @@ class CpHiRadixCache(HiRadixCache):
         if len(key) == 0:
             return InsertResult(prefix_len=0)
 
+        self._start_tree_op()
         node = self.root_node
         child_key = key.child_key(self.page_size)
         total_prefix_length = 0
         while len(key) > 0 and child_key in node.children:
             node = node.children[child_key]
-            node.last_access_time = time.monotonic()
+            node.last_access_time = self._access_stamp()
             node.priority = max(node.priority, priority)
             prefix_len = node.key.match(key, page_size=self.page_size)
             self._touch(node)  # before a split: the accessed node stays below it
