@@ -137,7 +137,7 @@ def time_calls(call, calls: int, budget_s: float) -> tuple[float, int]:
 def measure(cache, leaves: int, calls: int, budget_s: float) -> dict:
     fill(cache, leaves)
     evict_ms, evict_n = time_calls(lambda: cache.evict(EvictParams(num_tokens=PAGE)), calls, budget_s)
-    cache.evict(EvictParams(num_tokens=leaves * PAGE))  # the rest of the leaves to host
+    cache.evict(EvictParams(num_tokens=(leaves + leaves // SIBLINGS) * PAGE))  # every node to host
     assert len(cache.evictable_host_leaves) >= leaves - calls, len(cache.evictable_host_leaves)
     host_ms, host_n = time_calls(lambda: cache.evict_host(PAGE), calls, budget_s)
     return dict(evict_ms=evict_ms, evict_n=evict_n, host_ms=host_ms, host_n=host_n)
