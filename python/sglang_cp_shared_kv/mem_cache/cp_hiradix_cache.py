@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
@@ -49,6 +50,7 @@ from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+from sglang_cp_shared_kv.mem_cache.eviction_candidates import EvictionCandidates
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
@@ -113,8 +115,12 @@ class CpHiRadixCache(HiRadixCache):
         self.cp_layout = allocator.layout
         self._host_events = 0
         self.host_logical_tokens = 0  # logical tokens of all backed-up nodes (same on every rank)
+        self._op_stamp = 0.0  # the clock read of the current tree operation (see _start_tree_op)
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
+        # The leaf sets stay sets for stock code, and keep their eviction order between calls.
+        self.evictable_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
+        self.evictable_host_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
         logger.info(
             "CP HiCache on cp rank %d of %d: %d physical host slots",
             cp_rank,
@@ -136,6 +142,7 @@ class CpHiRadixCache(HiRadixCache):
 
     def _new_node(self, priority: int) -> TreeNode:
         node = TreeNode(priority=priority)
+        node.last_access_time = node.creation_time = self._access_stamp()
         # 0.5.11's TreeNode.children is a defaultdict(TreeNode): a lookup of a missing key would
         # insert an empty "ghost" child. Our nodes use a plain dict.
         node.children = {}
@@ -175,10 +182,88 @@ class CpHiRadixCache(HiRadixCache):
         self._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MAX)
         return int(tensor.item())
 
-    def _eviction_entry(self, node: TreeNode):
-        # node.id breaks priority ties the same way on every rank (ids follow the identical sequence of
-        # tree operations); comparing nodes would fall back to set iteration order, which differs.
+    # ---- eviction order ----
+    # Both evictions pop in one total order, ``(eviction priority, node.id)``: node.id breaks priority
+    # ties the same way on every rank (ids follow the identical sequence of tree operations); stock
+    # compares nodes, which falls back to set iteration order. The candidates are the leaf sets
+    # (``EvictionCandidates``, kept ordered between calls) plus, within one call, the parents stock
+    # pushes onto its per-call heap although they are not (yet) leaves; the sequence is exactly the one
+    # a heap rebuilt from the leaf set at the start of the call would give.
+
+    def _parent_entry(self, node: TreeNode):
         return (self.eviction_strategy.get_priority(node), node.id, node)
+
+    def _next_candidate(
+        self, candidates: EvictionCandidates, parents: list, taken: set
+    ) -> Optional[TreeNode]:
+        """The node a per-call heap would pop next: the smaller of the two tops, each node once per call."""
+        while True:
+            top = candidates.peek()
+            if parents and (top is None or parents[0][:2] < top[:2]):
+                node = heapq.heappop(parents)[2]
+            elif top is not None:
+                node = candidates.pop_top()
+            else:
+                return None
+            if node not in taken:
+                taken.add(node)
+                return node
+
+    @staticmethod
+    def _requeue_taken(candidates: EvictionCandidates, taken: set) -> None:
+        # A node taken but still a candidate (skipped, or its write-back refused) is back in the next
+        # call, as in a heap rebuilt from the set: give it its entry again.
+        for node in taken:
+            candidates.touch(node)
+
+    def _touch_path(self, node: Optional[TreeNode]) -> None:
+        """``node`` and its ancestors were just accessed: re-key those that are eviction candidates
+        (under MRU an access lowers the priority; see ``EvictionCandidates``)."""
+        while node is not None:
+            self._touch(node)
+            node = node.parent
+
+    def _touch(self, node: TreeNode) -> None:
+        self.evictable_leaves.touch(node)
+        self.evictable_host_leaves.touch(node)
+
+    # ---- timestamps ----
+    # One clock read per tree operation (match_prefix, insert), shared by every node it touches or
+    # creates; stock reads the clock per node. The LRU order is unchanged: nodes of different
+    # operations compare as before, and the nodes of one operation lie on one root path, so no two of
+    # them are eviction candidates at the same time (a candidate is a leaf); their ties go by node.id.
+    # Stamps strictly increase, so two operations never tie on one rank and not on another.
+
+    def _start_tree_op(self) -> None:
+        now = time.monotonic()
+        self._op_stamp = now if now > self._op_stamp else math.nextafter(self._op_stamp, math.inf)
+
+    def _access_stamp(self) -> float:
+        """The timestamp of a node touched now (the current operation's)."""
+        return self._op_stamp
+
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
+        # Stock HiRadixCache._match_prefix_helper with one stamp for the whole walk.
+        node.last_access_time = self._access_stamp()
+        child_key = key.child_key(self.page_size)
+        value = []
+        while len(key) > 0 and child_key in node.children:
+            child = node.children[child_key]
+            child.last_access_time = self._access_stamp()
+            prefix_len = child.key.match(key, page_size=self.page_size)
+            if prefix_len < len(child.key):
+                new_node = self._split_node(child.key, child, prefix_len)
+                if not new_node.evicted:
+                    value.append(new_node.value)
+                node = new_node
+                break
+            if not child.evicted:
+                value.append(child.value)
+            node = child
+            key = key[prefix_len:]
+            if len(key):
+                child_key = key.child_key(self.page_size)
+        return value, node
 
     # ---- write (device -> host) ----
 
@@ -236,14 +321,16 @@ class CpHiRadixCache(HiRadixCache):
         on this rank. Each rank evicts in the same order until its own need is met; then all evict up
         to the largest node count any rank needed, so every rank ends with the same tree.
         """
-        heap = [self._eviction_entry(node) for node in self.evictable_host_leaves]
-        heapq.heapify(heap)
+        parents, taken = [], set()
         progress = _HostEvictionProgress()
         self._evict_host_nodes(
-            heap, progress, lambda: progress.physical_slots_freed >= physical_slots_needed
+            parents, taken, progress, lambda: progress.physical_slots_freed >= physical_slots_needed
         )
         nodes_target = self._max_over_ranks(progress.nodes_evicted)
-        self._evict_host_nodes(heap, progress, lambda: progress.nodes_evicted >= nodes_target)
+        self._evict_host_nodes(
+            parents, taken, progress, lambda: progress.nodes_evicted >= nodes_target
+        )
+        self._requeue_taken(self.evictable_host_leaves, taken)
         logger.debug(
             "CP HiCache host eviction: %d nodes, %d logical tokens, %d physical slots on this rank",
             progress.nodes_evicted,
@@ -252,9 +339,14 @@ class CpHiRadixCache(HiRadixCache):
         )
         return progress.physical_slots_freed
 
-    def _evict_host_nodes(self, heap, progress: _HostEvictionProgress, done) -> None:
-        while heap and not done():
-            _, _, node = heapq.heappop(heap)
+    def _evict_host_nodes(
+        self, parents: list, taken: set, progress: _HostEvictionProgress, done
+    ) -> None:
+        candidates = self.evictable_host_leaves
+        while not done():
+            node = self._next_candidate(candidates, parents, taken)
+            if node is None:
+                return
             if not node.evicted or node.host_ref_counter > 0:
                 continue
             self._record_remove_event(node, medium=StorageMedium.CPU)
@@ -269,10 +361,10 @@ class CpHiRadixCache(HiRadixCache):
             parent = node.parent
             removed = parent.children.pop(node.key.child_key(self.page_size), None)
             assert removed is node, f"host eviction: node {node.id} is not its parent's child"
-            self.evictable_host_leaves.discard(node)
+            candidates.discard(node)
             self._update_host_leaf_status(parent)
-            if len(parent.children) == 0 and parent.evicted:
-                heapq.heappush(heap, self._eviction_entry(parent))
+            if len(parent.children) == 0 and parent.evicted and parent not in candidates:
+                heapq.heappush(parents, self._parent_entry(parent))
             self._note_host_event()
 
     def _update_host_leaf_status(self, node: TreeNode):
@@ -291,12 +383,13 @@ class CpHiRadixCache(HiRadixCache):
         """Stock, with ``_node_backuped`` for ``backuped`` and ``node.id`` breaking priority ties."""
         start_time = time.perf_counter()
         write_back = self.cache_controller.write_policy == "write_back"
-        heap = [self._eviction_entry(node) for node in self.evictable_leaves]
-        heapq.heapify(heap)
+        candidates, parents, taken = self.evictable_leaves, [], set()
         num_evicted = 0  # logical tokens
         write_back_nodes = []
-        while num_evicted < params.num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while num_evicted < params.num_tokens:
+            node = self._next_candidate(candidates, parents, taken)
+            if node is None:
+                break
             if node.lock_ref > 0:
                 continue
             if self._node_backuped(node):
@@ -308,9 +401,18 @@ class CpHiRadixCache(HiRadixCache):
                     write_back_nodes.append(node)
             else:
                 num_evicted += self._evict_regular(node)
-            siblings = node.parent.children.values()
-            if all(s.evicted or s in write_back_nodes for s in siblings):
-                heapq.heappush(heap, self._eviction_entry(node.parent))
+            # Stock pushes the parent once every child is evicted or being written back. A parent that
+            # became a leaf is a candidate already; one whose children are being written back is not
+            # a leaf until they are evicted below, so it joins this call's parents.
+            parent = node.parent
+            siblings = parent.children.values()
+            if (
+                parent not in candidates
+                and parent.lock_ref == 0
+                and all(s.evicted or s in write_back_nodes for s in siblings)
+            ):
+                heapq.heappush(parents, self._parent_entry(parent))
+        self._requeue_taken(candidates, taken)
         if write_back:
             self.writing_check(write_back=True)
             for node in write_back_nodes:
@@ -419,6 +521,7 @@ class CpHiRadixCache(HiRadixCache):
         key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
         # A key shorter than one page (e.g. a short EAGLE bigram key) aligns to empty and matches nothing.
         key = key.page_aligned(self.page_size)
+        self._start_tree_op()
         if self.disable or len(key) == 0:
             return MatchResult(
                 device_indices=torch.empty((0,), dtype=torch.int64, device=self.device),
@@ -427,6 +530,10 @@ class CpHiRadixCache(HiRadixCache):
                 host_hit_length=0,
             )
         values, last_node = self._match_prefix_helper(self.root_node, key)
+        self._touch_path(last_node)
+        if len(last_node.children) == 1:
+            # The match may have split an accessed node; its lower half is this only child.
+            self._touch(next(iter(last_node.children.values())))
         if values:
             device_indices = torch.cat(values)
         else:
@@ -483,14 +590,16 @@ class CpHiRadixCache(HiRadixCache):
         if len(key) == 0:
             return InsertResult(prefix_len=0)
 
+        self._start_tree_op()
         node = self.root_node
         child_key = key.child_key(self.page_size)
         total_prefix_length = 0
         while len(key) > 0 and child_key in node.children:
             node = node.children[child_key]
-            node.last_access_time = time.monotonic()
+            node.last_access_time = self._access_stamp()
             node.priority = max(node.priority, priority)
             prefix_len = node.key.match(key, page_size=self.page_size)
+            self._touch(node)  # before a split: the accessed node stays below it
             if prefix_len < len(node.key):
                 node = self._split_node(node.key, node, prefix_len)
                 node.priority = max(node.priority, priority)
@@ -521,6 +630,7 @@ class CpHiRadixCache(HiRadixCache):
             self._record_store_event(new_node)
             if self.cache_controller.write_policy != "write_back":
                 self._inc_hit_count(new_node, params.chunked)
+            self._touch(new_node)
         return InsertResult(prefix_len=total_prefix_length)
 
     # ---- storage and observability ----
