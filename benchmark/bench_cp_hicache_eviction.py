@@ -23,16 +23,19 @@ import statistics
 import sys
 import time
 
+import dataclasses
+
 import torch
 
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_INDEX_HEAD_DIM,
     NSA_PAGE_SIZE as PAGE,
     HiCacheServerArgs,
-    build_cpu_cp_hicache,
-    single_process_group,
+    build_cp_hicache_stack,
     unpinned_host_pools,
+    TINY_NSA,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -61,7 +64,7 @@ def build_stock(pages: int, group) -> HiRadixCache:
         kv_lora_rank=16,
         dtype=torch.bfloat16,
         qk_rope_head_dim=8,
-        layer_num=1,
+        shape=dataclasses.replace(TINY_NSA, layer_num=1),
         device="cpu",
         index_head_dim=NSA_INDEX_HEAD_DIM,
         enable_memory_saver=False,
@@ -82,13 +85,13 @@ def build_stock(pages: int, group) -> HiRadixCache:
 
 
 def build_ours(pages: int, group):
-    stack = build_cpu_cp_hicache(
+    stack = build_cp_hicache_stack(
         cp_size=1,
         cp_rank=0,
         group=group,
         physical_pages=pages,
         hicache_ratio=HICACHE_RATIO,
-        layer_num=1,
+        shape=dataclasses.replace(TINY_NSA, layer_num=1),
         write_policy="write_through",
     )
     return stack.cache

@@ -20,11 +20,11 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache as cp_module
 from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
-    build_cpu_cp_hicache,
-    single_process_group,
+    build_cp_hicache_stack,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 
 # Every policy RadixCache.__init__ accepts in sglang 0.5.11.
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
@@ -74,7 +74,7 @@ def run_logged(
     """
     with counting_clock():
         TreeNode.counter = 1_000_000  # the same node ids in every run
-        stack = build_cpu_cp_hicache(
+        stack = build_cp_hicache_stack(
             cp_size=2,
             cp_rank=0,
             group=single_process_group(),

@@ -11,11 +11,11 @@ import types
 import unittest
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
-    build_cpu_cp_hicache,
-    single_process_group,
+    build_cp_hicache_stack,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -145,7 +145,7 @@ class TestSkippedCandidatesComeBack(CustomTestCase):
     """A node one call takes but cannot evict (host-protected) stays a candidate for the next call."""
 
     def test_host_protected_leaf_is_evicted_once_released(self):
-        stack = build_cpu_cp_hicache(cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=8)
+        stack = build_cp_hicache_stack(cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=8)
         cache = stack.cache
         tokens = list(range(1, 2 * NSA_PAGE_SIZE + 1))
         cache.insert(InsertParams(key=RadixKey(tokens), value=stack.allocator.alloc(len(tokens))))

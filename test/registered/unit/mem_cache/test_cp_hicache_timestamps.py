@@ -4,11 +4,11 @@ touched, and evicts in the same order as with a clock read per node (stock's), f
 import unittest
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
-from sglang_cp_shared_kv.testing.cpu_hicache_fixture import (
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
-    build_cpu_cp_hicache,
-    single_process_group,
+    build_cp_hicache_stack,
 )
+from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -38,7 +38,7 @@ def _run(eviction_policy, write_policy, seed, configure=None):
 
 class TestOneClockReadPerOperation(CustomTestCase):
     def test_match_and_insert_read_the_clock_once(self):
-        stack = build_cpu_cp_hicache(cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=16)
+        stack = build_cp_hicache_stack(cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=16)
         cache = stack.cache
         # A path of three nodes (two splits), then a match and an insert along all of it.
         tokens = list(range(1, 6 * NSA_PAGE_SIZE + 1))
@@ -60,7 +60,7 @@ class TestOneClockReadPerOperation(CustomTestCase):
         self.assertEqual(depth, 3)
 
     def test_stamps_strictly_increase_between_operations(self):
-        stack = build_cpu_cp_hicache(cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=4)
+        stack = build_cp_hicache_stack(cp_size=2, cp_rank=0, group=single_process_group(), physical_pages=4)
         cache = stack.cache
         with counting_clock() as clock:
             clock.namespace.monotonic = lambda: 5.0  # a clock that does not move
