@@ -55,6 +55,23 @@ class TestSmokeCli(CustomTestCase):
                 rc = e.code
         return rc, out.getvalue()
 
+    def test_request_ids_name_files(self):
+        # Found on the GPU: plan names hold '/', and the KV audit names its dump files by request id.
+        rid = self.script.rid_of(3, "g0/warmup/p0a")
+        self.assertNotIn("/", rid)
+        self.assertNotEqual(rid, self.script.rid_of(3, "g0/warmup/p0b"))
+
+    def test_the_smoke_plugin_reaches_the_servers_through_their_path_only(self):
+        argv = ["--model-path", self.model_dir, "--load-format", "dummy", "--audit", "--plant", "read-wrong-owner"]
+        args = self.script.parse_args(argv)
+        off = self.script.server_env(args, False, Path("/tmp/out"))
+        on = self.script.server_env(args, True, Path("/tmp/out"))
+        self.assertEqual(on["PYTHONPATH"].split(os.pathsep)[0], str(REPO / "scripts" / "smoke_plugin"))
+        self.assertEqual(on["SGLANG_CP_SHARED_KV_SMOKE_PLANT"], "read-wrong-owner")
+        self.assertNotIn("SGLANG_CP_SHARED_KV_SMOKE_PLANT", off)  # bugs are planted in shared KV only
+        self.assertNotEqual(on["SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"], off["SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"])
+        self.assertNotIn("SGLANG_CP_SHARED_KV_SMOKE_PLANT", os.environ)
+
     def dry_run_commands(self, *argv):
         rc, out = self.run_main("--model-path", self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
         self.assertEqual(rc, 0, out)

@@ -6,6 +6,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -107,6 +109,37 @@ class TestSmokeKvAudit(CustomTestCase):
     def test_a_position_no_rank_stored_fails(self):
         result = kv_audit_compare.compare_runs(self.shared_run(drop_last=True), self.ref)
         self.assertTrue(any("stored by no rank" in f for f in result.failures))
+
+    def test_a_rank_that_stores_no_token_of_a_request_dumps_an_empty_part(self):
+        # Found on the GPU: the dump of an empty row set failed (reshape of 0 elements) and crashed the
+        # scheduler of the rank that stored nothing (replicated rank 1; a shared-KV rank owning no page).
+        from unittest import mock
+
+        from cp_shared_kv_smoke_hooks import kv_audit
+        from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+
+        pool = make_nsa_pool(4 * PAGE, "bf16", LAYERS, "cpu")
+        for buf in pool.kv_buffer:
+            buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+        n = 2 * PAGE + 5
+        req_to_token = torch.zeros((2, 4 * PAGE), dtype=torch.int32)
+        req_to_token[1, :n] = torch.arange(PAGE, PAGE + n)
+        cache = SimpleNamespace(
+            token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        )
+        req = SimpleNamespace(rid="r1", kv_committed_len=n, req_pool_idx=1,
+                              origin_input_ids=self.tokens[: n - 3], output_ids=self.tokens[n - 3 : n])  # fmt: skip
+        run = Path(self.tmp.name) / "replicated"
+        for rank in (1, 0):
+            with mock.patch.object(kv_audit, "_rank", return_value=rank):
+                kv_audit.dump_finished_request(run, cache, req)
+        parts = kv_audit_compare.load_dumps(run)["r1"]
+        self.assertEqual(sorted(len(p["positions"]) for p in parts), [0, n])
+        merged = kv_audit_compare.merge_request("r1", parts)
+        self.assertEqual(merged.problems, [])
+        expected = pool.kv_buffer[1][PAGE + 7].flatten().view(torch.uint8).numpy()
+        self.assertTrue(np.array_equal(merged.kv[7, 1], expected))
 
     def test_read_audit_fails_on_wrong_rows_and_dummy_references_not_on_rounding(self):
         ok = {"ranks": 2, "dummy_refs": 0, "kv_rows": 10, "kv_bit_diffs": 3, "kv_wrong": 0,
