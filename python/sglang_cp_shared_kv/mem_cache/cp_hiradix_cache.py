@@ -243,7 +243,7 @@ class CpHiRadixCache(HiRadixCache):
         return self._op_stamp
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
-        # Stock HiRadixCache._match_prefix_helper with one stamp for the whole walk.
+        """Stock, but every node of the walk gets the operation's one timestamp (``_start_tree_op``)."""
         node.last_access_time = self._access_stamp()
         child_key = key.child_key(self.page_size)
         value = []
