@@ -129,8 +129,13 @@ class ReadAudit:
             return
         layout = runtime.layout
         ps, cp = layout.page_size, layout.cp_size
-        gathered = torch.empty((cp,) + tuple(pool_pages.shape), dtype=pool_pages.dtype, device=pool_pages.device)
+        # Gathered into the concatenated [cp * pages, page bytes] shape, which every backend accepts
+        # (gloo refuses the stacked [cp, pages, page bytes] output that NCCL also takes).
+        gathered = torch.empty(
+            (cp * pool_pages.shape[0],) + tuple(pool_pages.shape[1:]), dtype=pool_pages.dtype, device=pool_pages.device
+        )
         dist.all_gather_into_tensor(gathered, pool_pages.contiguous(), group=runtime.cp_group)
+        gathered = gathered.view((cp,) + tuple(pool_pages.shape))
         page = locs // ps
         allocated = page >= cp  # logical pages 0..cp-1 are the ranks' dummy pages, never handed out
         if kind == "kv" and not bool(allocated.all()):
