@@ -116,6 +116,10 @@ class CpHiRadixCache(HiRadixCache):
         self._host_events = 0
         self.host_logical_tokens = 0  # logical tokens of all backed-up nodes (same on every rank)
         self._op_stamp = 0.0  # the clock read of the current tree operation (see _start_tree_op)
+        # The agreement collectives' tensors, reused by every call (see _all_ranks_ok).
+        self._agreed_ok = torch.zeros((), dtype=torch.int32)
+        self._agreed_max = torch.zeros((), dtype=torch.int64)
+        self._agreed_write_acks = torch.zeros((), dtype=torch.int32)
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
         # The leaf sets stay sets for stock code, and keep their eviction order between calls.
@@ -172,15 +176,54 @@ class CpHiRadixCache(HiRadixCache):
 
     # ---- cross-rank agreement ----
 
+    # Every agreement reduces a scalar preallocated in ``__init__`` (no tensor is built per collective).
+    # One collective per agreement is the fewest the protocol allows: each one's input (a reservation,
+    # an allocation, an eviction count, the acks finished so far) depends on the outcome of the one
+    # before it, so no two of them can travel in one all-reduce (docs/cp-hicache-performance.md).
+
     def _all_ranks_ok(self, ok: bool) -> bool:
-        flag = torch.tensor(int(ok), dtype=torch.int)
+        flag = self._agreed_ok
+        flag.fill_(int(ok))
         self._all_reduce_attn_groups(flag, torch.distributed.ReduceOp.MIN)
         return bool(flag.item())
 
     def _max_over_ranks(self, value: int) -> int:
-        tensor = torch.tensor(value, dtype=torch.int64)
+        tensor = self._agreed_max
+        tensor.fill_(value)
         self._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MAX)
         return int(tensor.item())
+
+    # ---- write acknowledgement ----
+
+    def writing_check(self, write_back: bool = False):
+        """Stock, with the finished-ack count reduced in a preallocated tensor and acks popped at once.
+
+        The blocking ``write_back`` path has no collective and stays stock.
+        """
+        if write_back or len(self.ongoing_write_through) == 0:
+            # All ranks have the same ongoing writes, so all skip the collective together.
+            return super().writing_check(write_back=write_back)
+        finished = 0
+        for _, finish_event, _ in self.cache_controller.ack_write_queue:
+            if not finish_event.query():
+                break
+            finished += 1
+        count = self._agreed_write_acks
+        count.fill_(finished)
+        # Keep cache state transitions identical across CPxTP participants.
+        self._all_reduce_attn_groups(count, torch.distributed.ReduceOp.MIN)
+        self._apply_write_acks(int(count.item()))
+
+    def _apply_write_acks(self, count: int) -> None:
+        """Pop the first ``count`` write acks (finished on every rank): host copy confirmed, unlock."""
+        queue = self.cache_controller.ack_write_queue
+        for _, finish_event, ack_list in queue[:count]:
+            finish_event.synchronize()
+            for ack_id in ack_list:
+                node = self.ongoing_write_through.pop(ack_id)
+                self._record_store_event(node, medium=StorageMedium.CPU)
+                self.dec_lock_ref(node)
+        del queue[:count]
 
     # ---- eviction order ----
     # Both evictions pop in one total order, ``(eviction priority, node.id)``: node.id breaks priority
