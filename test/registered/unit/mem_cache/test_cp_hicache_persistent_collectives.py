@@ -1,13 +1,18 @@
 """CpHiRadixCache's agreement collectives (write reservation, load-back allocation, host eviction count,
 write acks) reduce tensors preallocated once, not a tensor built per call, and a ``writing_check`` enters
-exactly one collective with writes in flight and none without."""
+exactly one collective with writes in flight and none without (the write-ack count is reduced through
+``_start_all_reduce_attn_groups``, which falls back to the blocking helper on a one-process group)."""
 
 import sys
 import unittest
 from collections import defaultdict
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
-from sglang_cp_shared_kv.testing.cp_hicache_stack import NSA_PAGE_SIZE, build_cp_hicache_stack
+from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    NSA_PAGE_SIZE,
+    build_cp_hicache_stack,
+    settle_write_acks,
+)
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -54,7 +59,7 @@ class TestPersistentCollectiveTensors(CustomTestCase):
         cache = self.cache
         for i in range(3):
             self._insert(_seq(10_000 * (i + 1), 2))
-            cache.writing_check()
+            settle_write_acks(cache)
         cache.evict(EvictParams(num_tokens=100 * NSA_PAGE_SIZE))  # all host-only now
         for tokens in (_seq(10_000, 2), _seq(20_000, 2)):
             match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
@@ -64,11 +69,11 @@ class TestPersistentCollectiveTensors(CustomTestCase):
         cache.evict_host(1)
         cache.evict_host(1)
         sites = self.recorded.by_site
-        for site in ("_all_ranks_ok", "_max_over_ranks", "writing_check"):
+        for site in ("_all_ranks_ok", "_max_over_ranks", "_start_all_reduce_attn_groups"):
             tensors = sites[site]
             self.assertGreaterEqual(len(tensors), 2, site)
             self.assertTrue(all(t is tensors[0] for t in tensors), f"{site} built a new tensor")
-        self.assertEqual(set(sites), {"_all_ranks_ok", "_max_over_ranks", "writing_check"})
+        self.assertEqual(set(sites), {"_all_ranks_ok", "_max_over_ranks", "_start_all_reduce_attn_groups"})
 
     def test_writing_check_enters_one_collective_only_with_writes_in_flight(self):
         cache = self.cache
@@ -77,14 +82,16 @@ class TestPersistentCollectiveTensors(CustomTestCase):
         self._insert(_seq(10_000, 2))
         self.assertEqual(len(cache.ongoing_write_through), 1)
         before = self.recorded.count()
-        cache.writing_check()
+        cache.writing_check()  # agrees on the finished ack; applied at the next check
         self.assertEqual(self.recorded.count() - before, 1)
+        self.assertEqual(len(cache.ongoing_write_through), 1)
+        before = self.recorded.count()
+        cache.writing_check()  # applies it; nothing left in flight, so no new collective
+        self.assertEqual(self.recorded.count() - before, 0)
         self.assertEqual(len(cache.ongoing_write_through), 0)
         self.assertEqual(len(cache.cache_controller.ack_write_queue), 0)
-        before = self.recorded.count()
         cache.writing_check()
         self.assertEqual(self.recorded.count() - before, 0)
-
 
 if __name__ == "__main__":
     unittest.main()
