@@ -331,7 +331,7 @@ class CpHiRadixCache(HiRadixCache):
         return self._op_stamp
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey):
-        # Stock HiRadixCache._match_prefix_helper with one stamp for the whole walk.
+        """Stock, with one access stamp (the tree operation's) for the whole walk."""
         node.last_access_time = self._access_stamp()
         child_key = key.child_key(self.page_size)
         value = []
