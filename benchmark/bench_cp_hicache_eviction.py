@@ -27,6 +27,7 @@ import dataclasses
 
 import torch
 
+from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_INDEX_HEAD_DIM,
     NSA_PAGE_SIZE as PAGE,
@@ -119,8 +120,8 @@ def fill(cache, leaves: int) -> None:
         value = torch.cat([match.device_indices, allocator.alloc(len(tokens) - cached)])
         cache.insert(InsertParams(key=RadixKey(tokens), value=value))
         if i % 256 == 255:
-            cache.writing_check()
-    cache.writing_check()
+            settle_write_acks(cache)
+    settle_write_acks(cache)
     assert len(cache.evictable_leaves) == leaves, len(cache.evictable_leaves)
 
 

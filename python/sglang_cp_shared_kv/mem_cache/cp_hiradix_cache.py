@@ -71,6 +71,16 @@ def register_hooks(registry) -> None:
     )
 
 
+class _FinishedCollective:
+    """The handle of a collective that already ran (the blocking fallback of an async one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+FINISHED_COLLECTIVE = _FinishedCollective()
+
+
 @dataclass
 class _HostEvictionProgress:
     nodes_evicted: int = 0
@@ -116,6 +126,11 @@ class CpHiRadixCache(HiRadixCache):
         self._host_events = 0
         self.host_logical_tokens = 0  # logical tokens of all backed-up nodes (same on every rank)
         self._op_stamp = 0.0  # the clock read of the current tree operation (see _start_tree_op)
+        # The agreement collectives' tensors, reused by every call (see _all_ranks_ok).
+        self._agreed_ok = torch.zeros((), dtype=torch.int32)
+        self._agreed_max = torch.zeros((), dtype=torch.int64)
+        self._agreed_write_acks = torch.zeros((), dtype=torch.int32)
+        self._write_acks_in_flight = None  # the write-ack all-reduce started by the last writing_check
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
         # The leaf sets stay sets for stock code, and keep their eviction order between calls.
@@ -165,22 +180,95 @@ class CpHiRadixCache(HiRadixCache):
         return node.cp_hicache.host_indices
 
     def reset(self):
-        """Stock reset, then plain-dict root children and no backed-up logical tokens."""
+        """Stock reset, then plain-dict root children and no backed-up logical tokens.
+
+        A write-ack count in flight is waited for (every rank started it) and dropped with the acks.
+        """
+        work, self._write_acks_in_flight = self._write_acks_in_flight, None
+        if work is not None:
+            work.wait()
         super().reset()
         self.root_node.children = {}
         self.host_logical_tokens = 0
 
     # ---- cross-rank agreement ----
 
+    # Every agreement reduces a scalar preallocated in ``__init__`` (no tensor is built per collective).
+    # One collective per agreement is the fewest the protocol allows: each one's input (a reservation,
+    # an allocation, an eviction count, the acks finished so far) depends on the outcome of the one
+    # before it, so no two of them can travel in one all-reduce (docs/cp-hicache-performance.md).
+
     def _all_ranks_ok(self, ok: bool) -> bool:
-        flag = torch.tensor(int(ok), dtype=torch.int)
+        flag = self._agreed_ok
+        flag.fill_(int(ok))
         self._all_reduce_attn_groups(flag, torch.distributed.ReduceOp.MIN)
         return bool(flag.item())
 
     def _max_over_ranks(self, value: int) -> int:
-        tensor = torch.tensor(value, dtype=torch.int64)
+        tensor = self._agreed_max
+        tensor.fill_(value)
         self._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MAX)
         return int(tensor.item())
+
+    # ---- write acknowledgement ----
+
+    def writing_check(self, write_back: bool = False):
+        """Stock agrees on finished write acks with a blocking all-reduce and applies them at once; here
+        the all-reduce starts now and its agreed count is applied at the next ``writing_check``.
+
+        Every rank still pops the same acks at the same call: the count started at one call is the MIN
+        over ranks of the acks finished then, and the next call waits for it (long done by then) and
+        pops exactly that many before counting again. The blocking ``write_back`` path has no
+        collective and stays stock (after the count in flight is applied).
+        """
+        self._apply_write_acks_in_flight()
+        if write_back or len(self.ongoing_write_through) == 0:
+            # All ranks have the same ongoing writes, so all skip the collective together.
+            return super().writing_check(write_back=write_back)
+        finished = 0
+        for _, finish_event, _ in self.cache_controller.ack_write_queue:
+            if not finish_event.query():
+                break
+            finished += 1
+        count = self._agreed_write_acks
+        count.fill_(finished)
+        # Keep cache state transitions identical across CPxTP participants.
+        self._write_acks_in_flight = self._start_all_reduce_attn_groups(
+            count, torch.distributed.ReduceOp.MIN
+        )
+
+    def _apply_write_acks_in_flight(self) -> None:
+        work, self._write_acks_in_flight = self._write_acks_in_flight, None
+        if work is not None:
+            work.wait()
+            self._apply_write_acks(int(self._agreed_write_acks.item()))
+
+    def _start_all_reduce_attn_groups(self, tensor: torch.Tensor, op):
+        """``_all_reduce_attn_groups`` without waiting: a handle whose ``wait()`` leaves the result in
+        ``tensor``. Over two groups (attention CP, then attention TP) the second reduces the first's
+        result, so that case stays blocking and returns a finished handle."""
+        groups = [
+            group
+            for group in (self.attn_cp_group, self.attn_tp_group)
+            if group is not None and torch.distributed.get_world_size(group=group) > 1
+        ]
+        if not groups and self.tp_world_size > 1:
+            groups = [self.tp_group]
+        if len(groups) == 1:
+            return torch.distributed.all_reduce(tensor, op=op, group=groups[0], async_op=True)
+        self._all_reduce_attn_groups(tensor, op)
+        return FINISHED_COLLECTIVE
+
+    def _apply_write_acks(self, count: int) -> None:
+        """Pop the first ``count`` write acks (finished on every rank): host copy confirmed, unlock."""
+        queue = self.cache_controller.ack_write_queue
+        for _, finish_event, ack_list in queue[:count]:
+            finish_event.synchronize()
+            for ack_id in ack_list:
+                node = self.ongoing_write_through.pop(ack_id)
+                self._record_store_event(node, medium=StorageMedium.CPU)
+                self.dec_lock_ref(node)
+        del queue[:count]
 
     # ---- eviction order ----
     # Both evictions pop in one total order, ``(eviction priority, node.id)``: node.id breaks priority

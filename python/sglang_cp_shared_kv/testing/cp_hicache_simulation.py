@@ -43,6 +43,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     HiCacheStack,
     build_cp_hicache_stack,
 )
+from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import FINISHED_COLLECTIVE
 from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, launch
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -194,6 +195,7 @@ class _RankRun:
             invariants = RankInvariants(workload)
             self.collectives = _CollectiveTrace(self.group, self.cp_size)
             workload.cache._all_reduce_attn_groups = self.collectives.all_reduce
+            workload.cache._start_all_reduce_attn_groups = self.collectives.start_all_reduce
             for self.step in range(scenario.num_ops):
                 operation = workload.next_operation()
                 self.op = f"{operation}, interrupted"
@@ -322,7 +324,15 @@ class _CollectiveTrace:
 
     def all_reduce(self, tensor: torch.Tensor, op) -> None:
         """Drop-in for ``HiRadixCache._all_reduce_attn_groups`` on a one-element tensor."""
-        site = sys._getframe(1).f_code.co_name
+        self._reduce(sys._getframe(1).f_code.co_name, tensor, op)
+
+    def start_all_reduce(self, tensor: torch.Tensor, op):
+        """Drop-in for ``CpHiRadixCache._start_all_reduce_attn_groups``: traced where it starts (the
+        point every rank must reach in the same order), so it runs at once; a finished handle."""
+        self._reduce(sys._getframe(1).f_code.co_name, tensor, op)
+        return FINISHED_COLLECTIVE
+
+    def _reduce(self, site: str, tensor: torch.Tensor, op) -> None:
         values = self.exchange(site, [int(tensor.item())])[:, 0]
         reduce = {dist.ReduceOp.MIN: torch.min, dist.ReduceOp.MAX: torch.max}[op]
         tensor.fill_(int(reduce(values)))

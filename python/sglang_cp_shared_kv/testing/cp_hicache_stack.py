@@ -451,3 +451,15 @@ def clear_device_pool(stack: HiCacheStack, kv_byte: int = 0, index_byte: int = 0
 def _kv_rows(pool: NSATokenToKVPool, layer: int) -> torch.Tensor:
     buffer = pool.kv_buffer[layer]
     return buffer.view(torch.uint8).view(buffer.shape[0], -1)
+
+
+def settle_write_acks(cache, max_checks: int = 4) -> None:
+    """``writing_check`` until no write is in flight. Stock applies the acks a check agreed on at that
+    check; CpHiRadixCache at the next one (non-blocking acks), so tests and benchmarks that need every
+    finished write acknowledged call this instead of one ``writing_check``. The number of checks depends
+    only on the tree, so every rank makes the same ones."""
+    for _ in range(max_checks):
+        cache.writing_check()
+        if not cache.ongoing_write_through:
+            return
+    raise AssertionError(f"{len(cache.ongoing_write_through)} writes still in flight after {max_checks} checks")

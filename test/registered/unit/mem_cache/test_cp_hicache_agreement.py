@@ -44,6 +44,7 @@ def _rank(rank, world_size):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+        settle_write_acks,
         build_cp_hicache_stack,
         owned_host_slots_in_tree,
         tree_signature,
@@ -58,7 +59,7 @@ def _rank(rank, world_size):
     def insert(tokens):
         locs = allocator.alloc(len(tokens))
         cache.insert(InsertParams(key=RadixKey(tokens), value=locs))
-        cache.writing_check()
+        settle_write_acks(cache)
 
     def node_of(tokens):
         return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node

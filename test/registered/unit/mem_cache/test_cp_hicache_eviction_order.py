@@ -11,6 +11,7 @@ import types
 import unittest
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
+from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
     build_cp_hicache_stack,
@@ -149,7 +150,7 @@ class TestSkippedCandidatesComeBack(CustomTestCase):
         cache = stack.cache
         tokens = list(range(1, 2 * NSA_PAGE_SIZE + 1))
         cache.insert(InsertParams(key=RadixKey(tokens), value=stack.allocator.alloc(len(tokens))))
-        cache.writing_check()
+        settle_write_acks(cache)
         cache.evict(EvictParams(num_tokens=len(tokens)))
         (node,) = cache.root_node.children.values()
         self.assertTrue(node.evicted)

@@ -8,6 +8,7 @@ import unittest
 
 import torch
 
+from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     clear_device_pool,
@@ -60,7 +61,7 @@ class TestCpHiCacheRoundTrip(CustomTestCase):
             write_owned_pattern(view, suffix_b, seed=2)
             locs_b = torch.cat([locs_a[: 3 * PAGE], suffix_b])
             cache.insert(InsertParams(key=RadixKey(SEQ_B), value=locs_b))  # splits A's node
-            cache.writing_check()
+            settle_write_acks(cache)
             if write_policy == "write_back":
                 self.assertEqual(view.controller.physical_host_slots_used(), 0)
 

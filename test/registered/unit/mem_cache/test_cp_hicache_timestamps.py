@@ -4,6 +4,7 @@ touched, and evicts in the same order as with a clock read per node (stock's), f
 import unittest
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
+from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
     build_cp_hicache_stack,
@@ -45,7 +46,7 @@ class TestOneClockReadPerOperation(CustomTestCase):
         for length in (6, 4, 2):
             key = tokens[: length * NSA_PAGE_SIZE]
             cache.insert(InsertParams(key=RadixKey(key), value=stack.allocator.alloc(len(key))))
-        cache.writing_check()
+        settle_write_acks(cache)
         match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
         self.assertEqual(len(match.device_indices), len(tokens))
         with counting_clock() as clock:

@@ -9,6 +9,7 @@ from unittest import mock
 
 import torch
 
+from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     HiCacheServerArgs,
     build_cp_hicache_stack,
@@ -110,7 +111,7 @@ class TestCpHiRadixCacheTree(CustomTestCase):
         key = RadixKey(tokens)
         locs = self.stack.allocator.alloc(len(tokens) // PAGE * PAGE)
         self.cache.insert(InsertParams(key=key, value=locs))
-        self.cache.writing_check()
+        settle_write_acks(self.cache)
         self.assertEqual(self.cache.ongoing_write_through, {})
         return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
 
@@ -134,11 +135,11 @@ class TestCpHiRadixCacheTree(CustomTestCase):
         self.assertEqual(used, node.cp_hicache.num_owned)
         for _ in range(3):
             self.cache.insert(InsertParams(key=RadixKey(tokens), value=node.value.clone()))
-            self.cache.writing_check()
+            settle_write_acks(self.cache)
         self.assertEqual(self._host_slots_used(), used)
         # What the stock hit counter (node.backuped) would do: back the node up again.
         HiRadixCache._inc_hit_count(self.cache, node)
-        self.cache.writing_check()
+        settle_write_acks(self.cache)
         self.assertEqual(self._host_slots_used(), 2 * used)
 
     def test_split_divides_host_len_and_metadata_by_position(self):
@@ -148,7 +149,7 @@ class TestCpHiRadixCacheTree(CustomTestCase):
         diverging = _tokens(0, 2)[:-1] + _tokens(10_000, 2)
         locs = self.stack.allocator.alloc(4 * PAGE)
         self.cache.insert(InsertParams(key=RadixKey(diverging), value=locs))
-        self.cache.writing_check()
+        settle_write_acks(self.cache)
         parent = node.parent
         self.assertIsNot(parent, self.cache.root_node)
         self.assertEqual((parent.host_len, node.host_len), (2 * PAGE, 2 * PAGE))

@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
 from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang_cp_shared_kv.testing.e2e.request_plan import REPLAY, ROUND1, ROUND2, build_plan
@@ -69,7 +70,7 @@ def serve_one(stack, input_ids, max_new_tokens):
     allocator.free(locs[len(prefix) : inserted.prefix_len])  # already in the tree
     allocator.free(torch.cat([locs[aligned:], new_locs[need:]]))
     cache.dec_lock_ref(last_node)
-    cache.writing_check()
+    settle_write_acks(cache)
     return device_hit, match.host_hit_length, loaded_back
 
 
@@ -118,7 +119,7 @@ class TestPlanOnCpHiCache(CustomTestCase):
 
     def test_no_token_leaked(self):
         cache, allocator = self.stack.cache, self.stack.allocator
-        cache.writing_check()
+        settle_write_acks(cache)
         self.assertEqual(cache.protected_size(), 0)
         self.assertEqual(allocator.available_size() + cache.evictable_size(), self.device_tokens)
 
