@@ -30,7 +30,12 @@ SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
 from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
+from sglang_cp_shared_kv.testing.e2e.request_plan import (
+    RequestPlan,
+    build_plan,
+    check_plan_fits_model,
+    parse_token_id_range,
+)
 from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
 from sglang_cp_shared_kv.testing.e2e.server_process import (
@@ -101,10 +106,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
     try:
-        low, high = (int(x) for x in args.token_id_range.split(":"))
+        args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
         p.error("--token-id-range must be LOW:HIGH")
-    args.token_id_range = (low, high)
     return args
 
 
@@ -121,13 +125,6 @@ def logical_device_tokens(args, shared_kv: bool) -> int:
     return args.physical_tokens_per_rank * (args.tp if shared_kv else 1)
 
 
-def model_context_len(model_path: str) -> Optional[int]:
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text()).get("max_position_embeddings")
-
-
 def make_plan(args) -> RequestPlan:
     # Both capacities whatever runs here: runs of one mode each (and their KV audits) must send the
     # same requests to be compared.
@@ -140,10 +137,7 @@ def make_plan(args) -> RequestPlan:
         token_id_range=args.token_id_range,
         seed=args.seed,
     )
-    context_len = model_context_len(args.model_path)
-    longest = max(r.prompt_tokens for r in plan.requests) + args.max_new_tokens
-    if context_len is not None and longest > context_len:
-        raise ValueError(f"plan needs {longest} tokens of context, the model has {context_len}")
+    check_plan_fits_model(plan, args.model_path)
     return plan
 
 

@@ -42,9 +42,16 @@ from typing import Dict, List, Optional
 SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
+from sglang_cp_shared_kv.server_args import EXPERIMENTAL_PD_ENV  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
-from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, build_plan
+from sglang_cp_shared_kv.testing.e2e.request_plan import (
+    RequestPlan,
+    build_plan,
+    check_plan_fits_model,
+    longest_request_tokens,
+    parse_token_id_range,
+)
 from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
 from sglang_cp_shared_kv.testing.e2e.server_process import (
@@ -117,10 +124,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.prefill_tp < 2:
         p.error("--prefill-tp must be at least 2 (NSA prefill CP)")
     try:
-        low, high = (int(x) for x in args.token_id_range.split(":"))
+        args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
         p.error("--token-id-range must be LOW:HIGH")
-    args.token_id_range = (low, high)
     return args
 
 
@@ -137,13 +143,6 @@ def logical_device_tokens(args, shared_kv: bool) -> int:
     return args.physical_tokens_per_rank * (args.prefill_tp if shared_kv else 1)
 
 
-def model_context_len(model_path: str) -> Optional[int]:
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text()).get("max_position_embeddings")
-
-
 def make_plan(args) -> RequestPlan:
     plan = build_plan(
         [logical_device_tokens(args, s) for s in modes_of(args.shared_kv)],
@@ -154,15 +153,9 @@ def make_plan(args) -> RequestPlan:
         token_id_range=args.token_id_range,
         seed=args.seed,
     )
-    context_len = model_context_len(args.model_path)
-    longest = longest_request_tokens(plan)
-    if context_len is not None and longest > context_len:
-        raise ValueError(f"plan needs {longest} tokens of context, the model has {context_len}")
+    check_plan_fits_model(plan, args.model_path)
     return plan
 
-
-def longest_request_tokens(plan: RequestPlan) -> int:
-    return max(r.prompt_tokens for r in plan.requests) + plan.max_new_tokens
 
 
 def decode_max_total_tokens(args, plan: RequestPlan) -> int:
@@ -182,9 +175,6 @@ def common_env(args) -> Dict[str, str]:
     if args.load_format == "dummy" and args.dummy_init == "unit-gain":
         env[SMOKE_DUMMY_INIT_ENV] = "1"  # both servers: the decode computes tokens 2.. with its weights
     return env
-
-
-from sglang_cp_shared_kv.server_args import EXPERIMENTAL_PD_ENV  # noqa: E402
 
 
 def prefill_only_env(args, shared_kv: bool) -> Dict[str, str]:

@@ -25,7 +25,7 @@ naming the flags at startup; the rules themselves live with every other startup 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

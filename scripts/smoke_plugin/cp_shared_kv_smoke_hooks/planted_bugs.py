@@ -13,7 +13,6 @@ import dataclasses
 import logging
 
 import torch
-import torch.distributed as dist
 
 from sglang.srt.plugins.hook_registry import HookType
 

@@ -11,7 +11,6 @@ chunk; TPOT = (last chunk - first chunk) / (tokens - 1).
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import threading
@@ -19,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, GenerateResult
+from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, GenerateResult, stream_chunks
 
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
 
@@ -73,13 +72,7 @@ def generate_greedy_pd(
             if response.status_code != 200:
                 error = f"decode HTTP {response.status_code}: {response.text[:500]}"
             else:
-                for raw in response.iter_lines():
-                    if not raw.startswith(b"data:"):
-                        continue
-                    body = raw[len(b"data:"):].strip()
-                    if body == b"[DONE]":
-                        break
-                    chunk = json.loads(body)
+                for chunk in stream_chunks(response):
                     if "error" in chunk:
                         error = f"decode: {chunk['error']}"
                         break

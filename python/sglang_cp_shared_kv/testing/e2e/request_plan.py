@@ -21,9 +21,11 @@ request sequence drives both servers and outputs can be compared request by requ
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 # sglang 0.5.11 HiRadixCache.load_back skips loads shorter than this many tokens.
@@ -218,3 +220,29 @@ def round_pairs(plan: RequestPlan) -> List[tuple[PlannedRequest, PlannedRequest]
     """(round-1, round-2) requests on the same prefix: cold prefill vs the prefix served from cache."""
     round1 = {(r.group, r.prefix_id): r for r in plan.requests if r.phase == ROUND1}
     return [(round1[(r.group, r.prefix_id)], r) for r in plan.requests if r.phase == ROUND2]
+
+
+def parse_token_id_range(text: str) -> tuple:
+    """``"LOW:HIGH"`` of the smokes' ``--token-id-range`` -> ``(LOW, HIGH)``; ``ValueError`` otherwise."""
+    low, high = (int(x) for x in text.split(":"))
+    return low, high
+
+
+def model_context_len(model_path: str) -> Optional[int]:
+    """``max_position_embeddings`` of a model directory, ``None`` where there is no config.json."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
+
+
+def longest_request_tokens(plan: "RequestPlan") -> int:
+    return max(r.prompt_tokens for r in plan.requests) + plan.max_new_tokens
+
+
+def check_plan_fits_model(plan: "RequestPlan", model_path: str) -> None:
+    """``ValueError`` if the plan's longest request does not fit the model's context."""
+    context_len = model_context_len(model_path)
+    longest = longest_request_tokens(plan)
+    if context_len is not None and longest > context_len:
+        raise ValueError(f"plan needs {longest} tokens of context, the model has {context_len}")

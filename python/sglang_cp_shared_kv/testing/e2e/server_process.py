@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 
@@ -185,6 +185,17 @@ class GenerateResult:
     error: Optional[str] = None
 
 
+def stream_chunks(response) -> Iterator[Dict[str, Any]]:
+    """The JSON chunks of an sglang ``/generate`` stream (``data: {...}`` lines up to ``[DONE]``)."""
+    for raw in response.iter_lines():
+        if not raw.startswith(b"data:"):
+            continue
+        body = raw[len(b"data:"):].strip()
+        if body == b"[DONE]":
+            return
+        yield json.loads(body)
+
+
 def generate_greedy(
     base_url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float, rid: Optional[str] = None
 ) -> GenerateResult:
@@ -207,13 +218,7 @@ def generate_greedy(
             if response.status_code != 200:
                 return GenerateResult([], {}, None, time.perf_counter() - start,
                                       f"HTTP {response.status_code}: {response.text[:500]}")  # fmt: skip
-            for raw in response.iter_lines():
-                if not raw.startswith(b"data:"):
-                    continue
-                body = raw[len(b"data:"):].strip()
-                if body == b"[DONE]":
-                    break
-                chunk = json.loads(body)
+            for chunk in stream_chunks(response):
                 if "error" in chunk:
                     return GenerateResult([], {}, ttft, time.perf_counter() - start, str(chunk["error"]))
                 if ttft is None:
