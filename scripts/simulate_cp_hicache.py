@@ -70,11 +70,11 @@ def main(argv=None) -> int:
                 f"load-backs {stats.get('load-backs done', 0)}, "
                 f"host writes {stats.get('host writes committed', 0)} "
                 f"(refused {stats.get('host writes refused', 0)}), "
-                f"host evictions {stats.get('host evictions', 0)}, "
+                f"host evictions {stats.get('host evictions', 0)} "
+                f"(+{stats.get('host evictions for a write', 0)} for a write), "
                 f"splits {stats.get('node splits', 0) + stats.get('node splits on host', 0)}, "
-                f"injected failures fired "
-                f"{result.local_stats.get('injected host allocation failures fired', 0)} host / "
-                f"{result.local_stats.get('injected device allocation failures fired', 0)} device",
+                f"injected device allocation failures fired "
+                f"{result.local_stats.get('injected device allocation failures fired', 0)}",
                 flush=True,
             )
         ops_executed += report.ops_executed

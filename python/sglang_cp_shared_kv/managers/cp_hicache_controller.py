@@ -8,8 +8,10 @@ and the host pools are this rank's physical shards. The translation happens here
 * load: full logical locs are allocated (same decision on every rank), the positions this rank holds on
   host pick their new logical locs, those become physical rows, and only owned pairs move.
 
-Both operations are split in two (reserve, then transfer) so that the cache can make every rank agree on
-success before any rank commits tree state (see ``CpHiRadixCache`` and ``docs/cp-hicache.md``).
+Both operations are split in two (plan or allocate, then transfer) so that every rank can reach the same
+decision before any rank commits tree state: a write's host slots by the cache's host-slot ledger
+(``CpHostSlotLedger``), a load-back's device locs by an agreement (see ``CpHiRadixCache`` and
+``docs/cp-hicache.md``).
 
 Acknowledgement cardinality: sglang's ``writing_check`` pops acks after a MIN all-reduce of completed
 counts, and ``loading_check`` releases locks per producer event without any collective, so every rank
@@ -47,6 +49,7 @@ class CpWriteReservation:
     """What one rank needs to back up one node, and the host slots it got (``None``: not enough)."""
 
     logical_len: int
+    page_owners: np.ndarray  # owner rank of each page of the node, identical on every rank
     owned_positions: torch.Tensor  # CPU int64, node-local
     owner_ranks: torch.Tensor  # CPU int8, one per position, identical on every rank
     physical_device_indices: torch.Tensor  # rows of this rank's device pool, on the device
@@ -110,7 +113,13 @@ class CpHybridCacheController(HybridCacheController):
     # ---- write (device -> host) ----
 
     def reserve_host_slots(self, logical_device_indices: torch.Tensor) -> CpWriteReservation:
-        """Owned subset of a node's logical locs, its physical rows, and host slots for them.
+        """``plan_host_write``, then ``take_host_slots`` (``host_indices`` stays ``None`` if short)."""
+        reservation = self.plan_host_write(logical_device_indices)
+        self.take_host_slots(reservation)
+        return reservation
+
+    def plan_host_write(self, logical_device_indices: torch.Tensor) -> CpWriteReservation:
+        """Owned subset of a node's logical locs and its physical rows; no host slot taken yet.
 
         A node's value is whole logical pages (the allocator is paged) and ownership is a per-page
         property, so only the page heads travel to the CPU (1/page_size of the locs, one device
@@ -125,23 +134,28 @@ class CpHybridCacheController(HybridCacheController):
         )
         page_owners = self.layout.owner_of_page(logical_pages)
         owned_pages = np.flatnonzero(page_owners == self.layout.cp_rank)  # node-local page numbers
-        reservation = CpWriteReservation(
+        return CpWriteReservation(
             logical_len=logical_len,
+            page_owners=page_owners,
             owned_positions=torch.from_numpy(self.layout.rows_of_pages(owned_pages * page_size)),
             owner_ranks=torch.from_numpy(np.repeat(page_owners.astype(np.int8), page_size)),
             physical_device_indices=self._physical_rows_on_device(logical_pages[owned_pages]),
             host_indices=None,
         )
+
+    def take_host_slots(self, reservation: CpWriteReservation) -> bool:
+        """Host slots for a planned write; False (nothing taken) if this rank's host pool is short."""
         if reservation.required_host_slots == 0:
             reservation.host_indices = torch.empty((0,), dtype=torch.int64)
-            return reservation
+            return True
         host_indices = self.mem_pool_host.alloc(reservation.required_host_slots)
-        if host_indices is not None:
-            # The host pool's free list is a CPU tensor: this is a view of it, not a copy.
-            host_indices = host_indices.cpu()
-            self._page_heads_on_cpu(host_indices, "host slots")
-            reservation.host_indices = host_indices
-        return reservation
+        if host_indices is None:
+            return False
+        # The host pool's free list is a CPU tensor: this is a view of it, not a copy.
+        host_indices = host_indices.cpu()
+        self._page_heads_on_cpu(host_indices, "host slots")
+        reservation.host_indices = host_indices
+        return True
 
     def release_reservation(self, reservation: CpWriteReservation) -> None:
         """Give back the host slots of a reservation that will not be written."""
@@ -199,16 +213,16 @@ class CpHybridCacheController(HybridCacheController):
         The owners come from the metadata (identical on every rank), so the allocator takes the same
         decision on every rank; ``None`` if it cannot place them.
         """
-        return self.mem_pool_device_allocator.alloc_with_owners(self._page_owners(metadata))
+        return self.mem_pool_device_allocator.alloc_with_owners(self.page_owners(metadata))
 
     def device_page_shortfall(self, metadata: CpHiCacheNodeMetadata) -> List[int]:
         """Free device pages each owner rank lacks for ``alloc_logical_locs(metadata)``."""
-        return self.mem_pool_device_allocator.page_shortfall_by_owner(self._page_owners(metadata))
+        return self.mem_pool_device_allocator.page_shortfall_by_owner(self.page_owners(metadata))
 
-    def _page_owners(self, metadata: CpHiCacheNodeMetadata) -> np.ndarray:
+    def page_owners(self, metadata: CpHiCacheNodeMetadata) -> np.ndarray:
         """Owner rank of each page of ``metadata`` (identical on every rank), a view of its owners."""
         self._check_page_aligned_len(metadata.logical_len)
-        # Constant within each page by construction: built per page in reserve_host_slots, and
+        # Constant within each page by construction: built per page in plan_host_write, and
         # nodes split and join only at page boundaries.
         return metadata.owner_ranks.numpy()[:: self.page_size]
 
@@ -236,7 +250,7 @@ class CpHybridCacheController(HybridCacheController):
                 priority,
             )
         else:
-            # Owned positions are whole pages of the node (built so in reserve_host_slots, not
+            # Owned positions are whole pages of the node (built so in plan_host_write, not
             # re-checked): map the new logical pages at those page numbers only.
             owned_pages = metadata.owned_positions.numpy()[:: self.page_size] // self.page_size
             logical_heads = self._page_heads_on_cpu(logical_device_indices, "logical device locs")
@@ -265,7 +279,7 @@ class CpHybridCacheController(HybridCacheController):
 
     def write(self, *args, **kwargs):
         raise RuntimeError(
-            f"{FLAG}: HiCache write takes logical locs here; use reserve_host_slots/write_reserved"
+            f"{FLAG}: HiCache write takes logical locs here; use plan_host_write/take_host_slots/write_reserved"
         )
 
     def load(self, *args, **kwargs):

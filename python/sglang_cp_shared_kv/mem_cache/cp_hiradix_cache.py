@@ -8,11 +8,10 @@ slots). ``node.host_value`` stays ``None``, so every stock path that reads ``nod
 ``node.host_value`` is overridden here to use ``_node_backuped`` / ``_node_host_len`` /
 ``_node_host_evict_indices``.
 
-Cross-rank agreement (the tree must stay identical although host pools are per rank): a host
-reservation, and a device allocation for a load-back, may succeed on one rank and fail on another, so
-every rank contributes its outcome to a MIN all-reduce before anyone commits; host eviction for a write
-retry evicts the same nodes on every rank (each rank evicts in the same order until its own physical need
-is met, then all continue to the MAX count). Details in ``docs/cp-hicache.md``.
+Cross-rank agreement (the tree must stay identical although host pools are per rank): whether a node's
+backup fits on every rank, and which host nodes to evict when it does not, every rank reads from its
+``CpHostSlotLedger`` (every rank's free host slots, kept without a collective); a device allocation for
+a load-back is agreed by a MIN all-reduce before anyone commits. Details in ``docs/cp-hicache.md``.
 
 Registered as a class REPLACE of ``sglang.srt.mem_cache.hiradix_cache.HiRadixCache`` (runtime hooks exist
 only with the flag on). Construction with any other allocator returns the stock ``HiRadixCache``.
@@ -27,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.disaggregation.kv_events import StorageMedium
@@ -50,6 +50,7 @@ from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+from sglang_cp_shared_kv.mem_cache.cp_host_slot_ledger import CpHostSlotLedger
 from sglang_cp_shared_kv.mem_cache.eviction_candidates import EvictionCandidates
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_FIELD,
@@ -83,8 +84,8 @@ FINISHED_COLLECTIVE = _FinishedCollective()
 
 @dataclass
 class _HostEvictionProgress:
+    slots_freed_by_rank: np.ndarray  # every rank's host slots (identical on every rank)
     nodes_evicted: int = 0
-    physical_slots_freed: int = 0  # this rank's host slots (write-retry progress)
     logical_tokens_evicted: int = 0  # identical on every rank (metrics, logs)
 
 
@@ -131,8 +132,13 @@ class CpHiRadixCache(HiRadixCache):
         self._agreed_max = torch.zeros((), dtype=torch.int64)
         self._agreed_write_acks = torch.zeros((), dtype=torch.int32)
         self._write_acks_in_flight = None  # the write-ack all-reduce started by the last writing_check
+        self.host_ledger: Optional[CpHostSlotLedger] = None  # built once the host pools exist
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
+        self.host_ledger = CpHostSlotLedger(
+            self._host_capacity_by_rank(cp_size), cp_rank, self.page_size,
+            self.cache_controller.mem_pool_host,
+        )  # fmt: skip
         # The leaf sets stay sets for stock code, and keep their eviction order between calls.
         self.evictable_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
         self.evictable_host_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
@@ -142,6 +148,20 @@ class CpHiRadixCache(HiRadixCache):
             cp_size,
             self.cache_controller.mem_pool_host.size,
         )
+
+    def _host_capacity_by_rank(self, cp_size: int) -> List[int]:
+        """Every CP rank's host slots, which the ledger starts from: one startup agreement that they
+        are the same (a MIN of ``(slots, -slots)``), and a clear error if they are not."""
+        slots = self.cache_controller.mem_pool_host.available_size()
+        bounds = torch.tensor([slots, -slots], dtype=torch.int64)
+        self._all_reduce_attn_groups(bounds, torch.distributed.ReduceOp.MIN)
+        smallest, largest = int(bounds[0]), -int(bounds[1])
+        if smallest != largest:
+            raise ValueError(
+                f"{FLAG}: the CP ranks' host pools differ ({smallest} to {largest} slots); "
+                "--hicache-ratio / --hicache-size must give every rank the same host pool"
+            )
+        return [slots] * cp_size
 
     def _attn_cp_rank_and_size(self, params: CacheInitParams) -> tuple[int, int]:
         """This rank's place in the attention CP group (not ``params.attn_cp_rank``: unset in 0.5.11)."""
@@ -190,13 +210,14 @@ class CpHiRadixCache(HiRadixCache):
         super().reset()
         self.root_node.children = {}
         self.host_logical_tokens = 0
+        if self.host_ledger is not None:  # None while the stock constructor resets
+            self.host_ledger.reset()
 
     # ---- cross-rank agreement ----
 
     # Every agreement reduces a scalar preallocated in ``__init__`` (no tensor is built per collective).
-    # One collective per agreement is the fewest the protocol allows: each one's input (a reservation,
-    # an allocation, an eviction count, the acks finished so far) depends on the outcome of the one
-    # before it, so no two of them can travel in one all-reduce (docs/cp-hicache-performance.md).
+    # Host writes need none (the host ledger answers on every rank); what is left per step is the
+    # write-ack count, plus one allocation agreement per load-back (docs/cp-hicache-performance.md).
 
     def _all_ranks_ok(self, ok: bool) -> bool:
         flag = self._agreed_ok
@@ -376,18 +397,22 @@ class CpHiRadixCache(HiRadixCache):
         return node.host_len
 
     def _reserve_and_write(self, node: TreeNode) -> Optional[CpHiCacheNodeMetadata]:
-        """Reserve host slots on every rank, agree, evict host nodes and retry once if any rank was short."""
-        controller = self.cache_controller
-        reservation = controller.reserve_host_slots(node.value)
-        if not self._all_ranks_ok(reservation.ok):
-            physical_slots_needed = 0 if reservation.ok else reservation.required_host_slots
-            controller.release_reservation(reservation)
-            self.evict_host(physical_slots_needed)
-            reservation = controller.reserve_host_slots(node.value)
-            if not self._all_ranks_ok(reservation.ok):
-                controller.release_reservation(reservation)
+        """Write ``node``'s owned pages if they fit on every rank, after evicting host nodes if not.
+
+        The ledger gives every rank the same answer without a collective (``CpHostSlotLedger``).
+        """
+        controller, ledger = self.cache_controller, self.host_ledger
+        plan = controller.plan_host_write(node.value)
+        slots_by_rank = ledger.slots_of_pages(plan.page_owners)
+        if not ledger.fits(slots_by_rank):
+            self._evict_host_until(ledger.shortfall(slots_by_rank))
+            if not ledger.fits(slots_by_rank):
                 return None
-        return controller.write_reserved(reservation, node_id=node.id)
+        if not controller.take_host_slots(plan):
+            ledger.check_own_entry("before a host write")  # raises: the ledger said it fits
+            raise RuntimeError("CP HiCache: the host pool refused slots its ledger has free")
+        ledger.take(slots_by_rank)
+        return controller.write_reserved(plan, node_id=node.id)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool = False):
         """Stock, with ``_node_backuped`` for ``node.backuped``; ``host_value`` is never set."""
@@ -409,23 +434,51 @@ class CpHiRadixCache(HiRadixCache):
         on this rank. Each rank evicts in the same order until its own need is met; then all evict up
         to the largest node count any rank needed, so every rank ends with the same tree.
         """
+        rank = self.cp_layout.cp_rank
         parents, taken = [], set()
-        progress = _HostEvictionProgress()
+        progress = self._new_host_eviction_progress()
         self._evict_host_nodes(
-            parents, taken, progress, lambda: progress.physical_slots_freed >= physical_slots_needed
+            parents,
+            taken,
+            progress,
+            lambda: progress.slots_freed_by_rank[rank] >= physical_slots_needed,
         )
         nodes_target = self._max_over_ranks(progress.nodes_evicted)
         self._evict_host_nodes(
             parents, taken, progress, lambda: progress.nodes_evicted >= nodes_target
         )
         self._requeue_taken(self.evictable_host_leaves, taken)
+        self._log_host_eviction(progress)
+        return int(progress.slots_freed_by_rank[rank])
+
+    def _evict_host_until(self, shortfall_by_rank: np.ndarray) -> None:
+        """Evict host-only nodes until every rank freed its ``shortfall_by_rank`` slots (or none is
+        left). No collective: every rank knows every rank's slots per node (their owners are the
+        same everywhere), so all evict the same nodes; the same set ``evict_host`` reaches with a
+        MAX agreement when each rank knows only its own need."""
+        parents, taken = [], set()
+        progress = self._new_host_eviction_progress()
+        self._evict_host_nodes(
+            parents,
+            taken,
+            progress,
+            lambda: bool((progress.slots_freed_by_rank >= shortfall_by_rank).all()),
+        )
+        self._requeue_taken(self.evictable_host_leaves, taken)
+        self._log_host_eviction(progress)
+
+    def _new_host_eviction_progress(self) -> _HostEvictionProgress:
+        return _HostEvictionProgress(
+            slots_freed_by_rank=np.zeros(self.cp_layout.cp_size, dtype=np.int64)
+        )
+
+    def _log_host_eviction(self, progress: _HostEvictionProgress) -> None:
         logger.debug(
-            "CP HiCache host eviction: %d nodes, %d logical tokens, %d physical slots on this rank",
+            "CP HiCache host eviction: %d nodes, %d logical tokens, physical slots by rank %s",
             progress.nodes_evicted,
             progress.logical_tokens_evicted,
-            progress.physical_slots_freed,
+            progress.slots_freed_by_rank.tolist(),
         )
-        return progress.physical_slots_freed
 
     def _evict_host_nodes(
         self, parents: list, taken: set, progress: _HostEvictionProgress, done
@@ -438,9 +491,12 @@ class CpHiRadixCache(HiRadixCache):
             if not node.evicted or node.host_ref_counter > 0:
                 continue
             self._record_remove_event(node, medium=StorageMedium.CPU)
-            progress.physical_slots_freed += self.cache_controller.evict_host(
-                self._node_host_evict_indices(node)
+            self.cache_controller.evict_host(self._node_host_evict_indices(node))
+            slots_by_rank = self.host_ledger.slots_of_pages(
+                self.cache_controller.page_owners(node.cp_hicache)
             )
+            self.host_ledger.give_back(slots_by_rank)
+            progress.slots_freed_by_rank += slots_by_rank
             progress.logical_tokens_evicted += self._node_host_len(node)
             progress.nodes_evicted += 1
             self.host_logical_tokens -= node.host_len

@@ -12,7 +12,7 @@ Two kinds of checks (``docs/simulation.md`` lists them all):
   - *Logical* device pages: every page the allocator can hand out is owned exactly once, by a free
     list, a device-resident tree node or a running request.
   - *Physical* host slots: every slot of this rank's host pool is owned exactly once, by the free list, a
-    backed-up node's ``cp_hicache.host_indices`` or an injected hoard.
+    backed-up node's ``cp_hicache.host_indices``.
   - Logical accounting recomputed from the tree: ``evictable_size_``, ``protected_size_``, host
     lengths, both leaf sets, every ``lock_ref`` (recounted from its holders: running requests,
     write-through and load-back acks in flight), and one pending ack per in-flight write / load.
@@ -220,6 +220,7 @@ def shared_state(workload: CpHiCacheWorkload) -> Dict[str, object]:
             cache.protected_size_,
             cache.host_logical_tokens,
         ),
+        "host ledger (free slots by rank)": cache.host_ledger.free.tolist(),
         "allocator free pages by owner": [p.tolist() for p in allocator.free_pages_by_owner],
         "allocator released pages by owner": [
             p.tolist() for p in allocator.release_pages_by_owner
@@ -484,7 +485,6 @@ class RankInvariants:
         host = self.stack.controller.mem_pool_host
         sources = [("free list", host.anchor_entry.host_pool.free_slots)]
         sources += [(f"node {n.id}", n.cp_hicache.host_indices) for n in nodes if _is_backed(n)]
-        sources += [("injected hoard", slots) for slots in self.workload.hoarded_host_slots]
         slots = torch.cat([s.to(torch.int64) for _, s in sources])
         if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= host.size):
             outside = int(slots[(slots < 0) | (slots >= host.size)][0])

@@ -16,8 +16,10 @@ points sglang's scheduler uses, on the real ``CpHiRadixCache`` and CP allocator:
   without admission, as the scheduler's prefix-aware priority does).
 * **check_events** (``check_hicache_events``: write and load acks), **evict_device** (``evict``),
   **evict_host** (``evict_host`` with a different physical need on each rank).
-* Failures injected on one rank: the next host-slot allocations (write reservations) or the next
-  load-back device allocations (``alloc_with_owners``) fail there; host pages hoarded there for a while.
+* Failures injected on one rank: the next load-back device allocations (``alloc_with_owners``) fail
+  there. Host shortage is not injected: it is real and differs per rank (each rank's host pool holds the
+  pages it owns), and a host pool that refuses slots its ledger counts as free is a bug the cache
+  raises on (``CpHostSlotLedger``).
 * **drain** (every request out, acks drained, every node evicted from device and host: free counts
   must be back at baseline) and **flush** (the scheduler's idle ``flush_cache``: reset of the tree,
   request slots and allocator).
@@ -58,10 +60,7 @@ OPERATIONS: Tuple[Tuple[str, float], ...] = (
     ("check_events", 10),
     ("evict_device", 5),
     ("evict_host", 3),
-    ("inject_host_failure", 3),
     ("inject_device_failure", 3),
-    ("hoard_host", 2),
-    ("release_hoard", 2),
     ("drain", 0.15),
     ("flush", 0.08),
 )
@@ -166,9 +165,6 @@ class CpHiCacheWorkload:
         self.prompts: List[List[int]] = []
         self.next_rid = 0
         self.running: List[SimRequest] = []
-        # Host slots taken on this rank by an injected hoard; the list has the same length everywhere.
-        self.hoarded_host_slots: List[torch.Tensor] = []
-        self.host_failures = _FailNextCalls(self.host, "alloc")
         self.device_failures = _FailNextCalls(self.allocator, "alloc_with_owners")
         self.stats = collections.Counter()
         self.local_stats = collections.Counter()
@@ -206,8 +202,6 @@ class CpHiCacheWorkload:
             return any(not r.is_chunked for r in self.running)
         if name == "abort":
             return bool(self.running)
-        if name == "release_hoard":
-            return bool(self.hoarded_host_slots)
         return True
 
     # ---- requests ----
@@ -463,40 +457,14 @@ class CpHiCacheWorkload:
 
     # ---- injected failures ----
 
-    def _op_inject_host_failure(self) -> str:
-        rank, count = self.rng.randrange(self.cp_size), self.rng.choice((1, 1, 2))
-        if rank == self.cp_rank:
-            self.host_failures.remaining = count
-        return f"the next {count} host slot allocations fail on rank {rank}"
-
     def _op_inject_device_failure(self) -> str:
         rank, count = self.rng.randrange(self.cp_size), self.rng.choice((1, 1, 2))
         if rank == self.cp_rank:
             self.device_failures.remaining = count
         return f"the next {count} load-back device allocations fail on rank {rank}"
 
-    def _op_hoard_host(self) -> str:
-        rank, pages = self.rng.randrange(self.cp_size), self.rng.randint(1, 4)
-        slots = torch.empty((0,), dtype=torch.int64)
-        if rank == self.cp_rank:
-            taken = min(pages, self.host.available_size() // self.page_size)
-            if taken:
-                slots = self.host_failures.original(taken * self.page_size)
-        self.hoarded_host_slots.append(slots)
-        return f"rank {rank} hoards up to {pages} host pages"
-
-    def _op_release_hoard(self) -> str:
-        slots = self.hoarded_host_slots.pop(self.rng.randrange(len(self.hoarded_host_slots)))
-        if len(slots):
-            self.host.free(slots)
-        return "release a host hoard"
-
     def _release_injections(self) -> None:
-        self.host_failures.remaining = self.device_failures.remaining = 0
-        for slots in self.hoarded_host_slots:
-            if len(slots):
-                self.host.free(slots)
-        self.hoarded_host_slots.clear()
+        self.device_failures.remaining = 0
 
     def _drain_acks(self) -> None:
         for _ in range(8):
@@ -541,6 +509,7 @@ class CpHiCacheWorkload:
         cache, stats = self.cache, self.stats
         write_backup, load_back = cache.write_backup, cache.load_back
         split_node, evict_host = cache._split_node, cache.evict_host
+        evict_host_until = cache._evict_host_until
 
         def counted_write_backup(node, write_back=False):
             eligible = write_back or cache._node_backuped(node.parent)
@@ -565,9 +534,13 @@ class CpHiCacheWorkload:
         cache.write_backup = counted_write_backup
         cache.load_back = counted_load_back
         cache._split_node = counted_split_node
+        def counted_evict_host_until(shortfall_by_rank):
+            stats["host evictions for a write"] += 1
+            return evict_host_until(shortfall_by_rank)
+
         cache.evict_host = counted_evict_host
+        cache._evict_host_until = counted_evict_host_until
 
     def finish_local_stats(self) -> collections.Counter:
-        self.local_stats["injected host allocation failures fired"] = self.host_failures.fired
         self.local_stats["injected device allocation failures fired"] = self.device_failures.fired
         return self.local_stats

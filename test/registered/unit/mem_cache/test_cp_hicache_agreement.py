@@ -1,9 +1,10 @@
-"""Two CP ranks in two processes (gloo): a host or device allocation that fails on one rank only must
-not split the tree, leak slots, or leave acks unmatched.
+"""Two CP ranks in two processes (gloo): a write that does not fit on one rank's host pool, or a device
+allocation that fails on one rank only, must not split the tree, leak slots, or leave acks unmatched.
 
-Each rank runs a real CpHiRadixCache; rank 1 is made short of host slots (slots taken directly from its
-host pool) or gets injected device allocation failures. The parent process compares what both ranks
-report.
+Each rank runs a real CpHiRadixCache. Host shortage on one rank is real, not injected: nodes whose
+pages all belong to rank 1 fill rank 1's host pool while rank 0's stays empty, and every rank must
+still take the same decisions (from its host-slot ledger, without a collective). Device allocation
+failures for load-backs are injected on rank 1.
 """
 
 import unittest
@@ -40,6 +41,8 @@ class _FailNextAllocs:
 
 
 def _rank(rank, world_size):
+    import numpy as np
+
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -50,50 +53,72 @@ def _rank(rank, world_size):
         tree_signature,
     )
 
+    # 16 device pages and 17 host pages per rank.
     stack = build_cp_hicache_stack(
-        cp_size=CP_SIZE, cp_rank=rank, group=dist.group.WORLD, physical_pages=16
+        cp_size=CP_SIZE, cp_rank=rank, group=dist.group.WORLD, physical_pages=16, hicache_ratio=1.01
     )
     cache, allocator, host = stack.cache, stack.allocator, stack.controller.mem_pool_host
-    report = {}
+    report = {"host_pages": host.size // PAGE}
+    collectives = {"n": 0}
+    all_reduce = dist.all_reduce
 
-    def insert(tokens):
-        locs = allocator.alloc(len(tokens))
+    def counted_all_reduce(*args, **kwargs):
+        collectives["n"] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
+
+    def insert(tokens, owners=None):
+        """Insert (write-through starts at once) and wait for the acks; returns the insert's collectives."""
+        if owners is None:
+            locs = allocator.alloc(len(tokens))
+        else:
+            locs = allocator.alloc_with_owners(np.array(owners))
+        before = collectives["n"]
         cache.insert(InsertParams(key=RadixKey(tokens), value=locs))
+        entered = collectives["n"] - before
         settle_write_acks(cache)
+        return entered
 
     def node_of(tokens):
         return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
 
-    def snapshot(name, extra_host_slots=0):
+    def host_node_of(tokens):
+        return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_host_node
+
+    def snapshot(name):
         report[name] = {
             "tree": tree_signature(cache),
             "host_used": stack.controller.physical_host_slots_used(),
-            "host_in_tree": owned_host_slots_in_tree(cache) + extra_host_slots,
+            "host_in_tree": owned_host_slots_in_tree(cache),
+            "ledger_free": cache.host_ledger.free.tolist(),
             "free_pages_by_owner": [p.tolist() for p in allocator.free_pages_by_owner],
             "ongoing_writes": len(cache.ongoing_write_through),
             "write_acks_left": len(cache.cache_controller.ack_write_queue),
         }
 
-    # 1. Two host-only nodes, then rank 1 keeps only one free host page.
-    x1, x2, y = _seq(0, 2), _seq(10_000, 2), _seq(20_000, 4)
-    insert(x1)
-    insert(x2)
-    cache.evict(EvictParams(num_tokens=10 * PAGE))
-    hoards = [host.alloc(host.available_size() - PAGE)] if rank == 1 else []
-    # y needs 2 pages on each rank: rank 1 is short, both must evict x1 and x2, then both back y up.
-    insert(y)
+    # 1. Two host-only nodes of 8 pages each, all on rank 1: rank 1 has 1 free host page, rank 0 17.
+    x1, x2, y = _seq(0, 8), _seq(10_000, 8), _seq(20_000, 4)
+    insert(x1, owners=[1] * 8)
+    insert(x2, owners=[1] * 8)
+    cache.evict(EvictParams(num_tokens=100 * PAGE))
+    snapshot("rank1_host_nearly_full")
+    # y needs 2 pages on each rank: rank 1 is short by one, so both evict x1 (the LRU host node, which
+    # frees enough) and keep x2, then both back y up; no collective is needed for any of it.
+    report["y_insert_collectives"] = insert(y)
     report["y_host_len"] = node_of(y).host_len
-    snapshot("write_after_agreed_eviction", sum(len(h) for h in hoards))
+    report["x2_host_len"] = host_node_of(x2).host_len
+    snapshot("write_after_agreed_eviction")
 
-    # 2. Rank 1 has no host page left and nothing is evictable: nobody backs z up, nothing leaks.
-    if rank == 1:
-        hoards.append(host.alloc(host.available_size()))
-    z = _seq(30_000, 2)
-    insert(z)
+    # 2. z needs 8 pages on rank 1, which has 7 free and 15 if x2 goes, but x2 is protected (as during
+    # a load-back): nobody backs z up, nothing is evicted, nothing leaks.
+    x2_node = host_node_of(x2)
+    x2_node.protect_host()
+    z = _seq(30_000, 8)
+    report["z_insert_collectives"] = insert(z, owners=[1] * 8)
     report["z_host_len"] = node_of(z).host_len
-    snapshot("write_refused_everywhere", sum(len(h) for h in hoards))
-    for hoard in hoards:
-        host.free(hoard)
+    snapshot("write_refused_everywhere")
+    x2_node.release_host()
 
     # 3. Load-back with one injected device failure on rank 1: ranks agree, evict, retry, succeed.
     cache.evict(EvictParams(num_tokens=20 * PAGE))
@@ -136,8 +161,11 @@ class TestCpHiCacheAgreement(CustomTestCase):
         r0, r1 = self._both(name)
         self.assertEqual(r0["tree"], r1["tree"], f"{name}: the ranks' trees differ")
         self.assertEqual(r0["free_pages_by_owner"], r1["free_pages_by_owner"], name)
-        for report in (r0, r1):
+        self.assertEqual(r0["ledger_free"], r1["ledger_free"], f"{name}: the host ledgers differ")
+        for rank, report in enumerate((r0, r1)):
             self.assertEqual(report["host_used"], report["host_in_tree"], f"{name}: host slots leak")
+            free = self.reports[rank]["host_pages"] * PAGE - report["host_used"]
+            self.assertEqual(report["ledger_free"][rank], free, f"{name}: rank {rank}'s ledger")
             self.assertEqual((report["ongoing_writes"], report["write_acks_left"]), (0, 0), name)
         return r0, r1
 
@@ -145,15 +173,27 @@ class TestCpHiCacheAgreement(CustomTestCase):
         self._assert_consistent("zero_owned_ack")
         self.assertEqual(sorted(self._both("one_page_owned")), [0, PAGE])
 
+    def test_host_pages_as_the_scenario_expects(self):
+        self.assertEqual([r["host_pages"] for r in self.reports], [17, 17])
+        r0, _ = self._assert_consistent("rank1_host_nearly_full")
+        self.assertEqual(r0["ledger_free"], [17 * PAGE, PAGE])
+
     def test_host_shortage_on_one_rank_evicts_the_same_nodes_everywhere(self):
         r0, _ = self._assert_consistent("write_after_agreed_eviction")
         self.assertEqual(self._both("y_host_len"), (4 * PAGE, 4 * PAGE))
-        # x1 and x2 are gone on both ranks: only y remains.
-        self.assertEqual(len(r0["tree"]), 1)
+        # Only as much as rank 1 lacked: x1 is gone on both ranks, x2 stays on host.
+        self.assertEqual(self._both("x2_host_len"), (8 * PAGE, 8 * PAGE))
+        self.assertEqual(len(r0["tree"]), 2)
+        self.assertEqual(r0["ledger_free"], [15 * PAGE, 7 * PAGE])
+
+    def test_host_decisions_enter_no_collective(self):
+        self.assertEqual(self._both("y_insert_collectives"), (0, 0))
+        self.assertEqual(self._both("z_insert_collectives"), (0, 0))
 
     def test_write_refused_by_one_rank_is_refused_by_all(self):
-        self._assert_consistent("write_refused_everywhere")
+        r0, _ = self._assert_consistent("write_refused_everywhere")
         self.assertEqual(self._both("z_host_len"), (0, 0))
+        self.assertEqual(r0["ledger_free"], [15 * PAGE, 7 * PAGE])
 
     def test_load_back_failing_on_one_rank_retries_together(self):
         self._assert_consistent("load_after_retry")

@@ -1,5 +1,4 @@
-"""CpHiRadixCache's agreement collectives (write reservation, load-back allocation, host eviction count,
-write acks) reduce tensors preallocated once, not a tensor built per call, and a ``writing_check`` enters
+"""CpHiRadixCache's agreement collectives (load-back allocation, host eviction count, write acks) reduce tensors preallocated once, not a tensor built per call, and a ``writing_check`` enters
 exactly one collective with writes in flight and none without (the write-ack count is reduced through
 ``_start_all_reduce_attn_groups``, which falls back to the blocking helper on a one-process group)."""
 

@@ -7,6 +7,8 @@ Also the regression test of the bug the simulation found in ``CpHiRadixCache.loa
 
 import unittest
 
+import numpy as np
+
 from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
     WRITE_POLICIES,
     SimulationScenario,
@@ -26,16 +28,17 @@ register_cpu_ci(est_time=45, suite="stage-a-test-cpu")
 
 PAGE = 64
 
-# Decisions the randomized workload must reach for a clean run to mean something.
+# Decisions the randomized workload must reach for a clean run to mean something. Not "host writes
+# refused": with every rank's need known, a write is refused only when host nodes it would evict are
+# protected by a load-back in flight, which test_cp_hicache_agreement sets up on purpose.
 _COVERAGE = (
     "load-backs done",
     "load-backs declined",
     "host writes committed",
-    "host writes refused",
     "host evictions",
+    "host evictions for a write",
     "node splits",
     "node splits on host",
-    "injected host allocation failures fired",
     "injected device allocation failures fired",
     "op continue_chunk",
     "op decode",
@@ -59,46 +62,42 @@ def _plant_wrong_host_slot_freed(stack, cp_rank):
     controller.evict_host = shifted_evict_host
 
 
-def _plant_refused_write_committed(stack, cp_rank):
-    """Rank 1 ignores the group's answer to the retried host reservation and commits its own."""
+def _plant_write_decided_on_own_host_pool(stack, cp_rank):
+    """Rank 1 decides host writes (and how far host eviction goes) by its own free slots only, as if
+    the other ranks' shortfall did not matter."""
     if cp_rank != 1:
         return
-    cache = stack.cache
+    ledger = stack.cache.host_ledger
+    fits, shortfall = ledger.fits, ledger.shortfall
 
-    def reserve_and_write(node):
-        controller = cache.cache_controller
-        reservation = controller.reserve_host_slots(node.value)
-        if not cache._all_ranks_ok(reservation.ok):
-            controller.release_reservation(reservation)
-            cache.evict_host(0 if reservation.ok else reservation.required_host_slots)
-            reservation = controller.reserve_host_slots(node.value)
-            cache._all_ranks_ok(reservation.ok)  # the bug: the agreed outcome is dropped
-            if not reservation.ok:
-                return None
-        return controller.write_reserved(reservation, node_id=node.id)
+    def own_only(slots_by_rank):
+        own = np.zeros_like(slots_by_rank)
+        own[cp_rank] = slots_by_rank[cp_rank]
+        return own
 
-    cache._reserve_and_write = reserve_and_write
+    ledger.fits = lambda slots_by_rank: fits(own_only(slots_by_rank))
+    ledger.shortfall = lambda slots_by_rank: shortfall(own_only(slots_by_rank))
 
 
-def _plant_zero_owned_rank_skips_agreement(stack, cp_rank):
-    """Rank 1 skips the write agreement all-reduce when it owns nothing in the node."""
+def _plant_zero_owned_rank_skips_load_agreement(stack, cp_rank):
+    """Rank 1 skips the load-back allocation agreement when it holds nothing of the loaded nodes."""
     if cp_rank != 1:
         return
     cache, controller = stack.cache, stack.controller
-    reserve, agree = controller.reserve_host_slots, cache._all_ranks_ok
+    alloc, agree = controller.alloc_logical_locs, cache._all_ranks_ok
     last = {}
 
-    def remembering_reserve(logical_locs):
-        last["reservation"] = reserve(logical_locs)
-        return last["reservation"]
+    def remembering_alloc(metadata):
+        last["metadata"] = metadata
+        return alloc(metadata)
 
     def skipping_agree(ok):
-        reservation = last.pop("reservation", None)
-        if reservation is not None and reservation.required_host_slots == 0:
+        metadata = last.pop("metadata", None)
+        if metadata is not None and metadata.num_owned == 0:
             return ok
         return agree(ok)
 
-    controller.reserve_host_slots = remembering_reserve
+    controller.alloc_logical_locs = remembering_alloc
     cache._all_ranks_ok = skipping_agree
 
 
@@ -136,14 +135,14 @@ class TestCpHiCacheSimulation(CustomTestCase):
         violation = self._planted_violation(_plant_wrong_host_slot_freed, seed=0)
         self.assertEqual(violation.invariant, "host-slots")
 
-    def test_reports_a_rank_that_commits_a_write_the_group_refused(self):
-        violation = self._planted_violation(_plant_refused_write_committed, seed=7)
-        # Caught by the digest (the trees differ), or, when the extra ack makes rank 1 enter an
-        # all-reduce first, by the collective trace.
+    def test_reports_a_rank_that_decides_writes_on_its_own_host_pool(self):
+        violation = self._planted_violation(_plant_write_decided_on_own_host_pool, seed=7)
+        # Caught by the digest (the trees or ledgers differ), or, when the extra ack makes rank 1
+        # enter an all-reduce first, by the collective trace.
         self.assertIn(violation.invariant, ("rank-agreement", "collective-sequence"))
 
     def test_reports_a_rank_that_skips_a_collective(self):
-        violation = self._planted_violation(_plant_zero_owned_rank_skips_agreement, seed=0)
+        violation = self._planted_violation(_plant_zero_owned_rank_skips_load_agreement, seed=0)
         self.assertEqual(violation.invariant, "collective-sequence")
         self.assertIn("rank 0 in _all_ranks_ok", violation.detail)
 
@@ -161,7 +160,7 @@ class TestLoadBackKeepsItsHostCopies(CustomTestCase):
             group=single_process_group(),
             physical_pages=4,
             write_policy="write_back",
-            hicache_ratio=1.5,
+            hicache_ratio=1.0,  # 5 host pages: a's 2, and 3 free where b's write-back needs 4
         )
         cache, allocator = stack.cache, stack.allocator
         host = stack.controller.mem_pool_host
@@ -170,15 +169,13 @@ class TestLoadBackKeepsItsHostCopies(CustomTestCase):
         cache.insert(InsertParams(key=RadixKey(a), value=allocator.alloc(len(a))))
         cache.evict(EvictParams(num_tokens=len(a)))  # write_back: a now lives on host only
         node_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(a))).last_host_node
-        hoard = host.alloc(host.available_size() - 2 * PAGE)  # b's write-back needs a's host slots
         cache.insert(InsertParams(key=RadixKey(b), value=allocator.alloc(len(b))))  # device full
 
         self.assertIsNone(cache.load_back(node_a))  # refused: a cannot make room for itself
         self.assertIs(cache.root_node.children.get(node_a.key.child_key(PAGE)), node_a)
         self.assertEqual(node_a.host_len, len(a))
-        self.assertEqual(host.available_size(), 2 * PAGE)  # b's write-back was refused, a kept
+        self.assertEqual(host.available_size(), 3 * PAGE)  # b's write-back was refused, a kept
         self.assertEqual((cache.protected_size_, cache.evictable_size_), (0, len(b)))
-        host.free(hoard)
 
 
 if __name__ == "__main__":
