@@ -18,7 +18,15 @@
 # remote_install.sh reassembles once every chunk has arrived), the deep_gemm package of the
 # sglang-kernel wheel, and this plugin built as a wheel (installed there as a user installs it).
 #
-# Usage: scripts/gpu/build_stage.sh [--reprobe] [--serve]     (PART_LIMIT_MB=60 by default)
+# `--pd` (implies --serve) adds what the PD smoke needs (docs/gpu.md, "PD disaggregation"):
+# scripts/gpu/pd_requirements.txt (mooncake's transfer engine) and mooncake_syslibs.tar.xz, the system
+# libraries its engine.so needs that a CUDA image may lack (Debian 12 builds of libibverbs, libmlx5,
+# libnl, libnuma, fetched with apt-get download, and a libcurl.so.4 stand-in compiled from
+# scripts/gpu/mooncake_syslibs/libcurl_stub.c); remote_env.sh uses only those the machine lacks.
+# These go into parts of their own after the serve parts: parts 1..S hold exactly what --serve alone
+# stages (only the N of their MANIFEST differs).
+#
+# Usage: scripts/gpu/build_stage.sh [--reprobe] [--serve] [--pd]     (PART_LIMIT_MB=60 by default)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -32,18 +40,24 @@ KERNEL_VERSION="0.4.2"
 start_s=$(date +%s)
 
 SERVE=0
+PD=0
 for arg in "$@"; do
   case "$arg" in
     --reprobe)
       python3 "$HERE/stage_probe.py" > "$REQUIREMENTS.new"
       mv "$REQUIREMENTS.new" "$REQUIREMENTS" ;;
     --serve) SERVE=1 ;;
+    --pd) SERVE=1; PD=1 ;;
     *) echo "build_stage: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
 REQUIREMENT_FILES=("$REQUIREMENTS")
 if (( SERVE )); then
   REQUIREMENT_FILES+=("$HERE/serve_requirements.txt")
+fi
+PD_REQUIREMENTS="$HERE/pd_requirements.txt"
+if (( PD )); then
+  REQUIREMENT_FILES+=("$PD_REQUIREMENTS")
 fi
 
 mkdir -p "$DOWNLOADS"
@@ -104,23 +118,53 @@ if (( SERVE )); then
   python3 -m pip wheel -q --no-deps -w "$DOWNLOADS" "$REPO"
 fi
 
+# 2c. For PD: the system libraries of mooncake's engine.so (NEEDED: libibverbs.so.1, libmlx5.so.1,
+#     libnuma.so.1, libcurl.so.4, besides libcudart/libcuda and what its wheel bundles). Debian 12
+#     builds (glibc >= 2.34, which the staged sglang wheel needs there anyway) of rdma-core 44
+#     (libibverbs with libmlx5, which uses its private symbols, and their libnl) and numactl, as
+#     real libraries; libcurl as a stand-in (engine.so calls it only for an http:// metadata server).
+syslibs_tar="$DOWNLOADS/pd/mooncake_syslibs.tar.xz"
+rm -f "$syslibs_tar"
+if (( PD )); then
+  debs="$DOWNLOADS/pd/debs"
+  mkdir -p "$debs"
+  for pkg in libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 libnuma1; do
+    if ! compgen -G "$debs/${pkg}_*_amd64.deb" > /dev/null; then
+      (cd "$debs" && apt-get download -q "$pkg:amd64" 2>&1 | grep -v '^W: Download is performed unsandboxed' || true)
+      compgen -G "$debs/${pkg}_*_amd64.deb" > /dev/null || { echo "build_stage: apt-get download $pkg failed" >&2; exit 1; }
+    fi
+  done
+  syslibs_tmp="$(mktemp -d)"
+  for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$syslibs_tmp/root"; done
+  mkdir "$syslibs_tmp/mooncake_syslibs"
+  for lib in libibverbs.so.1 libmlx5.so.1 libnl-3.so.200 libnl-route-3.so.200 libnuma.so.1; do
+    found="$(find "$syslibs_tmp/root" -name "$lib" | head -1)"
+    [[ -n "$found" ]] || { echo "build_stage: $lib is in none of $debs/*.deb" >&2; exit 1; }
+    cp -L "$found" "$syslibs_tmp/mooncake_syslibs/$lib"
+  done
+  gcc -shared -fPIC -O2 -Wall -Wl,-soname,libcurl.so.4 -o "$syslibs_tmp/mooncake_syslibs/libcurl.so.4" \
+    "$HERE/mooncake_syslibs/libcurl_stub.c"
+  (cd "$debs" && ls *.deb) > "$syslibs_tmp/mooncake_syslibs/SOURCES"
+  echo "libcurl.so.4 <- scripts/gpu/mooncake_syslibs/libcurl_stub.c" >> "$syslibs_tmp/mooncake_syslibs/SOURCES"
+  tar -C "$syslibs_tmp" -cJf "$syslibs_tar" mooncake_syslibs
+  rm -rf "$syslibs_tmp"
+fi
+
 # 3. Keep only what the requirement list names (older downloads of other versions are dropped), then
 #    split into parts of at most PART_LIMIT_MB, largest first (first fit).
-python3 - "$DOWNLOADS" "$STAGE" "$PART_LIMIT_MB" "$KERNEL_DIST" "$SERVE" "${REQUIREMENT_FILES[@]}" <<'EOF'
+python3 - "$DOWNLOADS" "$STAGE" "$PART_LIMIT_MB" "$KERNEL_DIST" "$SERVE" "$PD" "$PD_REQUIREMENTS" "$syslibs_tar" \
+  "${REQUIREMENT_FILES[@]}" <<'EOF'
 import pathlib, re, shutil, sys
 
-downloads, stage, limit_mb, kernel_dist, serve, *requirement_files = sys.argv[1:]
+downloads, stage, limit_mb, kernel_dist, serve, pd, pd_requirements, syslibs_tar, *requirement_files = sys.argv[1:]
 limit = int(limit_mb) * 1024 * 1024
 norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()
-wanted = {
-    norm(l.split("==")[0].strip())
-    for path in requirement_files
-    for l in open(path)
-    if l.strip() and not l.startswith("#")
-}
+names = lambda path: {norm(l.split("==")[0].strip()) for l in open(path) if l.strip() and not l.startswith("#")}
+wanted = set().union(*(names(path) for path in requirement_files))
 wanted.discard(norm(kernel_dist))
 if serve == "1":
     wanted.add("sglang_cp_shared_kv")
+pd_names = names(pd_requirements) if pd == "1" else set()
 by_name = {}
 for f in sorted(pathlib.Path(downloads).iterdir()):
     if f.suffix == ".whl":
@@ -128,23 +172,33 @@ for f in sorted(pathlib.Path(downloads).iterdir()):
 missing = wanted - set(by_name)
 if missing:
     sys.exit(f"build_stage: no wheel downloaded for {sorted(missing)}")
-files = [max(by_name[n], key=lambda f: f.stat().st_mtime) for n in sorted(wanted)]
+newest = lambda n: max(by_name[n], key=lambda f: f.stat().st_mtime)
+files = [newest(n) for n in sorted(wanted - pd_names)]
 files += [f for f in pathlib.Path(downloads).glob("*.tar.xz") if "-trimmed" in f.name or (serve == "1" and "flash_ops" not in f.name)]
 files += list(pathlib.Path(downloads).glob("*.chunk-*"))
-files.sort(key=lambda f: f.stat().st_size, reverse=True)
-parts = []
-for f in files:
-    size = f.stat().st_size
-    if size > limit:
-        sys.exit(f"build_stage: {f.name} ({size >> 20} MiB) is over the part limit")
-    for part in parts:
-        if part["bytes"] + size <= limit:
-            break
-    else:
-        part = {"bytes": 0, "files": []}
-        parts.append(part)
-    part["bytes"] += size
-    part["files"].append(f)
+pd_files = [newest(n) for n in sorted(pd_names)] + ([pathlib.Path(syslibs_tar)] if pd == "1" else [])
+
+
+def pack(files):
+    """First fit, largest first, into parts of at most `limit` bytes."""
+    parts = []
+    for f in sorted(files, key=lambda f: f.stat().st_size, reverse=True):
+        size = f.stat().st_size
+        if size > limit:
+            sys.exit(f"build_stage: {f.name} ({size >> 20} MiB) is over the part limit")
+        for part in parts:
+            if part["bytes"] + size <= limit:
+                break
+        else:
+            part = {"bytes": 0, "files": []}
+            parts.append(part)
+        part["bytes"] += size
+        part["files"].append(f)
+    return parts
+
+
+# The PD files get parts of their own, after the others: those stay what they are without --pd.
+parts = pack(files) + pack(pd_files)
 for k, part in enumerate(parts, start=1):
     d = pathlib.Path(stage) / f"part-{k}"
     d.mkdir()

@@ -12,7 +12,16 @@ What each side must set (docs/pd-disaggregation.md):
   sends the pages it owns and the decode waits for each). With shared KV off it stays unset: stock
   sglang then sends from prefill CP rank 0, which holds the whole KV (its all-ranks range split
   assumes a request's pages are contiguous, which radix-cache reuse breaks);
-* both, on a host without RDMA: ``MC_FORCE_TCP=true`` (mooncake's transfer engine over TCP).
+* both, on a host without RDMA: ``MC_FORCE_TCP=true``. sglang always initialises mooncake with
+  protocol "rdma", which mooncake's Python binding does not use to pick a transport; its engine
+  installs the TCP transport only, skipping RDMA discovery, when ``MC_FORCE_TCP`` is set (to any
+  value: it is tested with ``getenv``), and falls back to TCP by itself only where it finds no HCA;
+* both: ``SGLANG_HOST_IP=127.0.0.1``. Each rank's mooncake session (``host:rpc_port``), its zmq
+  endpoints and what it registers with the bootstrap server use ``get_local_ip_auto()``, which without
+  the variable asks the route to 8.8.8.8 and then the hostname: on a host with no route out it may
+  find nothing (the server exits, "Can not get local ip"). Both servers are on this host;
+* both: NVLink multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
+  ``NVSHMEM_DISABLE_NVLS=1``), set here too so that no launch depends on the caller's environment.
 
 GPUs: the prefill gets ``prefill_gpus`` (``CUDA_VISIBLE_DEVICES``), the decode ``decode_gpu``, which may
 be one of the prefill's. sglang sizes memory from ``--mem-fraction-static`` of the *whole* GPU minus
@@ -28,6 +37,8 @@ from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, ServeConfig
 
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 MOONCAKE_FORCE_TCP_ENV = "MC_FORCE_TCP"
+HOST_IP_ENV = "SGLANG_HOST_IP"
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TRANSFER_BACKEND = "mooncake"
 
 
@@ -94,7 +105,7 @@ class PDPairConfig:
         return cmd + list(self.decode_extra_args)
 
     def _both_env(self) -> Dict[str, str]:
-        env = dict(self.common_env)
+        env = {**MULTICAST_OFF_ENV, HOST_IP_ENV: LOOPBACK, **self.common_env}
         if self.shared_kv:
             env[ALL_CP_RANKS_ENV] = "1"
         if self.mooncake_tcp:

@@ -4,8 +4,9 @@ per mode, the request plan), argument errors, and sglang's parser accepting the 
 What each side must set is the point of the PD smoke: the prefill command is the single-server
 smoke's plus the disaggregation flags, the decode command is stock sglang (no plugin flag, CUDA graphs
 on), SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is set on both servers exactly when shared KV is on,
-both servers get the smoke's test plugin on their PYTHONPATH (and the unit-gain dummy init), and only
-the stock reference prefill gets the plugin's tp-rule lift.
+both servers get the smoke's test plugin on their PYTHONPATH (and the unit-gain dummy init), mooncake
+over TCP on loopback (MC_FORCE_TCP, SGLANG_HOST_IP) and NVLink multicast off, and only the stock
+reference prefill gets the plugin's tp-rule lift.
 """
 
 import argparse
@@ -30,6 +31,7 @@ ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
 DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
 SMOKE_PLUGIN_DIR = str(REPO / "scripts" / "smoke_plugin")
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def load_script():
@@ -110,7 +112,11 @@ class TestPDSmokeCli(CustomTestCase):
             for stock_only in (SHARED_KV_FLAG, "--enable-nsa-prefill-context-parallel", "--disable-cuda-graph"):
                 self.assertNotIn(stock_only, decode)  # a stock decode server with CUDA graphs
             self.assertEqual(env["CUDA_VISIBLE_DEVICES"], "1")
-            self.assertEqual(env["MC_FORCE_TCP"], "true")
+            for side_env in (env, commands[(mode, "prefill")][0]):
+                self.assertEqual(side_env["MC_FORCE_TCP"], "true")
+                self.assertEqual(side_env["SGLANG_HOST_IP"], "127.0.0.1")  # mooncake sessions, zmq, bootstrap
+                for name, value in MULTICAST_OFF_ENV.items():
+                    self.assertEqual(side_env[name], value, (mode, name))
             self.assertEqual(env[DUMMY_INIT_ENV], "1")
             # the smoke's test plugin reaches both servers of both pairs, first on their path
             for side_env in (env, commands[(mode, "prefill")][0]):
