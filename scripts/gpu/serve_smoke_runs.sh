@@ -43,8 +43,10 @@ case "${1:?correctness|confirm|plants|perf}" in
     smoke ref_bf16_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR" &
     smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
       --extra-server-args "$GRAMMAR" &
-    smoke ref_fp8 --shared-kv off --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
-    smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8" \
+    # fp8 against a stock reference that never loads back: stock 0.5.11's NSA host pool corrupts
+    # fp8 KV on load-back (docs/gpu.md), which a HiCache reference would count against us.
+    smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
+    smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
     smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule" &

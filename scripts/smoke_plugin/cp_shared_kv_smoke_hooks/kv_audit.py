@@ -4,8 +4,8 @@ Comparing greedy tokens or logprobs cannot: with random weights attention is clo
 so a wrong page moves outputs no more than the run-to-run noise of stock sglang's NSA kernels. The
 audits look at the bytes instead.
 
-1. Pool audit, on every server (shared KV on or off). When a request finishes, before the radix
-   cache takes its KV, every rank writes the KV rows (all layers) and indexer-K rows of the tokens
+1. Pool audit, on every server (shared KV on or off; a PD decode server too, whose chunk cache
+   frees what the prefill server sent). When a request finishes, before the cache takes its KV, every rank writes the KV rows (all layers) and indexer-K rows of the tokens
    it stores (shared KV: the pages it owns; replicated: rank 0 writes all) with their positions and
    token ids: ``<dir>/pool/<rid>.rank<r>.npz``. The smoke merges the ranks (each position exactly
    once) and compares with the reference server's dump of the same request. Layer-0 KV and indexer
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+# A PD decode server caches through ChunkCache (sglang forces it there): its dumps show what arrived.
+_CHUNK = "sglang.srt.mem_cache.chunk_cache.ChunkCache"
 PADDING_REQ_POOL_IDX = 0
 
 
@@ -227,6 +229,7 @@ def register_hooks(registry, audit_dir: str) -> None:
         )
 
     registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
+    registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
     from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled_in_env
 
     if not cp_shared_kv_enabled_in_env():  # the read audit checks the shared-KV gather only

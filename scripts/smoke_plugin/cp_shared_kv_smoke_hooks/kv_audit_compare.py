@@ -102,6 +102,9 @@ class AuditComparison:
     layer0_wrong_kv_rows: int = 0
     layer0_wrong_index_rows: int = 0
     layer0_identical_kv_rows: int = 0
+    # Positions whose KV (and indexer K) bytes are equal in every layer: all of them for a copy.
+    identical_kv_positions: int = 0
+    identical_index_positions: int = 0
     max_error_by_layer: List[float] = field(default_factory=list)
     failures: List[str] = field(default_factory=list)
 
@@ -146,6 +149,12 @@ def compare_runs(run_dir: Path, reference_dir: Path) -> AuditComparison:
             result.layer0_identical_kv_rows += int(
                 (merged.kv[same, 0] == ref.kv[same, 0]).all(axis=-1).sum()
             )
+            result.identical_kv_positions += int(
+                (merged.kv[same] == ref.kv[same]).reshape(len(same), -1).all(axis=-1).sum()
+            )
+            result.identical_index_positions += int(
+                (merged.index[same] == ref.index[same]).reshape(len(same), -1).all(axis=-1).sum()
+            )
             if wrong_kv or wrong_index:
                 result.failures.append(
                     f"{rid}: layer-0 rows of another token: KV {wrong_kv}, indexer K {wrong_index} "
@@ -154,6 +163,20 @@ def compare_runs(run_dir: Path, reference_dir: Path) -> AuditComparison:
     if result.requests == 0:
         result.failures.append(f"no request of {run_dir} has a reference dump in {reference_dir}")
     return result
+
+
+def copy_failures(comparison: AuditComparison, what: str) -> List[str]:
+    """For dumps of the same KV on both ends of a copy (a PD transfer: what the decode server holds
+    against what the prefill server held): every compared position must be equal in every byte."""
+    failures = list(comparison.failures)
+    for kind in ("kv", "index"):
+        identical = getattr(comparison, f"identical_{kind}_positions")
+        if identical != comparison.positions_compared:
+            failures.append(
+                f"{what}: {comparison.positions_compared - identical} of "
+                f"{comparison.positions_compared} positions differ in some {kind} byte"
+            )
+    return failures
 
 
 def read_audit_totals(run_dir: Path) -> Dict[str, int]:

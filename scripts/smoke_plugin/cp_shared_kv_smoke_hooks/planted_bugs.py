@@ -5,6 +5,9 @@
 * ``load-back-wrong-page``: on rank 1, each host load-back of two or more pages writes its pages
   one page off, rotated (a controller mapping bug; KV and indexer K move together, as a real bug
   in the shared mapping would).
+* ``pd-send-wrong-page``: on cp rank 1 of a PD prefill server, each KV chunk of two or more pages
+  lands one page off, rotated, in the decode server's pages (a page-pairing bug; the indexer K
+  still goes where it belongs).
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from sglang.srt.plugins.hook_registry import HookType
 
 logger = logging.getLogger(__name__)
 
-PLANTS = ("read-wrong-owner", "load-back-wrong-page")
+PLANTS = ("read-wrong-owner", "load-back-wrong-page", "pd-send-wrong-page")
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
+_PD_MANAGER = "sglang_cp_shared_kv.disaggregation.mooncake.conn.CpSharedKVMooncakeKVManager"
 
 
 def read_from_wrong_owner(plan, runtime, forward_batch):
@@ -53,11 +58,21 @@ def load_one_page_off(result, controller, metadata, logical_device_indices, node
     return None
 
 
+def send_one_page_off(original, manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *rest):
+    layout = manager.cp_shared_kv_layout
+    if layout is not None and layout.cp_rank == 1 and len(dst_kv_indices) >= 2:
+        dst_kv_indices = np.roll(np.asarray(dst_kv_indices), 1)
+        logger.warning("planted bug: a KV chunk of %d pages sent one page off on rank 1", len(dst_kv_indices))
+    return original(manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *rest)
+
+
 def register_hooks(registry, plant: str) -> None:
     if plant == "read-wrong-owner":
         registry.register(f"{_RUNTIME}.begin_forward", read_from_wrong_owner, HookType.AFTER)
     elif plant == "load-back-wrong-page":
         registry.register(f"{_CONTROLLER}.load_reserved", load_one_page_off, HookType.AFTER)
+    elif plant == "pd-send-wrong-page":
+        registry.register(f"{_PD_MANAGER}.send_kvcache", send_one_page_off, HookType.AROUND)
     else:
         raise ValueError(f"unknown planted bug {plant!r}; one of {PLANTS}")
     logger.warning("cp-shared-kv smoke: planted bug %s is active", plant)

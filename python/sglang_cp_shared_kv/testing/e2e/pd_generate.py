@@ -37,8 +37,11 @@ def generate_greedy_pd(
     max_new_tokens: int,
     timeout_s: float,
     rng: Optional[random.Random] = None,
+    rid: Optional[str] = None,
 ) -> PDGenerateResult:
-    """The same greedy request to both servers; tokens and timings from the decode stream."""
+    """The same greedy request to both servers; tokens and timings from the decode stream.
+
+    ``rid`` names the request on both servers (the KV audit's dump files are named by it)."""
     import requests
 
     room = (rng or random.SystemRandom()).randrange(MAX_BOOTSTRAP_ROOM)
@@ -49,6 +52,8 @@ def generate_greedy_pd(
         "bootstrap_port": bootstrap_port,
         "bootstrap_room": room,
     }
+    if rid is not None:
+        payload["rid"] = rid
     prefill: Dict[str, Any] = {}
 
     def post_prefill():

@@ -66,6 +66,7 @@ class PDPairConfig:
     # prefill only (the smoke plugin's lift of sglang's tp_size == 8 NSA-CP rule for the stock reference).
     common_env: Dict[str, str] = field(default_factory=dict)
     prefill_only_env: Dict[str, str] = field(default_factory=dict)
+    decode_only_env: Dict[str, str] = field(default_factory=dict)  # e.g. its own KV audit dir
 
     def prefill_command(self) -> List[str]:
         disaggregation = [
@@ -116,7 +117,7 @@ class PDPairConfig:
         return {**self._both_env(), **self.prefill_only_env, "CUDA_VISIBLE_DEVICES": self.prefill_gpus}
 
     def decode_env(self) -> Dict[str, str]:
-        return {**self._both_env(), "CUDA_VISIBLE_DEVICES": self.decode_gpu}
+        return {**self._both_env(), **self.decode_only_env, "CUDA_VISIBLE_DEVICES": self.decode_gpu}
 
     @property
     def prefill_url(self) -> str:

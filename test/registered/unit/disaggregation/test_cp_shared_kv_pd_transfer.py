@@ -171,6 +171,29 @@ class TestSharedKVPDTransfer(CustomTestCase):
             decode, _ = scenario.run(shared_kv=True)
         self.assertFalse(pools_equal(decode.pool, reference.pool))
 
+    def test_the_pd_smokes_planted_bug_changes_the_decode_pool(self):
+        """``pd-send-wrong-page`` (scripts/smoke_plugin, planted in the GPU PD smoke to show its decode
+        pool audit catches a wrong page) does move pages on the real send path."""
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
+        from cp_shared_kv_smoke_hooks import planted_bugs
+
+        manager_class = shared_kv_conn.CpSharedKVMooncakeKVManager
+        real = manager_class.send_kvcache
+
+        def planted(manager, *args):
+            return planted_bugs.send_one_page_off(real, manager, *args)
+
+        scenario = Scenario(2, seed=8, tokens=12 * PAGE)
+        reference = scenario.stock_reference()
+        decode, _ = scenario.run(shared_kv=True)
+        self.assertTrue(pools_equal(decode.pool, reference.pool))
+        with mock.patch.object(manager_class, "send_kvcache", planted):
+            decode, _ = scenario.run(shared_kv=True)
+        self.assertFalse(pools_equal(decode.pool, reference.pool))
+
     def test_hisparse_decode_fails_the_request_cleanly(self):
         """A decode server with --enable-hisparse asks for token-granular transfer: refused per request,
         reported Failed to the decode side, no bytes of KV sent."""

@@ -106,6 +106,27 @@ class TestSmokeKvAudit(CustomTestCase):
         result = kv_audit_compare.compare_runs(self.shared_run(index=wrong), self.ref)
         self.assertGreater(result.layer0_wrong_index_rows, PAGE // 2)
 
+    def test_a_copy_passes_the_transfer_audit_only_if_every_byte_of_every_layer_is_equal(self):
+        """The PD transfer audit: the decode server's dump (prompt and output positions) against the
+        prefill's (prompt positions) of the same request."""
+        decode = Path(self.tmp.name) / "decode"
+        out_tokens = self.tokens + [7] * PAGE  # decode positions beyond the prompt are not compared
+        out_positions = np.arange(len(out_tokens))
+        kv, index = kv_rows(out_tokens, out_positions), index_rows(out_tokens)
+        write_dump(decode, "r0", 0, out_positions, out_tokens, kv, index)
+        clean = kv_audit_compare.compare_runs(decode, self.ref)
+        self.assertEqual(kv_audit_compare.copy_failures(clean, "transfer"), [])
+        self.assertEqual(clean.identical_kv_positions, len(self.tokens))
+        # One byte of a deep layer (which the layer-0 rule does not judge) fails a copy.
+        kv[3 * PAGE + 5, LAYERS - 1, 17] ^= 1
+        write_dump(decode, "r0", 0, out_positions, out_tokens, kv, index)
+        flipped = kv_audit_compare.compare_runs(decode, self.ref)
+        self.assertEqual(flipped.failures, [])
+        self.assertEqual(
+            kv_audit_compare.copy_failures(flipped, "transfer"),
+            [f"transfer: 1 of {len(self.tokens)} positions differ in some kv byte"],
+        )
+
     def test_a_position_no_rank_stored_fails(self):
         result = kv_audit_compare.compare_runs(self.shared_run(drop_last=True), self.ref)
         self.assertTrue(any("stored by no rank" in f for f in result.failures))
