@@ -58,7 +58,6 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     kv_audit_compare,
 )
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
-from sglang_cp_shared_kv.server_args import EXPERIMENTAL_PD_ENV  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
@@ -207,8 +206,7 @@ def prefill_only_env(args, shared_kv: bool) -> Dict[str, str]:
     """The stock reference prefill (shared KV off) runs NSA prefill CP at ``--prefill-tp``: the smoke
     plugin lifts sglang's ``tp_size == 8`` rule for it (with the flag on the product does)."""
     if shared_kv:
-        # The smoke is the GPU run that PD prefill with shared KV waits for (server_args.py).
-        return {EXPERIMENTAL_PD_ENV: "1"}
+        return {}
     if args.prefill_tp == SGLANG_NSA_CP_TP_SIZE:
         return {}
     return {SMOKE_LIFT_TP_RULE_ENV: "1"}

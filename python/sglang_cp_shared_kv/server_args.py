@@ -343,12 +343,6 @@ SUPPORTED_BACKEND = "mooncake"
 _TRUE = ("true", "1", "yes", "y")  # what sglang's EnvBool reads as true
 
 
-# PD prefill with shared KV has passed its CPU tests (a decode pool assembled from the CP ranks'
-# sends equals stock's byte for byte) but has not run on GPUs yet: until the PD smoke
-# (scripts/glm5_pd_smoke.py) has passed there, a user opts in explicitly.
-EXPERIMENTAL_PD_ENV = "SGLANG_CP_SHARED_KV_EXPERIMENTAL_PD"
-
-
 def disaggregation_problems(server_args) -> list[str]:
     """Messages for the PD settings the flag cannot serve (empty: supported, or PD off)."""
     mode = server_args.disaggregation_mode
@@ -363,11 +357,6 @@ def disaggregation_problems(server_args) -> list[str]:
         return [f"--disaggregation-mode {mode}: unknown mode"]
 
     problems = []
-    if os.environ.get(EXPERIMENTAL_PD_ENV) != "1":
-        problems.append(
-            f"--disaggregation-mode prefill with {CP_SHARED_KV_FLAG} is experimental: it has passed "
-            f"CPU tests but has not run on GPUs yet; set {EXPERIMENTAL_PD_ENV}=1 to run it anyway"
-        )
     backend = server_args.disaggregation_transfer_backend
     if backend == "nixl":
         problems.append(

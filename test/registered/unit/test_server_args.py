@@ -16,7 +16,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV, EXPERIMENTAL_PD_ENV
+from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,
@@ -187,7 +187,7 @@ class TestCpSharedKVServerArgs(CustomTestCase):
             )
 
     def test_accepts_pd_prefill_with_mooncake_and_all_cp_ranks_transfer(self):
-        with mock.patch.dict(os.environ, {ALL_CP_RANKS_ENV: "1", EXPERIMENTAL_PD_ENV: "1"}):
+        with mock.patch.dict(os.environ, {ALL_CP_RANKS_ENV: "1"}):
             args = self.glm5_args(
                 tp_size=2,
                 disaggregation_mode="prefill",
@@ -198,17 +198,6 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
         self.assertEqual(args.disaggregation_mode, "prefill")
         self.assertEqual((args.tp_size, args.attn_cp_size), (2, 2))
-
-    def test_pd_prefill_is_an_explicit_opt_in_until_it_has_run_on_gpus(self):
-        with mock.patch.dict(os.environ, {ALL_CP_RANKS_ENV: "1"}):
-            os.environ.pop(EXPERIMENTAL_PD_ENV, None)
-            self.assertRejected(
-                f"{EXPERIMENTAL_PD_ENV}=1",
-                model_path="dummy",
-                disaggregation_mode="prefill",
-                disaggregation_transfer_backend="mooncake",
-                **CP_ON,
-            )
 
     def test_rejects_pd_prefill_without_all_cp_ranks_transfer(self):
         with mock.patch.dict(os.environ):

@@ -8,10 +8,7 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.server_args import (
-    ALL_CP_RANKS_ENV,
-    EXPERIMENTAL_PD_ENV,
-)
+from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.server_args import disaggregation_problems as unsupported_disaggregation_server_args
 
 register_cpu_ci(est_time=2, suite="stage-a-test-cpu")
@@ -22,21 +19,12 @@ def args(mode="prefill", backend="mooncake"):
 
 
 class TestDisaggregationRule(CustomTestCase):
-    def check(self, server_args, env_value, experimental="1"):
-        env = {k: v for k, v in os.environ.items() if k not in (ALL_CP_RANKS_ENV, EXPERIMENTAL_PD_ENV)}
+    def check(self, server_args, env_value):
+        env = {k: v for k, v in os.environ.items() if k != ALL_CP_RANKS_ENV}
         if env_value is not None:
             env[ALL_CP_RANKS_ENV] = env_value
-        if experimental is not None:
-            env[EXPERIMENTAL_PD_ENV] = experimental
         with mock.patch.dict(os.environ, env, clear=True):
             return unsupported_disaggregation_server_args(server_args)
-
-    def test_prefill_needs_the_experimental_opt_in_until_it_has_run_on_gpus(self):
-        for value in (None, "0", "true"):
-            problems = self.check(args(), "1", experimental=value)
-            self.assertEqual(len(problems), 1, value)
-            self.assertIn(f"{EXPERIMENTAL_PD_ENV}=1", problems[0])
-            self.assertIn("--disaggregation-mode prefill", problems[0])
 
     def test_supported_prefill(self):
         for value in ("1", "true", "True", "yes"):
