@@ -43,29 +43,33 @@ def _count_collectives(counter: dict) -> None:
         setattr(dist, name, counted)
 
 
-def _rank(rank, world_size, kind, steps, warmup):
-    import torch
-    import torch.distributed as dist
-
+def build_stack(kind, cp_size, cp_rank, group):
+    """The benchmark's stack for one rank: stock (a pool as large as the group's) or ours."""
     from sglang_cp_shared_kv.testing.cp_hicache_stack import (
-        NSA_PAGE_SIZE as PAGE,
         TINY_NSA,
         build_cp_hicache_stack,
         build_stock_hicache_stack,
     )
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     shape = dataclasses.replace(TINY_NSA, layer_num=1)
     if kind == "stock":
-        stack = build_stock_hicache_stack(
-            pages=PAGES * world_size, group=dist.group.WORLD, shape=shape, hicache_ratio=1.5
+        return build_stock_hicache_stack(
+            pages=PAGES * cp_size, group=group, shape=shape, hicache_ratio=1.5
         )
-    else:
-        stack = build_cp_hicache_stack(
-            cp_size=world_size, cp_rank=rank, group=dist.group.WORLD, physical_pages=PAGES,
-            shape=shape, hicache_ratio=1.5,
-        )  # fmt: skip
+    return build_cp_hicache_stack(
+        cp_size=cp_size, cp_rank=cp_rank, group=group, physical_pages=PAGES, shape=shape,
+        hicache_ratio=1.5,
+    )  # fmt: skip
+
+
+def make_step(stack):
+    """Insert and lock the shared prefix; return ``step(i)``, one simulated scheduler step."""
+    import torch
+
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import NSA_PAGE_SIZE as PAGE
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
     cache, allocator = stack.cache, stack.allocator
     prefix = list(range(1, PREFIX_PAGES * PAGE + 1))
     cache.insert(InsertParams(key=RadixKey(prefix), value=allocator.alloc(len(prefix))))
@@ -82,6 +86,13 @@ def _rank(rank, world_size, kind, steps, warmup):
         assert own is not None, "benchmark pool too small"
         cache.insert(InsertParams(key=RadixKey(tokens), value=torch.cat([match.device_indices, own])))
 
+    return step
+
+
+def _rank(rank, world_size, kind, steps, warmup):
+    import torch.distributed as dist
+
+    step = make_step(build_stack(kind, world_size, rank, dist.group.WORLD))
     for i in range(warmup):
         step(i)
     counter = {"n": 0}
