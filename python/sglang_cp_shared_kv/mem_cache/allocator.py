@@ -281,17 +281,35 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.merge_and_sort_free()
         return True
 
+    # Whether ``_take_pages`` may skip the general owner assignment where its result is known (one
+    # owner, or every page can have its preferred owner). Tests turn it off on a twin allocator and
+    # require identical pages.
+    _owner_fast_path = True
+
     def _take_pages(self, preferred_owner: np.ndarray) -> torch.Tensor:
         """Pop one free logical page per entry of ``preferred_owner``, in that order (balance rule of
         the module docstring). The caller has checked that they fit (``_make_room``)."""
-        if len(preferred_owner) == 0:
+        num_pages = len(preferred_owner)
+        if num_pages == 0:
             return self._empty_pages()
+        if self.cp_size == 1 and self._owner_fast_path:
+            # One owner: its quota is every page, taken off the head of its free list in order.
+            return self._pop_pages(preferred_owner, [num_pages])
         quotas = _owner_quotas(
             [p.shape[0] for p in self.free_pages_by_owner],
-            len(preferred_owner),
+            num_pages,
             tie_start=int(preferred_owner[0]),
         )
-        return self._pop_pages(_assign_owners(preferred_owner, quotas), quotas)
+        if (
+            self._owner_fast_path
+            and np.bincount(preferred_owner, minlength=self.cp_size).tolist() == quotas
+        ):
+            # Each owner's quota is exactly its preferred pages: every page gets its preferred
+            # owner, which is what _assign_owners returns then (no leftover quota to deal).
+            owner = preferred_owner
+        else:
+            owner = _assign_owners(preferred_owner, quotas)
+        return self._pop_pages(owner, quotas)
 
     def _pop_pages(self, owner: np.ndarray, quotas: Sequence[int]) -> torch.Tensor:
         """Logical page ids (int64, on ``device``) for pages on ``owner``; ``quotas[r]`` counts owner r.
@@ -301,17 +319,23 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         taken = []
         for rank, quota in enumerate(quotas):
             if quota > 0:
-                taken.append(self.free_pages_by_owner[rank][:quota])
-                self.free_pages_by_owner[rank] = self.free_pages_by_owner[rank][quota:]
-        if not taken:
-            return self._empty_pages()
+                free = self.free_pages_by_owner[rank]
+                taken.append(free[:quota])
+                self.free_pages_by_owner[rank] = free[quota:]
+        if len(taken) <= 1:
+            # One owner (or none): its pages in page order are the answer. A view of the old free
+            # list, which is never modified in place; callers build new tensors from it.
+            return taken[0] if taken else self._empty_pages()
+        if len(owner) < 2 or bool((owner[1:] >= owner[:-1]).all()):
+            # Owners already grouped in rank order: the groups laid end to end are the answer.
+            return torch.cat(taken)
         # ``taken`` is grouped by owner, each group in page order; a stable sort of the owners lists,
         # for each group slot, the page that gets it.
         by_owner = np.argsort(owner, kind="stable")
         take_index = np.empty(len(owner), dtype=np.int64)
         take_index[by_owner] = np.arange(len(owner))
         take_index = torch.from_numpy(take_index).to(self.device, non_blocking=True)
-        return torch.cat(taken)[take_index]
+        return torch.cat(taken).index_select(0, take_index)
 
     # ---- free ----
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import unittest
+import unittest.mock
 from types import SimpleNamespace
 
 import numpy as np
@@ -390,6 +391,66 @@ class TestCPSharedAllocatorProperties(CustomTestCase):
         used = [a.num_physical_pages - f for f in free_counts(a)]
         self.assertLessEqual(max(used) - min(used), 1)
         w.check_state()
+
+
+class GeneralPathAllocator(CPSharedPagedTokenToKVPoolAllocator):
+    """The allocator without its fast paths: every allocation through ``_assign_owners`` and the
+    argsort in ``_pop_pages`` (the code before the fast paths)."""
+
+    _owner_fast_path = False
+
+    def _pop_pages(self, owner, quotas):
+        taken = []
+        for rank, quota in enumerate(quotas):
+            if quota > 0:
+                taken.append(self.free_pages_by_owner[rank][:quota])
+                self.free_pages_by_owner[rank] = self.free_pages_by_owner[rank][quota:]
+        if not taken:
+            return self._empty_pages()
+        by_owner = np.argsort(owner, kind="stable")
+        take_index = np.empty(len(owner), dtype=np.int64)
+        take_index[by_owner] = np.arange(len(owner))
+        return torch.cat(taken)[torch.from_numpy(take_index)]
+
+
+def make_general_allocator(cp_size, num_physical_pages, page_size, need_sort=False):
+    pool = SimpleNamespace(size=num_physical_pages * page_size)
+    return GeneralPathAllocator(
+        cp_size * pool.size, page_size, torch.bfloat16, "cpu", pool, need_sort, cp_size, 0
+    )
+
+
+class TestFastPathsMatchGeneralPath(CustomTestCase):
+    """Fast paths (one owner, every page on its preferred owner, owners already grouped) against the
+    general path on the same calls: identical pages, identical free lists."""
+
+    def test_random_workloads_against_the_general_path(self):
+        configs = [(1, 4, 20), (1, 64, 6), (2, 64, 6), (2, 4, 11), (3, 4, 7), (4, 4, 9), (8, 2, 5)]
+        for seed, (cp, ps, phys) in enumerate(configs):
+            for need_sort in (False, True):
+                with self.subTest(cp=cp, page_size=ps, need_sort=need_sort):
+                    fast = make_allocator(cp, phys, ps, need_sort=need_sort)
+                    general = make_general_allocator(cp, phys, ps, need_sort=need_sort)
+                    w = Workload(self, [fast, general], seed=500 + 1000 * seed + need_sort)
+                    for _ in range(40):
+                        w.run(8)
+                        w.check_state()
+                    self.assertTrue(same_lists(snapshot(fast), snapshot(general)))
+
+    def test_preferred_owners_skip_the_general_assignment(self):
+        # On a balanced pool, allocs of whole rounds of cp pages (and then one page) give every page
+        # its preferred owner: no _assign_owners, and the general path's pages.
+        from sglang_cp_shared_kv.mem_cache import allocator as allocator_module
+
+        for cp in (1, 2, 4):
+            sizes = [4 * n for n in (cp, 2 * cp, 3 * cp, 1)]
+            fast, general = make_allocator(cp, 12, 4), make_general_allocator(cp, 12, 4)
+            with unittest.mock.patch.object(
+                allocator_module, "_assign_owners", side_effect=AssertionError("general path")
+            ):
+                out = [fast.alloc(n).tolist() for n in sizes]
+            self.assertEqual(out, [general.alloc(n).tolist() for n in sizes])
+            self.assertTrue(same_lists(snapshot(fast), snapshot(general)))
 
 
 class TestOwnerQuotas(CustomTestCase):
