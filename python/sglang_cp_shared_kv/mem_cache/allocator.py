@@ -346,16 +346,35 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if not self.is_not_in_free_group:
             self.free_group.append(free_index)
             return
-        pages = torch.unique(free_index.to(torch.int64) // self.page_size)
-        owner = self.layout.owner_of_page(pages)
-        counts = torch.bincount(owner, minlength=self.cp_size).tolist()
-        pages_by_owner = torch.split(pages[torch.argsort(owner, stable=True)], counts)
         target = self.release_pages_by_owner if self.need_sort else self.free_pages_by_owner
-        for rank, freed in enumerate(pages_by_owner):
-            if len(freed) > 0:
-                target[rank] = torch.cat((freed, target[rank]))
+        for rank, freed in self._freed_pages_by_owner(free_index):
+            target[rank] = torch.cat((freed, target[rank]))
         if self.debug_mode:
             self._check_free_lists()
+
+    def _freed_pages_by_owner(self, free_index: torch.Tensor):
+        """``(rank, pages)`` for every owner with freed pages: the distinct pages of ``free_index``
+        (any locs, any order, repeats allowed) that ``rank`` owns, ascending, int64 on ``device``.
+
+        The page-level work runs in NumPy on the host (a few pages: torch's per-op cost would
+        dominate); the locs come to the host once (no copy on the CPU; on a GPU one copy, where the
+        owner counts needed a host sync anyway), the grouped pages go back once.
+        """
+        locs = free_index.cpu().numpy()
+        pages = np.unique(locs // self.page_size).astype(np.int64, copy=False)
+        if self.cp_size == 1:
+            return [(0, torch.from_numpy(pages).to(self.device, non_blocking=True))]
+        owner = self.layout.owner_of_page(pages)
+        counts = np.bincount(owner, minlength=self.cp_size).tolist()
+        # Sorted pages, stably grouped by owner: each owner's pages stay ascending.
+        grouped = torch.from_numpy(pages[np.argsort(owner, kind="stable")])
+        grouped = grouped.to(self.device, non_blocking=True)
+        out, start = [], 0
+        for rank, count in enumerate(counts):
+            if count > 0:
+                out.append((rank, grouped[start : start + count]))
+                start += count
+        return out
 
     def _check_free_lists(self):
         for rank in range(self.cp_size):

@@ -395,9 +395,25 @@ class TestCPSharedAllocatorProperties(CustomTestCase):
 
 class GeneralPathAllocator(CPSharedPagedTokenToKVPoolAllocator):
     """The allocator without its fast paths: every allocation through ``_assign_owners`` and the
-    argsort in ``_pop_pages`` (the code before the fast paths)."""
+    argsort in ``_pop_pages``, every free through the torch implementation the NumPy one replaced
+    (the code before the fast paths)."""
 
     _owner_fast_path = False
+
+    def free(self, free_index):
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        pages = torch.unique(free_index.to(torch.int64) // self.page_size)
+        owner = self.layout.owner_of_page(pages)
+        counts = torch.bincount(owner, minlength=self.cp_size).tolist()
+        pages_by_owner = torch.split(pages[torch.argsort(owner, stable=True)], counts)
+        target = self.release_pages_by_owner if self.need_sort else self.free_pages_by_owner
+        for rank, freed in enumerate(pages_by_owner):
+            if len(freed) > 0:
+                target[rank] = torch.cat((freed, target[rank]))
 
     def _pop_pages(self, owner, quotas):
         taken = []
@@ -421,8 +437,8 @@ def make_general_allocator(cp_size, num_physical_pages, page_size, need_sort=Fal
 
 
 class TestFastPathsMatchGeneralPath(CustomTestCase):
-    """Fast paths (one owner, every page on its preferred owner, owners already grouped) against the
-    general path on the same calls: identical pages, identical free lists."""
+    """Fast paths (one owner, every page on its preferred owner, owners already grouped, the NumPy
+    free) against the general path on the same calls: identical pages, identical free lists."""
 
     def test_random_workloads_against_the_general_path(self):
         configs = [(1, 4, 20), (1, 64, 6), (2, 64, 6), (2, 4, 11), (3, 4, 7), (4, 4, 9), (8, 2, 5)]
@@ -436,6 +452,25 @@ class TestFastPathsMatchGeneralPath(CustomTestCase):
                         w.run(8)
                         w.check_state()
                     self.assertTrue(same_lists(snapshot(fast), snapshot(general)))
+
+    def test_free_of_arbitrary_locs_matches_the_general_path(self):
+        # Partial pages, repeats, any order, int32 or int64: the same pages back on the same lists.
+        rng = random.Random(11)
+        for trial in range(300):
+            cp, ps = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 4, 64])
+            phys, need_sort = rng.randint(2, 6), rng.random() < 0.5
+            fast = make_allocator(cp, phys, ps, need_sort=need_sort)
+            general = make_general_allocator(cp, phys, ps, need_sort=need_sort)
+            held = fast.alloc(fast.available_size())
+            general.alloc(general.available_size())
+            for _ in range(3):
+                locs = rng.choices(held.tolist(), k=rng.randint(1, len(held)))
+                dtype = rng.choice([torch.int32, torch.int64])
+                for a in (fast, general):
+                    a.free(torch.tensor(locs, dtype=dtype))
+                self.assertTrue(same_lists(snapshot(fast), snapshot(general)), trial)
+                for p in fast.free_pages_by_owner + fast.release_pages_by_owner:
+                    self.assertEqual(p.dtype, torch.int64)
 
     def test_preferred_owners_skip_the_general_assignment(self):
         # On a balanced pool, allocs of whole rounds of cp pages (and then one page) give every page
