@@ -168,8 +168,12 @@ class CpHybridCacheController(HybridCacheController):
         reservation: CpWriteReservation,
         node_id: int,
         priority: Optional[int] = None,
+        slots_by_rank: Optional[np.ndarray] = None,
     ) -> CpHiCacheNodeMetadata:
-        """Start the device->host copy of a reservation; exactly one write ack for ``node_id``."""
+        """Start the device->host copy of a reservation; exactly one write ack for ``node_id``.
+
+        ``slots_by_rank`` (every rank's host slots for the node, as the cache's ledger counted them)
+        is kept in the metadata for the node's host eviction."""
         if not reservation.ok:
             raise ValueError("write_reserved needs a reservation that got its host slots")
         if reservation.required_host_slots == 0:
@@ -193,6 +197,7 @@ class CpHybridCacheController(HybridCacheController):
             owned_positions=reservation.owned_positions,
             host_indices=reservation.host_indices,
             owner_ranks=reservation.owner_ranks,
+            slots_by_rank=slots_by_rank,
         )
 
     def _append_completed_write_ack(self, node_id: int) -> None:

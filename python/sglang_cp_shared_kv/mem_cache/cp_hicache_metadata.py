@@ -14,6 +14,11 @@ slots. ``CpHiCacheNodeMetadata`` records that per rank, in units that survive ev
   has its bytes; the owners are recorded here so that every rank can ask the (rank-independent) allocator
   for the same placement.
 
+* ``slots_by_rank`` (optional, NumPy int64, one entry per CP rank): the host slots each rank holds for the
+  node, i.e. its positions per owner in ``owner_ranks`` (the same on every rank). Kept from the write on, so
+  that host eviction gives slots back to the host-slot ledger without recounting the owners; ``split`` and
+  ``concat`` carry it along. ``None`` (metadata built from outside): ``host_slots_by_rank`` counts.
+
 All tensors are CPU tensors (tree bookkeeping is CPU-side and long-lived nodes must not pin device memory):
 ``owned_positions`` and ``host_indices`` int64, ``owner_ranks`` int8. A rank may own nothing in a node.
 
@@ -24,9 +29,10 @@ with ``derived``, which skips the checks: they cost more than the bookkeeping of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 
@@ -36,6 +42,7 @@ class CpHiCacheNodeMetadata:
     owned_positions: torch.Tensor
     host_indices: torch.Tensor
     owner_ranks: torch.Tensor
+    slots_by_rank: Optional[np.ndarray] = field(default=None, compare=False)
 
     def __post_init__(self):
         if isinstance(self.logical_len, bool) or not isinstance(self.logical_len, int):
@@ -66,6 +73,15 @@ class CpHiCacheNodeMetadata:
                 raise ValueError("owned_positions must be strictly increasing")
         if self.owner_ranks.numel() and int(self.owner_ranks.min()) < 0:
             raise ValueError("owner_ranks must be >= 0")
+        if self.slots_by_rank is not None:
+            slots = self.slots_by_rank
+            if not isinstance(slots, np.ndarray) or slots.dtype != np.int64 or slots.ndim != 1:
+                raise ValueError("slots_by_rank must be a 1-D NumPy int64 array")
+            counted = _positions_by_owner(self.owner_ranks, len(slots))
+            if len(counted) != len(slots) or not np.array_equal(counted, slots):
+                raise ValueError(
+                    f"slots_by_rank {slots.tolist()} does not count the owners ({counted.tolist()})"
+                )
 
     @classmethod
     def derived(
@@ -74,6 +90,7 @@ class CpHiCacheNodeMetadata:
         owned_positions: torch.Tensor,
         host_indices: torch.Tensor,
         owner_ranks: torch.Tensor,
+        slots_by_rank: Optional[np.ndarray] = None,
     ) -> "CpHiCacheNodeMetadata":
         """Build without checks, for metadata derived from data that already meets the invariants
         (module docstring); anything else goes through the checking constructor."""
@@ -83,7 +100,15 @@ class CpHiCacheNodeMetadata:
         object.__setattr__(metadata, "owned_positions", owned_positions)
         object.__setattr__(metadata, "host_indices", host_indices)
         object.__setattr__(metadata, "owner_ranks", owner_ranks)
+        object.__setattr__(metadata, "slots_by_rank", slots_by_rank)
         return metadata
+
+    def host_slots_by_rank(self, cp_size: int) -> np.ndarray:
+        """Host slots each of the ``cp_size`` ranks holds for the node (identical on every rank):
+        ``slots_by_rank`` when kept, else the positions per owner, counted now."""
+        if self.slots_by_rank is not None and len(self.slots_by_rank) == cp_size:
+            return self.slots_by_rank
+        return _positions_by_owner(self.owner_ranks, cp_size)
 
     @property
     def num_owned(self) -> int:
@@ -103,17 +128,25 @@ class CpHiCacheNodeMetadata:
             raise ValueError(f"split_len must be in [0, {self.logical_len}], got {split_len}")
         # Positions are sorted: the parent's are a prefix of them.
         num_in_parent = int(torch.searchsorted(self.owned_positions, split_len))
+        parent_slots = child_slots = None
+        if self.slots_by_rank is not None:
+            # Each rank's slots go with its positions: count the parent's owners, the child keeps
+            # the rest.
+            parent_slots = _positions_by_owner(self.owner_ranks[:split_len], len(self.slots_by_rank))
+            child_slots = self.slots_by_rank - parent_slots
         parent = CpHiCacheNodeMetadata.derived(
             logical_len=split_len,
             owned_positions=self.owned_positions[:num_in_parent],
             host_indices=self.host_indices[:num_in_parent],
             owner_ranks=self.owner_ranks[:split_len],
+            slots_by_rank=parent_slots,
         )
         child = CpHiCacheNodeMetadata.derived(
             logical_len=self.logical_len - split_len,
             owned_positions=self.owned_positions[num_in_parent:] - split_len,
             host_indices=self.host_indices[num_in_parent:],
             owner_ranks=self.owner_ranks[split_len:],
+            slots_by_rank=child_slots,
         )
         return parent, child
 
@@ -130,13 +163,24 @@ class CpHiCacheNodeMetadata:
         for part in parts:
             shifted_positions.append(part.owned_positions + offset)
             offset += part.logical_len
+        slots = [p.slots_by_rank for p in parts]
+        if any(s is None for s in slots) or len({len(s) for s in slots}) != 1:
+            slots = None
+        else:
+            slots = np.sum(slots, axis=0)
         # Each part's positions are sorted and inside its own length, so the shifted ones stay so.
         return cls.derived(
             logical_len=offset,
             owned_positions=torch.cat(shifted_positions),
             host_indices=torch.cat([p.host_indices for p in parts]),
             owner_ranks=torch.cat([p.owner_ranks for p in parts]),
+            slots_by_rank=slots,
         )
+
+
+def _positions_by_owner(owner_ranks: torch.Tensor, cp_size: int) -> np.ndarray:
+    """Positions of each rank in ``owner_ranks`` (int64, at least ``cp_size`` entries)."""
+    return np.bincount(owner_ranks.numpy(), minlength=cp_size).astype(np.int64, copy=False)
 
 
 def _check_cpu_vector(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:

@@ -412,7 +412,7 @@ class CpHiRadixCache(HiRadixCache):
             ledger.check_own_entry("before a host write")  # raises: the ledger said it fits
             raise RuntimeError("CP HiCache: the host pool refused slots its ledger has free")
         ledger.take(slots_by_rank)
-        return controller.write_reserved(plan, node_id=node.id)
+        return controller.write_reserved(plan, node_id=node.id, slots_by_rank=slots_by_rank)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool = False):
         """Stock, with ``_node_backuped`` for ``node.backuped``; ``host_value`` is never set."""
@@ -492,9 +492,8 @@ class CpHiRadixCache(HiRadixCache):
                 continue
             self._record_remove_event(node, medium=StorageMedium.CPU)
             self.cache_controller.evict_host(self._node_host_evict_indices(node))
-            slots_by_rank = self.host_ledger.slots_of_pages(
-                self.cache_controller.page_owners(node.cp_hicache)
-            )
+            # Counted once, when the node was written (split and concat carry it along).
+            slots_by_rank = node.cp_hicache.host_slots_by_rank(self.cp_layout.cp_size)
             self.host_ledger.give_back(slots_by_rank)
             progress.slots_freed_by_rank += slots_by_rank
             progress.logical_tokens_evicted += self._node_host_len(node)

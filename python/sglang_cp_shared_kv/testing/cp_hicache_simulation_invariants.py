@@ -33,6 +33,7 @@ import hashlib
 import itertools
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
@@ -502,6 +503,13 @@ class RankInvariants:
         if not backed:
             return None
         metas = [n.cp_hicache for n in backed]
+        ledger = self.workload.stack.cache.host_ledger
+        for node, meta in zip(backed, metas):
+            # The slots kept since the write (through splits) are the ones its owners give.
+            counted = ledger.slots_of_pages(meta.owner_ranks.numpy()[:: self.page_size])
+            if meta.slots_by_rank is None or not np.array_equal(meta.slots_by_rank, counted):
+                kept = None if meta.slots_by_rank is None else meta.slots_by_rank.tolist()
+                return f"node {node.id}: keeps host slots by rank {kept}, its owners give {counted.tolist()}"
         owners = torch.cat([m.owner_ranks for m in metas]).to(torch.int64).view(-1, self.page_size)
         offsets = torch.tensor([0] + [m.logical_len for m in metas[:-1]]).cumsum(0).tolist()
         held = torch.cat([m.owned_positions + offset for m, offset in zip(metas, offsets)])

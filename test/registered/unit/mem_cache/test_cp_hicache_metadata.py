@@ -1,7 +1,9 @@
 """CpHiCacheNodeMetadata: the per-rank host-backup state a split or load-back must keep exact."""
 
+import random
 import unittest
 
+import numpy as np
 import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -75,6 +77,47 @@ class TestSplit(CustomTestCase):
             meta.split(1.0)
 
 
+class TestSlotsByRank(CustomTestCase):
+    """``slots_by_rank`` (kept from the write for host eviction) follows splits and concats exactly."""
+
+    def _with_slots(self, owner_pages, rank, cp_size):
+        meta = _meta(owner_pages, rank)
+        slots = np.bincount(owner_pages, minlength=cp_size).astype(np.int64) * PAGE
+        return CpHiCacheNodeMetadata(
+            meta.logical_len, meta.owned_positions, meta.host_indices, meta.owner_ranks, slots
+        )
+
+    def _counted(self, meta, cp_size):
+        return np.bincount(meta.owner_ranks.numpy(), minlength=cp_size).tolist()
+
+    def test_split_and_concat_keep_the_counts_of_the_owners(self):
+        rng = random.Random(5)
+        for _ in range(200):
+            cp = rng.randint(1, 8)
+            owner_pages = [rng.randrange(cp) for _ in range(rng.randint(1, 9))]
+            meta = self._with_slots(owner_pages, rng.randrange(cp), cp)
+            split_len = PAGE * rng.randint(0, len(owner_pages))
+            parent, child = meta.split(split_len)
+            for part in (parent, child):
+                self.assertEqual(part.slots_by_rank.tolist(), self._counted(part, cp))
+                self.assertIs(part.host_slots_by_rank(cp), part.slots_by_rank)
+            # A split of a split (match splits the upper half again) stays exact too.
+            inner, _ = child.split(PAGE * rng.randint(0, child.logical_len // PAGE))
+            self.assertEqual(inner.slots_by_rank.tolist(), self._counted(inner, cp))
+            joined = CpHiCacheNodeMetadata.concat([parent, child])
+            self.assertEqual(joined.slots_by_rank.tolist(), meta.slots_by_rank.tolist())
+
+    def test_without_kept_slots_they_are_counted(self):
+        meta = _meta([2, 0, 2], rank=0)
+        self.assertIsNone(meta.slots_by_rank)
+        self.assertEqual(meta.host_slots_by_rank(4).tolist(), [PAGE, 0, 2 * PAGE, 0])
+        parent, child = meta.split(PAGE)
+        self.assertIsNone(parent.slots_by_rank)
+        self.assertIsNone(child.slots_by_rank)
+        kept = self._with_slots([2, 0, 2], 0, 4)
+        self.assertIsNone(CpHiCacheNodeMetadata.concat([kept, meta]).slots_by_rank)
+
+
 class TestValidation(CustomTestCase):
     def _kwargs(self, **override):
         kwargs = dict(
@@ -101,6 +144,10 @@ class TestValidation(CustomTestCase):
             "owners too short": dict(owner_ranks=torch.zeros(7, dtype=torch.int8)),
             "negative owner": dict(owner_ranks=-torch.ones(8, dtype=torch.int8)),
             "negative length": dict(logical_len=-8),
+            "slots miscounted": dict(slots_by_rank=np.array([4], dtype=np.int64)),
+            "slots int32": dict(slots_by_rank=np.array([8], dtype=np.int32)),
+            "slots too short": dict(owner_ranks=torch.tensor([0] * 4 + [1] * 4, dtype=torch.int8),
+                                    slots_by_rank=np.array([4], dtype=np.int64)),
         }
         for name, override in bad_cases.items():
             with self.subTest(name), self.assertRaises(ValueError):
