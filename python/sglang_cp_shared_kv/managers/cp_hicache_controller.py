@@ -126,20 +126,29 @@ class CpHybridCacheController(HybridCacheController):
         sync); positions, owners and physical rows are expanded from the owned pages. The page-level
         arithmetic runs in NumPy: a few thousand heads, where torch's per-op cost would dominate.
         """
-        logical_len = len(logical_device_indices)
+        logical_len = logical_device_indices.shape[0]
         self._check_page_aligned_len(logical_len)
-        page_size = self.page_size
+        page_size, layout = self.page_size, self.layout
         logical_pages = (
             self._page_heads_on_cpu(logical_device_indices, "logical device locs") // page_size
         )
-        page_owners = self.layout.owner_of_page(logical_pages)
-        owned_pages = np.flatnonzero(page_owners == self.layout.cp_rank)  # node-local page numbers
+        page_owners = layout.owner_of_page(logical_pages)
+        # Node-local page numbers (the method forms of NumPy's functions: no Python wrapper).
+        owned_pages = (page_owners == layout.cp_rank).nonzero()[0]
+        if owned_pages.shape[0] == logical_pages.shape[0]:
+            # Every page is this rank's (always so at cp 1): the rows of pages 0, 1, .. are the
+            # positions 0 .. logical_len-1, and the owned pages are all of them.
+            owned_positions = np.arange(logical_len, dtype=np.int64)
+            owned_logical_pages = logical_pages
+        else:
+            owned_positions = layout.rows_of_pages(owned_pages * page_size)
+            owned_logical_pages = logical_pages[owned_pages]
         return CpWriteReservation(
             logical_len=logical_len,
             page_owners=page_owners,
-            owned_positions=torch.from_numpy(self.layout.rows_of_pages(owned_pages * page_size)),
-            owner_ranks=torch.from_numpy(np.repeat(page_owners.astype(np.int8), page_size)),
-            physical_device_indices=self._physical_rows_on_device(logical_pages[owned_pages]),
+            owned_positions=torch.from_numpy(owned_positions),
+            owner_ranks=torch.from_numpy(page_owners.astype(np.int8).repeat(page_size)),
+            physical_device_indices=self._physical_rows_on_device(owned_logical_pages),
             host_indices=None,
         )
 
@@ -328,7 +337,7 @@ class CpHybridCacheController(HybridCacheController):
                 f"{what}: {rows.numel()} rows are not whole pages (page_size {self.page_size})"
             )
         heads = rows[:: self.page_size].cpu().numpy()
-        if (heads % self.page_size).any():
+        if np.count_nonzero(heads % self.page_size):
             raise ValueError(f"{what} are not whole pages (page_size {self.page_size})")
         return heads
 

@@ -5,6 +5,7 @@ Real layout, real NSA device pool, real host pools (CPU); data is checked byte f
 
 import unittest
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
@@ -208,6 +209,26 @@ class TestCpHybridCacheController(CustomTestCase):
         )
         with self.assertRaisesRegex(ValueError, "whole pages"):
             self.controller.load_reserved(metadata, _locs_of_pages([5, 4]) + 1, node_id=6)
+
+    def test_plan_matches_a_per_loc_reference_when_all_some_or_none_owned(self):
+        # plan_host_write works on page heads and takes a shortcut when every page is this rank's;
+        # every field must equal what the per-loc masks of the layout give.
+        layout, rng = self.stack.layout, np.random.default_rng(9)
+        for case in range(60):
+            owned, other = 2 * rng.permutation(np.arange(1, 9)) + 1, 2 * rng.permutation(np.arange(1, 9))
+            kind = case % 3
+            pages = {0: owned[:3], 1: other[:3]}.get(kind, np.concatenate([owned[:2], other[:2]]))
+            locs = _locs_of_pages(rng.permutation(pages).tolist())
+            plan = self.controller.plan_host_write(locs)
+            mask = layout.owned_by_this_rank(locs)
+            self.assertTrue(torch.equal(plan.owned_positions, torch.nonzero(mask).flatten()), case)
+            self.assertEqual(plan.owned_positions.dtype, torch.int64)
+            self.assertTrue(
+                torch.equal(plan.physical_device_indices, layout.physical_locs_or_dummy(locs[mask]))
+            )
+            owners = layout.owner_of_page(locs // PAGE).to(torch.int8)
+            self.assertTrue(torch.equal(plan.owner_ranks, owners))
+            self.assertEqual(plan.page_owners.tolist(), owners[::PAGE].tolist())
 
     def test_stock_physical_entry_points_refuse_logical_locs(self):
         with self.assertRaises(RuntimeError):
