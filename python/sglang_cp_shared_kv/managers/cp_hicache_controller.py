@@ -58,7 +58,7 @@ class CpWriteReservation:
     @property
     def required_host_slots(self) -> int:
         """Physical host slots this rank needs for the node (0 if it owns nothing in it)."""
-        return len(self.owned_positions)
+        return self.owned_positions.shape[0]
 
     @property
     def ok(self) -> bool:

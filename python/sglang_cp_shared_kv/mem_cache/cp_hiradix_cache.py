@@ -462,7 +462,7 @@ class CpHiRadixCache(HiRadixCache):
             parents,
             taken,
             progress,
-            lambda: bool((progress.slots_freed_by_rank >= shortfall_by_rank).all()),
+            lambda: not np.count_nonzero(progress.slots_freed_by_rank < shortfall_by_rank),
         )
         self._requeue_taken(self.evictable_host_leaves, taken)
         self._log_host_eviction(progress)
@@ -473,6 +473,8 @@ class CpHiRadixCache(HiRadixCache):
         )
 
     def _log_host_eviction(self, progress: _HostEvictionProgress) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return  # skip the .tolist() below
         logger.debug(
             "CP HiCache host eviction: %d nodes, %d logical tokens, physical slots by rank %s",
             progress.nodes_evicted,

@@ -38,14 +38,16 @@ class CpHostSlotLedger:
 
     def slots_of_pages(self, page_owners: np.ndarray) -> np.ndarray:
         """Host slots each rank needs for pages owned by ``page_owners`` (one entry per page)."""
-        return np.bincount(page_owners, minlength=self.cp_size).astype(np.int64) * self.page_size
+        counts = np.bincount(page_owners, minlength=self.cp_size).astype(np.int64, copy=False)
+        return counts * self.page_size
 
     def shortfall(self, slots_by_rank: np.ndarray) -> np.ndarray:
         """Slots each rank must free before ``slots_by_rank`` fits (0 where it fits already)."""
         return np.maximum(slots_by_rank - self.free, 0)
 
     def fits(self, slots_by_rank: np.ndarray) -> bool:
-        return bool((slots_by_rank <= self.free).all())
+        # count_nonzero, not .all(): a C call without NumPy's Python wrapper (a few ranks per call).
+        return not np.count_nonzero(slots_by_rank > self.free)
 
     def take(self, slots_by_rank: np.ndarray) -> None:
         """Slots of a node just written (this rank's already taken from its host pool)."""
@@ -60,7 +62,7 @@ class CpHostSlotLedger:
     def give_back(self, slots_by_rank: np.ndarray) -> None:
         """Slots of a node just evicted from host (this rank's already freed in its host pool)."""
         self.free += slots_by_rank
-        if (self.free > self.capacity).any():
+        if np.count_nonzero(self.free > self.capacity):
             raise RuntimeError(
                 f"CP HiCache host ledger: {self.free.tolist()} slots free, more than the "
                 f"{self.capacity.tolist()} that exist"
