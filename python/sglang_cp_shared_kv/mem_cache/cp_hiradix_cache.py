@@ -38,6 +38,14 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
     MatchResult,
 )
+from sglang.srt.mem_cache.evict_policy import (
+    FIFOStrategy,
+    FILOStrategy,
+    LFUStrategy,
+    LRUStrategy,
+    PriorityStrategy,
+    SLRUStrategy,
+)
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import (
@@ -81,6 +89,14 @@ class _FinishedCollective:
 
 FINISHED_COLLECTIVE = _FinishedCollective()
 
+# Eviction policies of 0.5.11 under which an access never lowers a node's priority: last_access_time and
+# hit_count only grow, node.priority only grows (max), creation_time never changes. Exact types: a
+# subclass may compute its priority otherwise. Under any other policy (MRU: -last_access_time) an
+# access re-queues the node (EvictionCandidates.accessed).
+ACCESS_RAISES_PRIORITY = (
+    LRUStrategy, LFUStrategy, FIFOStrategy, FILOStrategy, PriorityStrategy, SLRUStrategy,
+)  # fmt: skip
+
 
 @dataclass
 class _HostEvictionProgress:
@@ -94,6 +110,7 @@ class CpHiRadixCache(HiRadixCache):
 
     # Host write + host eviction events between two per-rank host usage log lines.
     HOST_USAGE_LOG_INTERVAL = 256
+    _access_requeues = True  # until __init__ knows the eviction policy (see _touch)
 
     def __new__(cls, params: CacheInitParams, server_args: ServerArgs):
         if isinstance(params.token_to_kv_pool_allocator, CPSharedPagedTokenToKVPoolAllocator):
@@ -142,6 +159,8 @@ class CpHiRadixCache(HiRadixCache):
         # The leaf sets stay sets for stock code, and keep their eviction order between calls.
         self.evictable_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
         self.evictable_host_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
+        # Whether an access must re-queue the candidates it touches (see _touch).
+        self._access_requeues = type(self.eviction_strategy) not in ACCESS_RAISES_PRIORITY
         logger.info(
             "CP HiCache on cp rank %d of %d: %d physical host slots",
             cp_rank,
@@ -328,13 +347,20 @@ class CpHiRadixCache(HiRadixCache):
     def _touch_path(self, node: Optional[TreeNode]) -> None:
         """``node`` and its ancestors were just accessed: re-key those that are eviction candidates
         (under MRU an access lowers the priority; see ``EvictionCandidates``)."""
+        if not self._access_requeues:
+            return
         while node is not None:
             self._touch(node)
             node = node.parent
 
     def _touch(self, node: TreeNode) -> None:
-        self.evictable_leaves.touch(node)
-        self.evictable_host_leaves.touch(node)
+        """``node`` was just accessed. Under a policy where that can lower its priority (MRU, or one
+        not known to be monotone), a candidate gets a fresh entry at its new priority. Under the
+        others an access only raises (or keeps) the priority: the old entry stays valid (at most the
+        current priority) and is re-keyed when it reaches the top, so nothing is pushed."""
+        if self._access_requeues:
+            self.evictable_leaves.touch(node)
+            self.evictable_host_leaves.touch(node)
 
     # ---- timestamps ----
     # One clock read per tree operation (match_prefix, insert), shared by every node it touches or
