@@ -149,6 +149,7 @@ class CpHiRadixCache(HiRadixCache):
         self._agreed_max = torch.zeros((), dtype=torch.int64)
         self._agreed_write_acks = torch.zeros((), dtype=torch.int32)
         self._write_acks_in_flight = None  # the write-ack all-reduce started by the last writing_check
+        self._ack_reduce_groups = None  # groups the write-ack count reduces over (first writing_check)
         self.host_ledger: Optional[CpHostSlotLedger] = None  # built once the host pools exist
         super().__init__(params, server_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
@@ -287,13 +288,17 @@ class CpHiRadixCache(HiRadixCache):
         """``_all_reduce_attn_groups`` without waiting: a handle whose ``wait()`` leaves the result in
         ``tensor``. Over two groups (attention CP, then attention TP) the second reduces the first's
         result, so that case stays blocking and returns a finished handle."""
-        groups = [
-            group
-            for group in (self.attn_cp_group, self.attn_tp_group)
-            if group is not None and torch.distributed.get_world_size(group=group) > 1
-        ]
-        if not groups and self.tp_world_size > 1:
-            groups = [self.tp_group]
+        groups = self._ack_reduce_groups
+        if groups is None:
+            # The groups are fixed once the cache is built: worked out at the first check only.
+            groups = [
+                group
+                for group in (self.attn_cp_group, self.attn_tp_group)
+                if group is not None and torch.distributed.get_world_size(group=group) > 1
+            ]
+            if not groups and self.tp_world_size > 1:
+                groups = [self.tp_group]
+            self._ack_reduce_groups = groups
         if len(groups) == 1:
             return torch.distributed.all_reduce(tensor, op=op, group=groups[0], async_op=True)
         self._all_reduce_attn_groups(tensor, op)
