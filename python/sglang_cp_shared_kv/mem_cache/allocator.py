@@ -37,6 +37,7 @@ list before it checks).
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -145,7 +146,34 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         num_pages = need_size // self.page_size
         if not self._make_room(num_pages):
             return None
+        if self._owner_fast_path:
+            pages = self._take_round_robin(num_pages)
+            if pages is not None:
+                return self._page_locs(pages)
         return self._page_locs(self._take_pages(np.arange(num_pages) % self.cp_size))
+
+    def _take_round_robin(self, num_pages: int) -> Optional[torch.Tensor]:
+        """``_take_pages(arange(num_pages) % cp)`` when every page gets its preferred owner (the owner
+        quotas equal the pages each owner is preferred for, as on a balanced pool); ``None``, with
+        nothing taken, otherwise. Page j is then the (j // cp)-th page taken from owner j % cp."""
+        cp_size = self.cp_size
+        if num_pages == 0 or cp_size == 1:
+            return None  # _take_pages has both already
+        base, extra = divmod(num_pages, cp_size)
+        demand = [base + (rank < extra) for rank in range(cp_size)]
+        free_lists = self.free_pages_by_owner
+        if _owner_quotas([p.shape[0] for p in free_lists], num_pages, tie_start=0) != demand:
+            return None
+        taken = []
+        for rank in range(min(cp_size, num_pages)):  # the owners with a nonzero demand
+            free, quota = free_lists[rank], demand[rank]
+            taken.append(free[:quota])
+            free_lists[rank] = free[quota:]
+        if num_pages <= cp_size:
+            # One page per owner 0, 1, ..: the owners' pages in rank order are the answer.
+            return taken[0] if num_pages == 1 else torch.cat(taken)
+        take_index = _round_robin_take_index(num_pages, cp_size, self.device)
+        return torch.cat(taken).index_select(0, take_index)
 
     def alloc_with_owners(self, page_owners) -> Optional[torch.Tensor]:
         """Whole pages, page k on owner rank ``page_owners[k]`` (a tensor or NumPy array of ranks);
@@ -407,6 +435,17 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def _empty_pages(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _round_robin_take_index(num_pages: int, cp_size: int, device) -> torch.Tensor:
+    """For pages taken owner by owner (owner r's ``ceil((num_pages - r) / cp_size)`` pages laid end
+    to end, in rank order), the index that deals them round robin: page j is owner j % cp_size's
+    (j // cp_size)-th. Made once per shape; never modified in place."""
+    demand = np.array([len(range(rank, num_pages, cp_size)) for rank in range(cp_size)])
+    start = np.concatenate(([0], np.cumsum(demand)[:-1]))
+    j = np.arange(num_pages)
+    return torch.from_numpy(start[j % cp_size] + j // cp_size).to(device)
 
 
 def _count(pages_by_owner: Sequence[torch.Tensor]) -> int:
