@@ -92,7 +92,7 @@ FINISHED_COLLECTIVE = _FinishedCollective()
 # Eviction policies of 0.5.11 under which an access never lowers a node's priority: last_access_time and
 # hit_count only grow, node.priority only grows (max), creation_time never changes. Exact types: a
 # subclass may compute its priority otherwise. Under any other policy (MRU: -last_access_time) an
-# access re-queues the node (EvictionCandidates.accessed).
+# access re-queues the node (_touch).
 ACCESS_RAISES_PRIORITY = (
     LRUStrategy, LFUStrategy, FIFOStrategy, FILOStrategy, PriorityStrategy, SLRUStrategy,
 )  # fmt: skip
