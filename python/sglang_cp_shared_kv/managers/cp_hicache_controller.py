@@ -162,7 +162,7 @@ class CpHybridCacheController(HybridCacheController):
             return False
         # The host pool's free list is a CPU tensor: this is a view of it, not a copy.
         host_indices = host_indices.cpu()
-        self._page_heads_on_cpu(host_indices, "host slots")
+        self._check_host_slots_whole_pages(host_indices)
         reservation.host_indices = host_indices
         return True
 
@@ -341,8 +341,19 @@ class CpHybridCacheController(HybridCacheController):
             raise ValueError(f"{what} are not whole pages (page_size {self.page_size})")
         return heads
 
+    def _check_host_slots_whole_pages(self, host_indices: torch.Tensor) -> None:
+        """Host slots are CPU tensors on every deployment: their page heads are read as a NumPy view
+        (no torch op), unlike device locs (``_page_heads_on_cpu``)."""
+        heads = host_indices.numpy()[:: self.page_size]
+        if np.count_nonzero(heads % self.page_size):
+            raise ValueError(f"host slots are not whole pages (page_size {self.page_size})")
+
     def _physical_rows_on_device(self, owned_logical_pages: np.ndarray) -> torch.Tensor:
-        """Physical device rows of logical pages this rank owns (callers have checked that); only
-        the physical page heads go to the device, rows are expanded there."""
+        """Physical device rows of logical pages this rank owns (callers have checked that).
+
+        Expanded on the host and copied once: one host-to-device copy of the rows (8 bytes a token)
+        costs less than copying the heads and expanding them with two device ops, on any device."""
         physical_heads = self.layout.physical_page_of(owned_logical_pages) * self.page_size
-        return self.layout.rows_of_pages(torch.from_numpy(physical_heads).to(self.device))
+        rows = torch.from_numpy(self.layout.rows_of_pages(physical_heads))
+        # A pageable source is staged before this returns: no stream sync, and the array may go.
+        return rows.to(self.device, non_blocking=True)

@@ -210,6 +210,14 @@ class TestCpHybridCacheController(CustomTestCase):
         with self.assertRaisesRegex(ValueError, "whole pages"):
             self.controller.load_reserved(metadata, _locs_of_pages([5, 4]) + 1, node_id=6)
 
+    def test_host_slots_off_a_page_boundary_are_refused(self):
+        # Host slots of a node are whole host pages (the indexer moves them page by page). A host
+        # free list that lost its alignment (slots freed behind the cache's back) must be loud.
+        host = self.stack.kv_host
+        host.free_slots = torch.cat((host.free_slots[PAGE // 2 :], host.free_slots[: PAGE // 2]))
+        with self.assertRaisesRegex(ValueError, "host slots are not whole pages"):
+            self.controller.reserve_host_slots(_locs_of_pages([3]))
+
     def test_plan_matches_a_per_loc_reference_when_all_some_or_none_owned(self):
         # plan_host_write works on page heads and takes a shortcut when every page is this rank's;
         # every field must equal what the per-loc masks of the layout give.
