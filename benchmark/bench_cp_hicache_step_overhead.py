@@ -48,7 +48,7 @@ def _count_collectives(counter: dict) -> None:
         setattr(dist, name, counted)
 
 
-def build_stack(kind, cp_size, cp_rank, group):
+def build_stack(kind, cp_size, cp_rank, group, pages=PAGES):
     """The benchmark's stack for one rank: stock (a pool as large as the group's) or ours."""
     from sglang_cp_shared_kv.testing.cp_hicache_stack import (
         TINY_NSA,
@@ -59,10 +59,10 @@ def build_stack(kind, cp_size, cp_rank, group):
     shape = dataclasses.replace(TINY_NSA, layer_num=1)
     if kind == "stock":
         return build_stock_hicache_stack(
-            pages=PAGES * cp_size, group=group, shape=shape, hicache_ratio=1.5
+            pages=pages * cp_size, group=group, shape=shape, hicache_ratio=1.5
         )
     return build_cp_hicache_stack(
-        cp_size=cp_size, cp_rank=cp_rank, group=group, physical_pages=PAGES, shape=shape,
+        cp_size=cp_size, cp_rank=cp_rank, group=group, physical_pages=pages, shape=shape,
         hicache_ratio=1.5,
     )  # fmt: skip
 
@@ -94,13 +94,13 @@ def make_step(stack):
     return step
 
 
-def _rank(rank, world_size, rounds, block, warmup):
+def _rank(rank, world_size, rounds, block, warmup, pages):
     """Both caches live in this process; they run in alternating blocks of ``block`` steps, so load
     from outside the benchmark (the machine is shared, and small) lands on both alike."""
     import torch.distributed as dist
 
     steps = {
-        kind: make_step(build_stack(kind, world_size, rank, dist.group.WORLD)) for kind in KINDS
+        kind: make_step(build_stack(kind, world_size, rank, dist.group.WORLD, pages)) for kind in KINDS
     }
     for kind in KINDS:
         for i in range(warmup):
@@ -130,15 +130,27 @@ def main(argv=None):
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=50, help="steps per block")
-    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument(
+        "--warmup", type=int, default=None,
+        help="steps before timing (default: enough to fill the device and host pools)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pages", type=int, default=PAGES, help="physical device pages per rank (stock: x cp)"
+    )
     args = parser.parse_args(argv)
+    print(f"{args.pages} physical device pages per rank, host pool 1.5x")
     print(
         "| cp | stock ms/step | ours ms/step | ours / stock (median of rounds) "
         "| collectives per step stock / ours |"
     )
     print("|---|---|---|---|---|")
     for cp in args.cp:
-        results = run_ranks(_rank, cp, (args.rounds, args.block, args.warmup), timeout_s=900)
+        # Each step adds OWN_PAGES logical pages: the host pool (1.5x the device's) is full after
+        # 1.5 * cp * pages / OWN_PAGES steps, and every timed step then evicts on device and host.
+        warmup = args.warmup if args.warmup is not None else 60 + 3 * cp * args.pages // (2 * OWN_PAGES)
+        results = run_ranks(
+            _rank, cp, (args.rounds, args.block, warmup, args.pages), timeout_s=900
+        )
         # A round's time is its slowest rank's (the group moves at the slowest rank's pace).
         per_round = {
             kind: [max(r["seconds"][kind][k] for r in results) for k in range(args.rounds)]
