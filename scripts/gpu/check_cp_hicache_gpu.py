@@ -9,7 +9,7 @@ rank runs the same calls:
 1. insert sequence A (2 * cp_size + 1 pages) and B (A's first cp_size + 1 pages and one page of its own,
    which splits A's node and gives a one-page node in which cp_size - 1 ranks own nothing), after
    writing random bytes into the KV rows and indexer pages each rank owns; write-through backs them up;
-2. wait for the copies, ``writing_check``; evict both from the device, poison every device row;
+2. wait for the copies, ``writing_check`` until every write is acknowledged; evict both from the device, poison every device row;
 3. take two pages so that the load-back lands elsewhere, ``match_prefix`` + ``load_back`` A then B,
    ``ready_to_load_host_cache``, wait, ``loading_check``;
 4. count owned KV rows and indexer pages whose bytes differ at their new physical rows.
@@ -87,6 +87,7 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
         clear_device_pool,
         glm5_nsa,
         host_rows_as_wide_as_device_rows,
+        settle_write_acks,
         tree_signature,
     )
 
@@ -117,10 +118,12 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
     bytes_b.write_owned(stack, suffix_b)
     cache.insert(InsertParams(key=RadixKey(seq_b), value=torch.cat([locs_a[:split], suffix_b])))
     _sync(args.device)
-    cache.writing_check()
     problems = []
-    if cache.ongoing_write_through:
-        problems.append(f"{len(cache.ongoing_write_through)} writes not acknowledged")
+    try:
+        # Acks agreed at one writing_check are applied at the next (non-blocking acks).
+        settle_write_acks(cache)
+    except AssertionError as error:
+        problems.append(f"writes not acknowledged: {error}")
 
     cache.evict(EvictParams(num_tokens=len_a + PAGE))
     if allocator.available_size() != full:
