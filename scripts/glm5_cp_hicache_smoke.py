@@ -257,6 +257,10 @@ def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> Run
             if args.tpot_contexts:
                 report.figures["tpot"] = run_tpot(args, server)
                 report.failures += [f"tpot {t['context']}: {t['error']}" for t in report.figures["tpot"] if t["error"]]
+            if args.audit and not kv_audit_compare.wait_for_settled_dumps(
+                audit_dir(out_dir, config.shared_kv), timeout_s=60
+            ):
+                report.failures.append("audit: the server was still writing pool dumps after 60 s")
         except (ServerError, OSError, ValueError) as e:  # requests' errors are OSErrors, bad JSON ValueError
             report.failures.append(f"server: {e}")
     lines = server.log_lines_before_stop()  # the with-block stopped the server

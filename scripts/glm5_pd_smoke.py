@@ -322,6 +322,11 @@ def run_pair(args, config: PDPairConfig, plan: RequestPlan, out_dir: Path) -> Ru
                     if record.error and not (prefill.alive() and decode.alive()):
                         break
                 host_totals = counters.host_total_tokens_by_rank
+                for side in ("prefill", "decode") if args.audit else ():
+                    if not kv_audit_compare.wait_for_settled_dumps(
+                        audit_dir(out_dir, config.shared_kv, side), timeout_s=60
+                    ):
+                        report.failures.append(f"audit: the {side} server was still writing pool dumps after 60 s")
         except (ServerError, OSError, ValueError) as e:
             report.failures.append(f"server: {e}")
     prefill_lines = prefill.log_lines_before_stop()

@@ -17,6 +17,7 @@ errors are reported, not judged.
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +39,34 @@ class MergedRequest:
     problems: List[str] = field(default_factory=list)
 
 
+def finished_dumps(run_dir: Path) -> List[Path]:
+    """The dumps a server finished writing: ``kv_audit`` writes ``.<name>`` and renames it, so a dot
+    file is one still being written (or cut off by the server's shutdown)."""
+    return sorted((Path(run_dir) / "pool").glob("[!.]*.rank*.npz"))
+
+
+def wait_for_settled_dumps(run_dir: Path, timeout_s: float, quiet_s: float = 3.0) -> bool:
+    """Wait until no dump is being written and none has appeared for ``quiet_s`` seconds.
+
+    A request's response can reach the client before its server has dumped its KV, so a runner that
+    stops the server right after the last response may cut a dump off. True once settled, False at
+    the timeout."""
+    pool = Path(run_dir) / "pool"
+    deadline = time.monotonic() + timeout_s
+    seen, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        names = sorted(p.name for p in pool.glob("*.npz")) if pool.is_dir() else []
+        if names != seen:
+            seen, quiet_since = names, time.monotonic()
+        elif not any(name.startswith(".") for name in names) and time.monotonic() - quiet_since >= quiet_s:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def load_dumps(run_dir: Path) -> Dict[str, List[dict]]:
     by_rid: Dict[str, List[dict]] = defaultdict(list)
-    for path in sorted((Path(run_dir) / "pool").glob("*.rank*.npz")):
+    for path in finished_dumps(run_dir):
         rid = path.name.rsplit(".rank", 1)[0]
         with np.load(path) as f:
             by_rid[rid].append({k: f[k] for k in f.files})

@@ -162,6 +162,21 @@ class TestSmokeKvAudit(CustomTestCase):
         expected = pool.kv_buffer[1][PAGE + 7].flatten().view(torch.uint8).numpy()
         self.assertTrue(np.array_equal(merged.kv[7, 1], expected))
 
+    def test_a_dump_cut_off_by_shutdown_is_waited_for_and_never_loaded(self):
+        # A server stopped while dumping leaves its ".<name>" file behind, possibly empty: the compare
+        # must not read it (it once died on one with EOFError), and the runner must wait for dumps
+        # being written before it stops the server.
+        run = Path(self.tmp.name) / "cut_off"
+        pool = run / "pool"
+        pool.mkdir(parents=True)
+        np.savez(pool / "r1.rank0.npz", positions=np.arange(2), token_ids=np.arange(2))
+        (pool / ".r2.rank0.npz").write_bytes(b"")
+        self.assertEqual([p.name for p in kv_audit_compare.finished_dumps(run)], ["r1.rank0.npz"])
+        self.assertEqual(sorted(kv_audit_compare.load_dumps(run)), ["r1"])
+        self.assertFalse(kv_audit_compare.wait_for_settled_dumps(run, timeout_s=0.6, quiet_s=0.1))
+        (pool / ".r2.rank0.npz").rename(pool / "r2.rank0.npz")
+        self.assertTrue(kv_audit_compare.wait_for_settled_dumps(run, timeout_s=5, quiet_s=0.1))
+
     def test_read_audit_fails_on_wrong_rows_and_dummy_references_not_on_rounding(self):
         ok = {"ranks": 2, "dummy_refs": 0, "kv_rows": 10, "kv_bit_diffs": 3, "kv_wrong": 0,
               "index_rows": 10, "index_bit_diffs": 1, "index_wrong": 0}  # fmt: skip
