@@ -29,6 +29,11 @@ Placement: free pages are kept per owner rank. Taking ``n`` pages happens in two
 ``alloc_with_owners`` skips both steps: HiCache load-back names the owner of every page (the rank
 whose host pool holds it), so the pages restored keep the balance they had when backed up.
 
+Free lists live on the host (NumPy), unlike stock's device tensors: every decision above is taken on
+the host anyway, so an allocation is host arithmetic plus one host-to-device copy of its locs, and a
+free is one device-to-host copy of the freed locs (stock's ``torch.unique`` syncs as well) and no device
+op at all.
+
 Out-of-memory contract: the exact number of new pages (per owner for ``alloc_with_owners``) is
 computed from CPU data first; if it does not fit, the ``alloc*`` methods return ``None`` with every
 free list and ``available_size()`` untouched (stock 0.5.11 launches its Triton kernel over the free
@@ -55,9 +60,10 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     ``size`` is logical tokens (``cp_size * kvcache.size``); ``get_kvcache()`` is this rank's physical
     pool. State lives in ``free_pages_by_owner`` / ``release_pages_by_owner``: logical page ids, one
-    tensor per owner rank, on ``device``. The stock flat ``free_pages`` / ``release_pages`` stay
-    ``None``: every method that used them is overridden. Tensors in these lists are never modified in
-    place, which is what makes ``backup_state`` a cheap snapshot.
+    int64 NumPy array per owner rank, on the host. The stock flat ``free_pages`` / ``release_pages``
+    stay ``None``: every method that used them is overridden. Arrays in these lists are never modified
+    in place, which is what makes ``backup_state`` a cheap snapshot. Locs handed out are int64 tensors
+    on ``device``.
     """
 
     def __init__(
@@ -94,13 +100,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def clear(self):
         # Owner r holds the logical pages of its physical pages 1..num_physical_pages (0 is the dummy).
-        physical_pages = torch.arange(
-            1, self.num_physical_pages + 1, dtype=torch.int64, device=self.device
-        )
-        self.free_pages_by_owner: List[torch.Tensor] = [
+        physical_pages = np.arange(1, self.num_physical_pages + 1, dtype=np.int64)
+        self.free_pages_by_owner: List[np.ndarray] = [
             self.layout.logical_page_of(physical_pages, rank) for rank in range(self.cp_size)
         ]
-        self.release_pages_by_owner: List[torch.Tensor] = [
+        self.release_pages_by_owner: List[np.ndarray] = [
             self._empty_pages() for _ in range(self.cp_size)
         ]
         self.is_not_in_free_group = True
@@ -123,10 +127,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def merge_and_sort_free(self):
         for rank in range(self.cp_size):
             if len(self.release_pages_by_owner[rank]) > 0:
-                merged = torch.cat(
+                merged = np.concatenate(
                     (self.free_pages_by_owner[rank], self.release_pages_by_owner[rank])
                 )
-                self.free_pages_by_owner[rank] = torch.sort(merged).values
+                merged.sort()  # a new array: the lists' arrays are never modified in place
+                self.free_pages_by_owner[rank] = merged
                 self.release_pages_by_owner[rank] = self._empty_pages()
 
     def debug_print(self) -> str:
@@ -146,13 +151,12 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         num_pages = need_size // self.page_size
         if not self._make_room(num_pages):
             return None
-        if self._owner_fast_path:
-            pages = self._take_round_robin(num_pages)
-            if pages is not None:
-                return self._page_locs(pages)
-        return self._page_locs(self._take_pages(np.arange(num_pages) % self.cp_size))
+        pages = self._take_round_robin(num_pages) if self._owner_fast_path else None
+        if pages is None:
+            pages = self._take_pages(np.arange(num_pages) % self.cp_size)
+        return self._locs_on_device(pages)
 
-    def _take_round_robin(self, num_pages: int) -> Optional[torch.Tensor]:
+    def _take_round_robin(self, num_pages: int) -> Optional[np.ndarray]:
         """``_take_pages(arange(num_pages) % cp)`` when every page gets its preferred owner (the owner
         quotas equal the pages each owner is preferred for, as on a balanced pool); ``None``, with
         nothing taken, otherwise. Page j is then the (j // cp)-th page taken from owner j % cp."""
@@ -171,9 +175,8 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             free_lists[rank] = free[quota:]
         if num_pages <= cp_size:
             # One page per owner 0, 1, ..: the owners' pages in rank order are the answer.
-            return taken[0] if num_pages == 1 else torch.cat(taken)
-        take_index = _round_robin_take_index(num_pages, cp_size, self.device)
-        return torch.cat(taken).index_select(0, take_index)
+            return taken[0] if num_pages == 1 else np.concatenate(taken)
+        return np.concatenate(taken)[_round_robin_take_index(num_pages, cp_size)]
 
     def alloc_with_owners(self, page_owners) -> Optional[torch.Tensor]:
         """Whole pages, page k on owner rank ``page_owners[k]`` (a tensor or NumPy array of ranks);
@@ -188,7 +191,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         free = [p.shape[0] for p in self.free_pages_by_owner]
         if any(d > f for d, f in zip(demand, free)):
             self.merge_and_sort_free()
-        return self._page_locs(self._pop_pages(owners, demand))
+        return self._locs_on_device(self._pop_pages(owners, demand))
 
     def page_shortfall_by_owner(self, page_owners) -> List[int]:
         """Pages each owner rank lacks for ``alloc_with_owners(page_owners)``; all zero if it fits.
@@ -252,7 +255,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         num_tokens: int,
     ) -> Optional[torch.Tensor]:
         # Every decision is taken on the host from the CPU length twins (identical on every rank, no
-        # device sync); the device only does index arithmetic on last_loc and on the pages taken.
+        # device sync); the device only continues held pages from last_loc.
         page_size = self.page_size
         extend_lens = seq_lens - prefix_lens
         if int(extend_lens.sum()) != num_tokens:
@@ -279,25 +282,25 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         first_token = np.cumsum(extend_lens) - extend_lens
         pos = prefix_lens[req_of_token] + np.arange(num_tokens) - first_token[req_of_token]
         in_held_page = pos < pages_before[req_of_token] * page_size
-        new_slot = first_new_slot[req_of_token] + pos // page_size - pages_before[req_of_token]
-        plan = torch.from_numpy(
-            np.stack(
-                (
-                    req_of_token,
-                    pos - prefix_lens[req_of_token],
-                    np.where(in_held_page, 0, new_slot),
-                    pos % page_size,
-                    in_held_page,
-                )
-            ).astype(np.int64)
-        ).to(self.device, non_blocking=True)
-
-        req_d, offset_in_held_d, new_slot_d, slot_in_page_d, in_held_page_d = plan
+        # Tokens on new pages get their locs here; tokens continuing a held page need last_loc,
+        # which is on the device (only those are computed there).
+        if num_new_pages:
+            new_slot = first_new_slot[req_of_token] + pos // page_size - pages_before[req_of_token]
+            fresh = new_pages[np.where(in_held_page, 0, new_slot)] * page_size + pos % page_size
+        else:
+            fresh = np.zeros(num_tokens, dtype=np.int64)
+        if not np.count_nonzero(in_held_page):
+            return self._tensor_on_device(fresh)
+        plan = self._tensor_on_device(
+            np.stack((req_of_token, pos - prefix_lens[req_of_token], fresh, in_held_page)).astype(
+                np.int64
+            )
+        )
+        req_d, offset_in_held_d, fresh_d, in_held_page_d = plan
         held = last_loc.to(torch.int64)[req_d] + 1 + offset_in_held_d
         if num_new_pages == 0:
             return held
-        fresh = new_pages[new_slot_d] * page_size + slot_in_page_d
-        return torch.where(in_held_page_d.bool(), held, fresh)
+        return torch.where(in_held_page_d.bool(), held, fresh_d)
 
     def _make_room(self, num_pages: int) -> bool:
         """Whether ``num_pages`` can be taken; merges released pages only when they make it fit."""
@@ -314,7 +317,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     # require identical pages.
     _owner_fast_path = True
 
-    def _take_pages(self, preferred_owner: np.ndarray) -> torch.Tensor:
+    def _take_pages(self, preferred_owner: np.ndarray) -> np.ndarray:
         """Pop one free logical page per entry of ``preferred_owner``, in that order (balance rule of
         the module docstring). The caller has checked that they fit (``_make_room``)."""
         num_pages = len(preferred_owner)
@@ -339,8 +342,8 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             owner = _assign_owners(preferred_owner, quotas)
         return self._pop_pages(owner, quotas)
 
-    def _pop_pages(self, owner: np.ndarray, quotas: Sequence[int]) -> torch.Tensor:
-        """Logical page ids (int64, on ``device``) for pages on ``owner``; ``quotas[r]`` counts owner r.
+    def _pop_pages(self, owner: np.ndarray, quotas: Sequence[int]) -> np.ndarray:
+        """Logical page ids (int64) for pages on ``owner``; ``quotas[r]`` counts owner r.
 
         Pages from an owner come off the head of its free list, in page order.
         """
@@ -352,18 +355,18 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
                 self.free_pages_by_owner[rank] = free[quota:]
         if len(taken) <= 1:
             # One owner (or none): its pages in page order are the answer. A view of the old free
-            # list, which is never modified in place; callers build new tensors from it.
+            # list, which is never modified in place; callers build new arrays from it.
             return taken[0] if taken else self._empty_pages()
-        if len(owner) < 2 or bool((owner[1:] >= owner[:-1]).all()):
+        pages = np.concatenate(taken)
+        if len(owner) < 2 or not np.count_nonzero(owner[1:] < owner[:-1]):
             # Owners already grouped in rank order: the groups laid end to end are the answer.
-            return torch.cat(taken)
+            return pages
         # ``taken`` is grouped by owner, each group in page order; a stable sort of the owners lists,
         # for each group slot, the page that gets it.
         by_owner = np.argsort(owner, kind="stable")
         take_index = np.empty(len(owner), dtype=np.int64)
         take_index[by_owner] = np.arange(len(owner))
-        take_index = torch.from_numpy(take_index).to(self.device, non_blocking=True)
-        return torch.cat(taken).index_select(0, take_index)
+        return pages[take_index]
 
     # ---- free ----
 
@@ -376,44 +379,41 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             return
         target = self.release_pages_by_owner if self.need_sort else self.free_pages_by_owner
         for rank, freed in self._freed_pages_by_owner(free_index):
-            target[rank] = torch.cat((freed, target[rank]))
+            target[rank] = np.concatenate((freed, target[rank]))
         if self.debug_mode:
             self._check_free_lists()
 
     def _freed_pages_by_owner(self, free_index: torch.Tensor):
         """``(rank, pages)`` for every owner with freed pages: the distinct pages of ``free_index``
-        (any locs, any order, repeats allowed) that ``rank`` owns, ascending, int64 on ``device``.
+        (any locs, any order, repeats allowed) that ``rank`` owns, ascending, int64.
 
-        The page-level work runs in NumPy on the host (a few pages: torch's per-op cost would
-        dominate); the locs come to the host once (no copy on the CPU; on a GPU one copy, where the
-        owner counts needed a host sync anyway), the grouped pages go back once.
+        The locs come to the host once (no copy on the CPU; one copy from a GPU, where stock's
+        ``torch.unique`` syncs as well); the rest is NumPy on a few pages.
         """
-        locs = free_index.cpu().numpy()
-        pages = np.unique(locs // self.page_size).astype(np.int64, copy=False)
+        pages = free_index.cpu().numpy() // self.page_size  # a new array: sorted in place below
+        pages = _sorted_distinct(pages.astype(np.int64, copy=False))
         if self.cp_size == 1:
-            return [(0, torch.from_numpy(pages).to(self.device, non_blocking=True))]
+            return [(0, pages)]
         owner = self.layout.owner_of_page(pages)
-        counts = np.bincount(owner, minlength=self.cp_size).tolist()
-        # Sorted pages, stably grouped by owner: each owner's pages stay ascending.
-        grouped = torch.from_numpy(pages[np.argsort(owner, kind="stable")])
-        grouped = grouped.to(self.device, non_blocking=True)
-        out, start = [], 0
-        for rank, count in enumerate(counts):
-            if count > 0:
-                out.append((rank, grouped[start : start + count]))
-                start += count
+        out = []
+        for rank in range(self.cp_size):
+            mine = pages[owner == rank]  # stays ascending
+            if mine.shape[0]:
+                out.append((rank, mine))
         return out
 
     def _check_free_lists(self):
         for rank in range(self.cp_size):
-            pages = torch.cat((self.free_pages_by_owner[rank], self.release_pages_by_owner[rank]))
+            pages = np.concatenate(
+                (self.free_pages_by_owner[rank], self.release_pages_by_owner[rank])
+            )
             owner = self.layout.owner_of_page(pages)
             assert bool((owner == rank).all()), "page on the wrong owner list"
             physical = self.layout.physical_page_of(pages)
             assert bool(((physical >= 1) & (physical <= self.num_physical_pages)).all()), (
                 "page out of range"
             )
-            assert len(torch.unique(pages)) == len(pages), "page freed twice"
+            assert len(np.unique(pages)) == len(pages), "page freed twice"
 
     # ---- unsupported ----
 
@@ -429,26 +429,44 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             "supported: a request's logical pages are sharded across the CP ranks"
         )
 
-    def _page_locs(self, pages: torch.Tensor) -> torch.Tensor:
-        """All locs of logical ``pages``, page by page."""
-        return self.layout.rows_of_pages(pages * self.page_size)
+    def _locs_on_device(self, pages: np.ndarray) -> torch.Tensor:
+        """All locs of logical ``pages``, page by page, as an int64 tensor on ``device``."""
+        return self._tensor_on_device(self.layout.rows_of_pages(pages * self.page_size))
 
-    def _empty_pages(self) -> torch.Tensor:
-        return torch.empty((0,), dtype=torch.int64, device=self.device)
+    def _tensor_on_device(self, values: np.ndarray) -> torch.Tensor:
+        # A pageable source is staged before this returns: no stream sync, and the array may go.
+        return torch.from_numpy(values).to(self.device, non_blocking=True)
+
+    def _empty_pages(self) -> np.ndarray:
+        return np.empty((0,), dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=256)
-def _round_robin_take_index(num_pages: int, cp_size: int, device) -> torch.Tensor:
+def _round_robin_take_index(num_pages: int, cp_size: int) -> np.ndarray:
     """For pages taken owner by owner (owner r's ``ceil((num_pages - r) / cp_size)`` pages laid end
     to end, in rank order), the index that deals them round robin: page j is owner j % cp_size's
-    (j // cp_size)-th. Made once per shape; never modified in place."""
+    (j // cp_size)-th. Made once per shape; read-only."""
     demand = np.array([len(range(rank, num_pages, cp_size)) for rank in range(cp_size)])
     start = np.concatenate(([0], np.cumsum(demand)[:-1]))
     j = np.arange(num_pages)
-    return torch.from_numpy(start[j % cp_size] + j // cp_size).to(device)
+    index = start[j % cp_size] + j // cp_size
+    index.flags.writeable = False
+    return index
 
 
-def _count(pages_by_owner: Sequence[torch.Tensor]) -> int:
+def _sorted_distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` of a 1-D array the caller owns (sorted in place), without np.unique's
+    Python-level overhead (a free of one node runs it on a few pages)."""
+    values.sort()
+    if values.shape[0] < 2:
+        return values
+    keep = np.empty(values.shape[0], dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
+def _count(pages_by_owner: Sequence[np.ndarray]) -> int:
     return sum(p.shape[0] for p in pages_by_owner)
 
 

@@ -462,7 +462,7 @@ class RankInvariants:
                 pages = lists[rank]
                 if bool((self.stack.layout.owner_of_page(pages) != rank).any()):
                     return f"a logical page of another owner is on the {what} of owner {rank}"
-                sources.append((f"{what} of owner {rank}", pages))
+                sources.append((f"{what} of owner {rank}", torch.from_numpy(pages)))
         sources += [(f"node {n.id}", n.value[::page] // page) for n in nodes if not n.evicted]
         sources += [
             (f"request {r.rid}", torch.unique(r.private_locs() // page)) for r in self.workload.running
