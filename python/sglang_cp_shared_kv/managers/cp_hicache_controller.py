@@ -166,12 +166,6 @@ class CpHybridCacheController(HybridCacheController):
         reservation.host_indices = host_indices
         return True
 
-    def release_reservation(self, reservation: CpWriteReservation) -> None:
-        """Give back the host slots of a reservation that will not be written."""
-        if reservation.ok and reservation.required_host_slots > 0:
-            self.mem_pool_host.free(reservation.host_indices)
-        reservation.host_indices = None
-
     def write_reserved(
         self,
         reservation: CpWriteReservation,

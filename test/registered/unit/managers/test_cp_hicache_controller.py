@@ -144,13 +144,6 @@ class TestCpHybridCacheController(CustomTestCase):
         self.assertEqual(self.controller.physical_host_slots_used(), used_before)
         self.host.free(hoard)
 
-    def test_release_returns_the_reserved_slots(self):
-        used_before = self.controller.physical_host_slots_used()
-        reservation = self.controller.reserve_host_slots(_locs_of_pages([3, 5]))
-        self.controller.release_reservation(reservation)
-        self.assertFalse(reservation.ok)
-        self.assertEqual(self.controller.physical_host_slots_used(), used_before)
-
     def test_load_places_owned_positions_on_new_locs_of_the_same_owner(self):
         locs = _locs_of_pages([3, 4, 5, 6])
         write_owned_pattern(self.stack, locs, seed=2)
