@@ -19,6 +19,7 @@ only with the flag on). Construction with any other allocator returns the stock 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
@@ -466,20 +467,10 @@ class CpHiRadixCache(HiRadixCache):
         to the largest node count any rank needed, so every rank ends with the same tree.
         """
         rank = self.cp_layout.cp_rank
-        parents, taken = [], set()
-        progress = self._new_host_eviction_progress()
-        self._evict_host_nodes(
-            parents,
-            taken,
-            progress,
-            lambda: progress.slots_freed_by_rank[rank] >= physical_slots_needed,
-        )
-        nodes_target = self._max_over_ranks(progress.nodes_evicted)
-        self._evict_host_nodes(
-            parents, taken, progress, lambda: progress.nodes_evicted >= nodes_target
-        )
-        self._requeue_taken(self.evictable_host_leaves, taken)
-        self._log_host_eviction(progress)
+        with self._host_eviction_call() as (progress, evict_until):
+            evict_until(lambda: progress.slots_freed_by_rank[rank] >= physical_slots_needed)
+            nodes_target = self._max_over_ranks(progress.nodes_evicted)
+            evict_until(lambda: progress.nodes_evicted >= nodes_target)
         return int(progress.slots_freed_by_rank[rank])
 
     def _evict_host_until(self, shortfall_by_rank: np.ndarray) -> None:
@@ -487,14 +478,23 @@ class CpHiRadixCache(HiRadixCache):
         left). No collective: every rank knows every rank's slots per node (their owners are the
         same everywhere), so all evict the same nodes; the same set ``evict_host`` reaches with a
         MAX agreement when each rank knows only its own need."""
+        with self._host_eviction_call() as (progress, evict_until):
+            evict_until(
+                lambda: not np.count_nonzero(progress.slots_freed_by_rank < shortfall_by_rank)
+            )
+
+    @contextlib.contextmanager
+    def _host_eviction_call(self):
+        """One host-eviction call: its progress, and ``evict_until(done)``, which evicts in order
+        until ``done()`` (several passes share the call's parents and taken nodes). At the end, nodes
+        taken but not evicted get their candidate entries back and the call is logged."""
         parents, taken = [], set()
         progress = self._new_host_eviction_progress()
-        self._evict_host_nodes(
-            parents,
-            taken,
-            progress,
-            lambda: not np.count_nonzero(progress.slots_freed_by_rank < shortfall_by_rank),
-        )
+
+        def evict_until(done) -> None:
+            self._evict_host_nodes(parents, taken, progress, done)
+
+        yield progress, evict_until
         self._requeue_taken(self.evictable_host_leaves, taken)
         self._log_host_eviction(progress)
 
