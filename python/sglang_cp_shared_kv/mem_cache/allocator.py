@@ -276,6 +276,12 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             pages_before[req_of_page] + np.arange(num_new_pages) - first_new_slot[req_of_page]
         )
         new_pages = self._take_pages(page_index_in_req % self.cp_size)
+        if not np.count_nonzero(prefix_lens % page_size):
+            # No request continues a held page (page-aligned prefixes: radix matches, whole-page
+            # chunks): the locs are the new pages' rows, request by request, cut at each seq_len.
+            return self._tensor_on_device(
+                self._rows_cut_at_lengths(new_pages, new_pages_per_req, extend_lens)
+            )
 
         # One entry per output token: its request and its position in the request.
         req_of_token = np.repeat(np.arange(len(seq_lens)), extend_lens)
@@ -301,6 +307,25 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if num_new_pages == 0:
             return held
         return torch.where(in_held_page_d.bool(), held, fresh_d)
+
+    def _rows_cut_at_lengths(
+        self, pages: np.ndarray, pages_per_req: np.ndarray, lens: np.ndarray
+    ) -> np.ndarray:
+        """Rows of ``pages`` (each request's run of ``pages_per_req`` pages, in order), keeping the
+        first ``lens[i]`` rows of request i: page-level work plus one expansion, nothing per token
+        but the cut of each request's unused last-page tail."""
+        page_size = self.page_size
+        rows = self.layout.rows_of_pages(pages * page_size)
+        unused = pages_per_req * page_size - lens  # < page_size per request
+        num_unused = int(unused.sum())
+        if num_unused == 0:
+            return rows
+        tail_start = np.cumsum(pages_per_req) * page_size - unused
+        first_of_tail = np.cumsum(unused) - unused
+        dropped = np.repeat(tail_start - first_of_tail, unused) + np.arange(num_unused)
+        keep = np.ones(rows.shape[0], dtype=bool)
+        keep[dropped] = False
+        return rows[keep]
 
     def _make_room(self, num_pages: int) -> bool:
         """Whether ``num_pages`` can be taken; merges released pages only when they make it fit."""
@@ -390,8 +415,15 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         The locs come to the host once (no copy on the CPU; one copy from a GPU, where stock's
         ``torch.unique`` syncs as well); the rest is NumPy on a few pages.
         """
-        pages = free_index.cpu().numpy() // self.page_size  # a new array: sorted in place below
-        pages = _sorted_distinct(pages.astype(np.int64, copy=False))
+        pages = free_index.cpu().numpy() // self.page_size
+        if pages.shape[0] > 1:
+            # One entry per run of equal pages first (a page's locs usually come together), so the
+            # sort below sees about one entry per page, not one per token.
+            run_starts = np.empty(pages.shape[0], dtype=bool)
+            run_starts[0] = True
+            np.not_equal(pages[1:], pages[:-1], out=run_starts[1:])
+            pages = pages[run_starts]
+        pages = _sorted_distinct(pages.astype(np.int64, copy=False))  # a new array: sorted in place
         if self.cp_size == 1:
             return [(0, pages)]
         owner = self.layout.owner_of_page(pages)
