@@ -5,7 +5,6 @@ The script is only run on a lent GPU, so nothing else notices when a change to t
 once counted the writes a non-blocking ack had not applied yet as lost, and failed on correct code)."""
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import unittest
@@ -14,6 +13,8 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
 # Installs the CPU stand-in of sgl_kernel (sglang's host pools import it) before the controller.
 from sglang_cp_shared_kv.testing import cp_hicache_stack  # noqa: F401  isort: skip
@@ -26,10 +27,7 @@ SCRIPT = REPO / "scripts" / "gpu" / "check_cp_hicache_gpu.py"
 
 
 def load_check():
-    spec = importlib.util.spec_from_file_location("check_cp_hicache_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu/check_cp_hicache_gpu.py")
 
 
 class TestCheckCpHicacheGpuOnCpu(CustomTestCase):

@@ -11,7 +11,6 @@ reference prefill gets the plugin's tp-rule lift.
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import os
 import shlex
@@ -22,6 +21,8 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -34,11 +35,8 @@ SMOKE_PLUGIN_DIR = str(REPO / "scripts" / "smoke_plugin")
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("glm5_pd_smoke", REPO / "scripts" / "glm5_pd_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_pd_smoke():
+    return load_script("scripts/glm5_pd_smoke.py")
 
 
 class TestPDSmokeCli(CustomTestCase):
@@ -46,7 +44,7 @@ class TestPDSmokeCli(CustomTestCase):
     def setUpClass(cls):
         from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
 
-        cls.script = load_script()
+        cls.script = load_pd_smoke()
         cls.tmp = tempfile.TemporaryDirectory()
         cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
 

@@ -7,7 +7,6 @@ the GPU for its compute capability; the test answers as an H200 does (SM 9.0) an
 """
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -20,17 +19,16 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
 REPO = Path(__file__).resolve().parents[4]
 SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("glm5_smoke", REPO / "scripts" / "glm5_cp_hicache_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_smoke():
+    return load_script("scripts/glm5_cp_hicache_smoke.py", "glm5_smoke")
 
 
 class TestSmokeCli(CustomTestCase):
@@ -38,7 +36,7 @@ class TestSmokeCli(CustomTestCase):
     def setUpClass(cls):
         from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
 
-        cls.script = load_script()
+        cls.script = load_smoke()
         cls.tmp = tempfile.TemporaryDirectory()
         cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
 

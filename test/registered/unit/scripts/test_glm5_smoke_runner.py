@@ -6,7 +6,6 @@ prints sglang's capacity log lines, and spawns a child like sglang's scheduler p
 proves the driver's wiring: verdicts, exit codes, report, and that no server process survives.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -18,9 +17,10 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
-REPO = Path(__file__).resolve().parents[4]
 
 FAKE_SGLANG = r'''#!/usr/bin/env python3
 import json, os, subprocess, sys, time
@@ -101,11 +101,8 @@ ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("glm5_smoke", REPO / "scripts" / "glm5_cp_hicache_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_smoke():
+    return load_script("scripts/glm5_cp_hicache_smoke.py", "glm5_smoke")
 
 
 def process_gone(pid: int) -> bool:
@@ -119,7 +116,7 @@ def process_gone(pid: int) -> bool:
 class TestSmokeRunner(CustomTestCase):
     @classmethod
     def setUpClass(cls):
-        cls.script = load_script()
+        cls.script = load_smoke()
 
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()

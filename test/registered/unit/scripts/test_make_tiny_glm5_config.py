@@ -1,6 +1,5 @@
 """scripts/make_tiny_glm5_config.py: the tiny GLM-5 directory loads offline and sglang sees an NSA model."""
 
-import importlib.util
 import json
 import os
 import tempfile
@@ -10,18 +9,12 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
-REPO = Path(__file__).resolve().parents[4]
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class TestMakeTinyGlm5Config(CustomTestCase):
@@ -29,7 +22,7 @@ class TestMakeTinyGlm5Config(CustomTestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.model_dir = Path(cls.tmp.name) / "tiny-glm5"
-        cls.rc = load_script("make_tiny_glm5_config").main([str(cls.model_dir)])
+        cls.rc = load_script("scripts/make_tiny_glm5_config.py").main([str(cls.model_dir)])
 
     @classmethod
     def tearDownClass(cls):

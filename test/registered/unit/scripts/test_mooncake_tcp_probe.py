@@ -2,23 +2,18 @@
 (every destination byte between the guards exactly once, in reverse block order), and what it calls a
 failure. The probe itself runs where mooncake's engine imports (docs/gpu.md, section 7)."""
 
-import importlib.util
 import unittest
-from pathlib import Path
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=2, suite="stage-a-test-cpu")
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
-REPO = Path(__file__).resolve().parents[4]
+register_cpu_ci(est_time=2, suite="stage-a-test-cpu")
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("mooncake_tcp_probe", REPO / "scripts" / "gpu" / "mooncake_tcp_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu/mooncake_tcp_probe.py")
 
 
 class TestMooncakeTcpProbe(CustomTestCase):
