@@ -416,13 +416,9 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         ``torch.unique`` syncs as well); the rest is NumPy on a few pages.
         """
         pages = free_index.cpu().numpy() // self.page_size
-        if pages.shape[0] > 1:
-            # One entry per run of equal pages first (a page's locs usually come together), so the
-            # sort below sees about one entry per page, not one per token.
-            run_starts = np.empty(pages.shape[0], dtype=bool)
-            run_starts[0] = True
-            np.not_equal(pages[1:], pages[:-1], out=run_starts[1:])
-            pages = pages[run_starts]
+        # One entry per run of equal pages first (a page's locs usually come together), so the sort
+        # below sees about one entry per page, not one per token.
+        pages = pages[_first_of_runs(pages)]
         pages = _sorted_distinct(pages.astype(np.int64, copy=False))  # a new array: sorted in place
         if self.cp_size == 1:
             return [(0, pages)]
@@ -490,12 +486,16 @@ def _sorted_distinct(values: np.ndarray) -> np.ndarray:
     """``np.unique(values)`` of a 1-D array the caller owns (sorted in place), without np.unique's
     Python-level overhead (a free of one node runs it on a few pages)."""
     values.sort()
-    if values.shape[0] < 2:
-        return values
-    keep = np.empty(values.shape[0], dtype=bool)
-    keep[0] = True
-    np.not_equal(values[1:], values[:-1], out=keep[1:])
-    return values[keep]
+    return values[_first_of_runs(values)]
+
+
+def _first_of_runs(values: np.ndarray) -> np.ndarray:
+    """Bool mask of the entries that differ from the one before them (the first entry always)."""
+    first = np.empty(values.shape[0], dtype=bool)
+    if values.shape[0]:
+        first[0] = True
+        np.not_equal(values[1:], values[:-1], out=first[1:])
+    return first
 
 
 def _count(pages_by_owner: Sequence[np.ndarray]) -> int:
