@@ -18,7 +18,7 @@ one-process simulation CP's agreement all-reduces run over a 1-process gloo grou
 cross-rank latency is not in these numbers.
 
 Both stacks are built with KV host rows as wide as the device rows (``host_rows_as_wide_as_device_rows``):
-sglang 0.5.11 builds 576-byte host rows for fp8's 656-byte device rows, which loses data (docs/gpu.md).
+sglang 0.5.11 builds 576-byte host rows for fp8's 656-byte device rows, which loses data (docs/cp-hicache.md).
 
     python3 benchmark/bench_cp_hicache_transfer.py            # GPU (after scripts/gpu/remote_env.sh)
     python3 benchmark/bench_cp_hicache_transfer.py --quick    # CPU dry run, direct backend, ~1 min

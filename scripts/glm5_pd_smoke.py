@@ -340,7 +340,7 @@ def run_pair(args, config: PDPairConfig, plan: RequestPlan, out_dir: Path) -> Ru
     report.figures["latency"] = latency_summary([r.ttft_s for r in report.records], tpots)
     report.figures["decode_log_findings"] = [f"{f.line_no}: {f.text[:300]}" for f in decode_findings]
     # With the audits, greedy tokens are reported, not judged (stock sglang's NSA kernels are not
-    # run-to-run deterministic on this model: docs/e2e-x2.md); the bytes are the oracle.
+    # run-to-run deterministic on this model: docs/e2e-smoke.md); the bytes are the oracle.
     report.failures += request_failures(plan, report.records, judge_replays=not args.audit)
     report.failures += hicache_failures(activity)
     report.failures += log_failures(report.findings)

@@ -83,7 +83,10 @@ def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
         default=False,
         help="With --enable-nsa-prefill-context-parallel (NSA models: DeepSeek-V3.2, GLM-5): keep one "
         "KV cache shared by the context-parallel group, each rank storing every cp_size-th page, "
-        "instead of a full replica per rank; works with host-only HiCache (--enable-hierarchical-cache). "
+        "instead of a full replica per rank; works with host-only HiCache (--enable-hierarchical-cache) "
+        "and as the prefill server of a PD pair (mooncake). Requires --enable-nsa-prefill-context-parallel, "
+        "--disable-cuda-graph and --disable-piecewise-cuda-graph, one node (the CP group is --tp), "
+        "NSA attention backends; refuses speculative decoding and HiCache storage backends. "
         "Provided by the sglang-cp-shared-kv plugin.",
     )
 

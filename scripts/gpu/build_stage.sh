@@ -13,12 +13,12 @@
 # Our plugin is not staged: it travels with the repo (PYTHONPATH=python, see remote_env.sh). GPU
 # jobs import it directly; none needs the `sglang.srt.plugins` entry point.
 #
-# `--serve` adds what `sglang serve` needs (docs/gpu.md, "Serving"): scripts/gpu/serve_requirements.txt,
+# `--serve` adds what `sglang serve` needs (docs/gpu.md, "Staging an offline machine"): scripts/gpu/serve_requirements.txt,
 # sgl_kernel's flash_ops.abi3.so (FA3; 1 GB as tar.xz -1, split into chunks that
 # remote_install.sh reassembles once every chunk has arrived), the deep_gemm package of the
 # sglang-kernel wheel, and this plugin built as a wheel (installed there as a user installs it).
 #
-# `--pd` (implies --serve) adds what the PD smoke needs (docs/gpu.md, "PD disaggregation"):
+# `--pd` (implies --serve) adds what the PD smoke needs (docs/gpu.md, "Staging an offline machine"):
 # scripts/gpu/pd_requirements.txt (mooncake's transfer engine) and mooncake_syslibs.tar.xz, the system
 # libraries its engine.so needs that a CUDA image may lack (Debian 12 builds of libibverbs, libmlx5,
 # libnl, libnuma, fetched with apt-get download, and a libcurl.so.4 stand-in compiled from

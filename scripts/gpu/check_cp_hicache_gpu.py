@@ -49,7 +49,7 @@ def parse_args(argv=None):
         "--widen-host-rows",
         action="store_true",
         help="build KV host rows as wide as the device rows (works around sglang 0.5.11's 576-byte "
-        "fp8 host rows, docs/gpu.md) to check the rest of the fp8 path",
+        "fp8 host rows, docs/cp-hicache.md) to check the rest of the fp8 path",
     )
     args = parser.parse_args(argv)
     if args.backends is None:

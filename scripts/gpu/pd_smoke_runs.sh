@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs THERE (nvidia-h200-x2), after every part of `build_stage.sh --pd` is installed (docs/gpu.md,
-# "PD disaggregation"): the PD smoke with the tiny GLM-5 (dummy weights), mooncake over TCP on this host.
+# Runs on a machine with two GPUs and the project installed with mooncake (docs/gpu.md, "PD pair
+# smoke"), or staged with `build_stage.sh --pd` (docs/gpu.md, "Staging an offline machine"): the PD smoke with the tiny GLM-5 (dummy weights), mooncake over TCP on this host.
 #
 #   1. what the machine has: the system libraries mooncake's engine.so needs (and which staged ones
 #      remote_env.sh put on LD_LIBRARY_PATH), RDMA devices, the mooncake version;
@@ -24,7 +24,8 @@
 # Usage: bash scripts/gpu/pd_smoke_runs.sh [probe|all|plant] [more glm5_pd_smoke.py arguments]
 set -uo pipefail
 start_s=$(date +%s)
-source scripts/gpu/remote_env.sh || exit 1
+# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
+if [[ -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then source scripts/gpu/remote_env.sh || exit 1; fi
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
 export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs THERE (nvidia-h200-x2), after every staged part is installed (docs/gpu.md, "Serving"):
-# the end-to-end smoke of `sglang serve` at --tp 2 with the tiny GLM-5 (dummy weights).
+# Runs on a machine with two GPUs and the project installed (README), or staged (docs/gpu.md,
+# "Staging an offline machine"): the end-to-end smoke of `sglang serve` at --tp 2 with the tiny
+# GLM-5 (dummy weights). docs/gpu.md, "Serve smoke", says what each mode prints and what passes.
 #
 #   correctness   reference servers (shared KV off) and shared-KV servers, all at once (each server
 #                 spans both GPUs; pools are capped by --max-total-tokens), with the KV audits on:
@@ -16,7 +17,8 @@
 #
 # Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf   (results under $OUT)
 set -uo pipefail
-source scripts/gpu/remote_env.sh || exit 1
+# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
+if [[ -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then source scripts/gpu/remote_env.sh || exit 1; fi
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/tmp/site/bin:$PATH"
 OUT="${OUT:-/tmp/smoke_out}"
@@ -44,7 +46,7 @@ case "${1:?correctness|confirm|plants|perf}" in
     smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
       --extra-server-args "$GRAMMAR" &
     # fp8 against a stock reference that never loads back: stock 0.5.11's NSA host pool corrupts
-    # fp8 KV on load-back (docs/gpu.md), which a HiCache reference would count against us.
+    # fp8 KV on load-back (docs/cp-hicache.md), which a HiCache reference would count against us.
     smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
     smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
@@ -61,7 +63,7 @@ case "${1:?correctness|confirm|plants|perf}" in
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
     wait ;;
   plants)
-    # fp8: stock 0.5.11's NSA host pool corrupts fp8 KV on load-back (docs/gpu.md), so the fp8
+    # fp8: stock 0.5.11's NSA host pool corrupts fp8 KV on load-back (docs/cp-hicache.md), so the fp8
     # shared-KV run is also judged against a stock reference that never loads back (radix only).
     smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
     for bug in read-wrong-owner load-back-wrong-page; do

@@ -4,7 +4,7 @@ sglang 0.5.11's NSA HiCache assembler (``attach_hybrid_nsa_pool_to_hiradix_cache
 ``build_shared_anchor_stack`` -> ``build_kv_host_pool``) builds the KV host pool without
 ``override_kv_cache_dim``, so the host row is ``kv_lora_rank + qk_rope_head_dim`` elements. That
 matches a bf16 device row, but an fp8 NSA device row also carries its scales (656 bytes of uint8),
-and a backup -> load-back round trip then corrupts every KV row (seen on an H200: docs/gpu.md).
+and a backup -> load-back round trip then corrupts every KV row (seen on an H200: docs/cp-hicache.md, "Host row width").
 Registered with the CP HiCache hooks, so it applies only with the flag on.
 """
 

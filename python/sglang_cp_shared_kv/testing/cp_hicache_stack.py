@@ -320,7 +320,7 @@ def host_rows_as_wide_as_device_rows():
 
     sglang 0.5.11's NSA assembler builds the KV host pool without ``override_kv_cache_dim``: with fp8 KV
     its host rows are 576 B for 656 B device rows, and every KV row comes back corrupted (see
-    docs/gpu.md). The CP stack gets the fix from ``nsa_host_kv_row_width`` as on the server; the stock
+    docs/cp-hicache.md). The CP stack gets the fix from ``nsa_host_kv_row_width`` as on the server; the stock
     stack gets it here when a comparison needs correct rows on both sides.
     """
     cls = memory_pool_host.MLATokenToKVPoolHost

@@ -1,6 +1,6 @@
 """scripts/gpu/mooncake_tcp_probe.py without mooncake: the cases it parses, the block layout it writes
 (every destination byte between the guards exactly once, in reverse block order), and what it calls a
-failure. The probe itself runs where mooncake's engine imports (docs/gpu.md, section 7)."""
+failure. The probe itself runs where mooncake's engine imports (docs/gpu.md, "PD pair smoke")."""
 
 import unittest
 
