@@ -239,7 +239,7 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         self.assertEqual(args.attn_cp_size, 8)
         self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
 
-    # ---- CP sizes 2..8 on one node ----
+    # ---- CP sizes 2, 4, 8 on one node ----
 
     def glm5_args(self, **kwargs):
         with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
