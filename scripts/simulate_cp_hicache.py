@@ -22,7 +22,20 @@ from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
 )
 
 
-def main(argv=None) -> int:
+def host_to_device_ratio(text: str) -> float:
+    """``--hicache-ratio``: at least 1. sglang's host pool is ``int(device * ratio)`` rounded down to
+    whole pages plus one page and must be larger than the device pool (``HostKVCache`` asserts it when
+    HiCache is built), which holds exactly from 1 on: a smaller ratio cannot start, so there is nothing
+    to simulate."""
+    ratio = float(text)
+    if not ratio >= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text}: must be at least 1 (sglang's HiCache asserts a host pool larger than the device pool)"
+        )
+    return ratio
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -36,9 +49,14 @@ def main(argv=None) -> int:
         help="sglang eviction policies (lru, lfu, fifo, mru, filo, priority, slru)",
     )
     parser.add_argument("--physical-pages", type=int, default=8, help="device pages per rank")
-    parser.add_argument("--hicache-ratio", type=float, default=1.5, help="host / device, per rank")
+    parser.add_argument("--hicache-ratio", type=host_to_device_ratio, default=1.5,
+                        help="host / device, per rank; at least 1")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     start = time.monotonic()
     ops_executed, violations = 0, []

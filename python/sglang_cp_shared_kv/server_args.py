@@ -17,7 +17,7 @@ Why these hooks: ``ServerArgs`` is a dataclass and our flag is not one of its fi
   onto the built object and validate again.
 * ``check_server_args`` (BEFORE) runs in the engine right before it spawns schedulers: validate
   again in case the attribute was set on an object that was already built.
-* ``_handle_model_specific_adjustments`` (AROUND) lets NSA prefill CP run at ``--tp 2`` .. ``8`` on
+* ``_handle_model_specific_adjustments`` (AROUND) lets NSA prefill CP run at ``--tp`` 2, 4 or 8 on
   one node when our flag is on (see ``lift_single_node_cp_tp_rule``).
 
 The value is a plain instance attribute, so it survives pickling to the scheduler processes.
@@ -46,9 +46,15 @@ _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 # sglang 0.5.11 asserts tp_size == 8 for NSA prefill CP ("multi-machine CP support suffers from
 # precision issues"). The round-robin split has no such reason on one node; with our flag we accept
-# any CP size from 2 to one node's 8 GPUs and refuse more than one node.
+# the CP sizes of one node's GPUs that the models split at, and refuse more than one node.
 SGLANG_NSA_CP_TP_SIZE = 8
-CP_SHARED_KV_TP_SIZES = range(2, SGLANG_NSA_CP_TP_SIZE + 1)
+# Where GLM-5 and DeepSeek-V3.2 split: with NSA prefill CP every attention rank holds all heads
+# (attn_tp_size = tp / cp = 1), but the routed experts split over the whole TP group, and sglang's
+# FusedMoE asserts ``moe_intermediate_size % moe_tp_size == 0`` (2048 for both models), and its fp8
+# block-quantized experts need the per-rank width divisible by the 128-wide block (Fp8MoEMethod).
+# 2048 / tp is 1024, 512, 256 at tp 2, 4, 8; no other size from 2 to 8 divides 2048.
+CP_SHARED_KV_TP_SIZES = (2, 4, 8)
+_TP_SIZES_TEXT = "2, 4 or 8"
 
 
 def cp_shared_kv_enabled(server_args) -> bool:
@@ -84,10 +90,12 @@ def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
         help="With --enable-nsa-prefill-context-parallel (NSA models: DeepSeek-V3.2, GLM-5): keep one "
         "KV cache shared by the context-parallel group, each rank storing every cp_size-th page, "
         "instead of a full replica per rank; works with host-only HiCache (--enable-hierarchical-cache) "
-        "and as the prefill server of a PD pair (mooncake). Requires --enable-nsa-prefill-context-parallel, "
-        "--disable-cuda-graph and --disable-piecewise-cuda-graph, one node (the CP group is --tp), "
-        "NSA attention backends; refuses speculative decoding and HiCache storage backends. "
-        "Provided by the sglang-cp-shared-kv plugin.",
+        "and as the prefill server of a PD pair (mooncake). "
+        f"Requires --enable-nsa-prefill-context-parallel (round-robin-split), --tp {_TP_SIZES_TEXT} on "
+        "one node, the NSA attention backend for prefill and decode (sglang's default for NSA models), "
+        "--disable-cuda-graph and --disable-piecewise-cuda-graph, the radix cache on, and page size "
+        f"{CP_SHARED_KV_PAGE_SIZE} (what sglang sets for NSA models on CUDA); refuses speculative "
+        "decoding and HiCache storage backends. Provided by the sglang-cp-shared-kv plugin.",
     )
 
 
@@ -123,12 +131,14 @@ def _model_specific_adjustments_around(original, server_args, *args, **kwargs):
     if server_args.nnodes != 1:
         raise ValueError(
             f"{CP_SHARED_KV_FLAG} with --enable-nsa-prefill-context-parallel runs within one node: "
-            f"--nnodes {server_args.nnodes} is not supported (use --nnodes 1, --tp 2..8)"
+            f"--nnodes {server_args.nnodes} is not supported (use --nnodes 1, --tp {_TP_SIZES_TEXT})"
         )
     if server_args.tp_size not in CP_SHARED_KV_TP_SIZES:
         raise ValueError(
-            f"{CP_SHARED_KV_FLAG} with --enable-nsa-prefill-context-parallel needs --tp 2..8 on "
-            f"one node (the CP group is the TP group), got --tp {server_args.tp_size}"
+            f"{CP_SHARED_KV_FLAG} with --enable-nsa-prefill-context-parallel needs --tp "
+            f"{_TP_SIZES_TEXT} on one node (the CP group is the TP group; GLM-5's and "
+            f"DeepSeek-V3.2's experts, moe_intermediate_size 2048 in 128-wide blocks, split only "
+            f"at those sizes), got --tp {server_args.tp_size}"
         )
     return lift_single_node_cp_tp_rule(original, server_args, *args, **kwargs)
 
@@ -221,16 +231,88 @@ def _unsupported_combinations(server_args) -> list[str]:
         problems.append(f"--pipeline-parallel-size {server_args.pp_size}: only 1 is supported")
     if server_args.nnodes != 1:
         problems.append(
-            f"--nnodes {server_args.nnodes}: shared KV runs NSA prefill CP within one node (--tp 2..8)"
+            f"--nnodes {server_args.nnodes}: shared KV runs NSA prefill CP within one node "
+            f"(--tp {_TP_SIZES_TEXT})"
+        )
+    if server_args.disable_radix_cache:
+        problems.append(
+            "--disable-radix-cache (the radix cache is off, set directly or by an option that turns it "
+            f"off, e.g. --enable-mis): {CP_SHARED_KV_FLAG} has not been audited with the radix cache off; "
+            "keep the radix cache on"
         )
     problems += runtime_problems(server_args)
+    problems += attention_backend_problems(server_args)
+    problems += hicache_problems(server_args)
     problems += _platform_problems(server_args)
     problems += _model_problems(server_args)
     return problems
 
 
+NSA_ATTENTION_BACKEND = "nsa"
+
+
+def attention_backend_problems(server_args) -> list[str]:
+    """Prefill and decode must both run sglang's NSA backend: the peer-page plan is built only in a
+    hook on ``NativeSparseAttnBackend.init_forward_metadata`` (another backend's first read finds no
+    plan; a mix would let a prefill read the last decode's plan).
+
+    Judged after ``__post_init__``: for an NSA model with no backend flag sglang sets
+    ``attention_backend = "nsa"`` (``_handle_model_specific_adjustments``); with only one of
+    ``--prefill-attention-backend`` / ``--decode-attention-backend`` given, the other side falls back
+    to ``attention_backend``, which sglang then defaults for the platform (fa3 on Hopper), not to nsa.
+    ``get_attention_backends`` is what the model runner builds from. A side left None is unresolved
+    (``--model-path dummy`` skips the defaults) and is not judged.
+    """
+    prefill, decode = server_args.get_attention_backends()
+    if all(b in (None, NSA_ATTENTION_BACKEND) for b in (prefill, decode)):
+        return []
+    return [
+        f"{CP_SHARED_KV_FLAG} needs the NSA attention backend for prefill and decode (the peer-page plan "
+        f"is built by NativeSparseAttnBackend), but prefill resolves to {prefill} and decode to "
+        f"{decode}: leave --attention-backend, --prefill-attention-backend and "
+        f"--decode-attention-backend unset (sglang picks nsa for NSA models) or set them to nsa"
+    ]
+
+
+# The host pool layouts both NSA host pools of sglang 0.5.11 allocate: ``MLATokenToKVPoolHost`` (KV)
+# takes layer_first, page_first, page_first_direct and page_first_kv_split; ``NSAIndexerPoolHost``
+# (indexer K, sized from the KV host pool) only the first three. Anything else raises
+# "Unsupported layout" when the scheduler builds HiCache, after the model has loaded.
+NSA_HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def hicache_problems(server_args) -> list[str]:
+    """HiCache settings that fail for certain once the scheduler builds the host pools."""
+    if not server_args.enable_hierarchical_cache:
+        return []
+    problems = []
+    layout = server_args.hicache_mem_layout  # after sglang's io-backend rewrite (_handle_hicache)
+    if layout not in NSA_HICACHE_MEM_LAYOUTS:
+        problems.append(
+            f"--hicache-mem-layout {layout}: sglang's NSA host pools (MLA KV and indexer K) support only "
+            + ", ".join(NSA_HICACHE_MEM_LAYOUTS)
+        )
+    # Stock ``HostKVCache.__init__`` asserts host slots > device slots, with host slots
+    # ``(int(device * hicache_ratio) // page + 1) * page``. The device pool is whole pages
+    # (pool_configurator rounds max_total_num_tokens down to the page size), so that holds exactly
+    # when hicache_ratio >= 1 (at 1 the host pool is the device pool plus one page). With
+    # --hicache-size the host pool is hicache_size GB over the per-token bytes, and the device pool
+    # size is only known once the model has loaded and memory was profiled: not checked here.
+    if server_args.hicache_size <= 0 and server_args.hicache_ratio < 1:  # stock: host_size > 0 wins
+        problems.append(
+            f"--hicache-ratio {server_args.hicache_ratio}: the host pool must be larger than the device "
+            "pool (sglang's HiCache asserts it when the scheduler starts); use --hicache-ratio 1 or "
+            "more, or size the host pool with --hicache-size"
+        )
+    return problems
+
+
 def _platform_problems(server_args) -> list[str]:
-    """Device and page size; unset values (a ``dummy`` model path resolves nothing) are not judged."""
+    """Device and page size; unset values (a ``dummy`` model path resolves nothing) are not judged.
+
+    The page size judged is the one that runs: for an NSA model on CUDA sglang sets 64 whatever
+    ``--page-size`` said (with a warning), so a different value is refused only where sglang left it
+    (a model path it resolves nothing for)."""
     from sglang.srt.utils import is_hip
 
     problems = []

@@ -221,14 +221,27 @@ class CpHiRadixCache(HiRadixCache):
         return node.cp_hicache.host_indices
 
     def reset(self):
-        """Stock reset, then plain-dict root children and no backed-up logical tokens.
+        """Stock reset, then what a freshly built cache has: plain-dict root children, no backed-up
+        logical tokens, and no write or load-back tracked.
 
-        A write-ack count in flight is waited for (every rank started it) and dropped with the acks.
+        ``/flush_cache`` may come with a write or load-back in flight (sglang's idle check ignores
+        HiCache). A write-ack count in flight is waited for (every rank started it) and dropped with
+        the acks. Stock reset clears the controller's ack queues but keeps ``ongoing_write_through`` /
+        ``ongoing_load_back``, whose entries then never get an ack: every ``writing_check`` of the
+        idle scheduler would enter the write-ack all-reduce forever. Every rank tracks the same
+        entries, so every rank drops the same ones.
         """
         work, self._write_acks_in_flight = self._write_acks_in_flight, None
         if work is not None:
             work.wait()
         super().reset()
+        for tracked in (
+            self.ongoing_write_through,
+            self.ongoing_load_back,
+            self.ongoing_prefetch,
+            self.ongoing_backup,
+        ):
+            tracked.clear()
         self.root_node.children = {}
         self.host_logical_tokens = 0
         if self.host_ledger is not None:  # None while the stock constructor resets

@@ -265,6 +265,7 @@ def build_prefill_rank(
     kv_args.state_type = "nsa"
 
     m = CpSharedKVMooncakeKVManager.__new__(CpSharedKVMooncakeKVManager)
+    m.cp_shared_kv_failed_state_sends = set()
     m.cp_shared_kv_layout = cp_shared_kv_transfer_layout(
         server_args, DisaggregationMode.PREFILL, cp_size, cp_rank, pool.page_size
     )

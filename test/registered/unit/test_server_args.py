@@ -239,14 +239,14 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         self.assertEqual(args.attn_cp_size, 8)
         self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
 
-    # ---- CP sizes 2..8 on one node ----
+    # ---- CP sizes 2, 4, 8 on one node ----
 
     def glm5_args(self, **kwargs):
         with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
             return ServerArgs(model_path=self.glm5_path, device="cuda", **kwargs)
 
-    def test_accepts_cp_sizes_2_to_8_on_one_node(self):
-        for tp in range(2, 9):
+    def test_accepts_cp_sizes_2_4_8_on_one_node(self):
+        for tp in (2, 4, 8):
             with self.subTest(tp=tp):
                 args = self.glm5_args(tp_size=tp, **CP_ON)
                 self.assertEqual((args.tp_size, args.attn_cp_size, args.dp_size), (tp, tp, 1))
@@ -276,6 +276,16 @@ class TestCpSharedKVServerArgs(CustomTestCase):
             self.glm5_args(tp_size=2, **flag_off)
         self.assertEqual(self.glm5_args(tp_size=8, **flag_off).attn_cp_size, 8)
 
+    def test_rejects_tp_sizes_the_models_do_not_split_at(self):
+        """GLM-5 / DeepSeek-V3.2 experts (moe_intermediate_size 2048) split only at tp 2, 4, 8. Planted
+        bug: accepting range(2, 9) again lets 3, 5, 6, 7 through and this fails."""
+        for tp in (3, 5, 6, 7):
+            with self.subTest(tp=tp), self.assertRaises(ValueError) as ctx:
+                self.glm5_args(tp_size=tp, **CP_ON)
+            message = str(ctx.exception)
+            for part in (CP_SHARED_KV_FLAG, f"--tp {tp}", "--tp 2, 4 or 8"):
+                self.assertIn(part, message)
+
     def test_rejects_cp_sizes_off_one_node(self):
         for tp in (1, 16):
             with self.subTest(tp=tp), self.assertRaises(ValueError) as ctx:
@@ -290,6 +300,122 @@ class TestCpSharedKVServerArgs(CustomTestCase):
             self.assertIn(CP_SHARED_KV_FLAG, str(ctx.exception))
             self.assertIn("--nnodes 2", str(ctx.exception))
         self.assertRejected("--nnodes 2", model_path="dummy", nnodes=2, **CP_ON)
+
+    # ---- attention backends: NSA for prefill and decode ----
+
+    def test_default_and_explicit_nsa_backends_are_accepted(self):
+        for backends in (
+            {},
+            dict(attention_backend="nsa"),
+            dict(prefill_attention_backend="nsa", decode_attention_backend="nsa"),
+        ):
+            with self.subTest(backends=backends):
+                args = self.glm5_args(tp_size=2, **CP_ON, **backends)
+                self.assertEqual(args.get_attention_backends(), ("nsa", "nsa"))
+
+    def test_rejects_attention_backends_other_than_nsa(self):
+        """Each choice is accepted by stock sglang for a GLM-5 config and would fail (or read another
+        forward's plan) only after the model loaded. Planted bug: judging only ``attention_backend``
+        lets the prefill/decode overrides and the mixes through and this fails."""
+        cases = [
+            (dict(attention_backend="fa3"), "fa3"),
+            (dict(attention_backend="flashinfer"), "flashinfer"),
+            (dict(prefill_attention_backend="fa3"), "fa3"),
+            (dict(decode_attention_backend="triton"), "triton"),
+            (dict(prefill_attention_backend="fa3", decode_attention_backend="nsa"), "fa3"),
+            (dict(attention_backend="nsa", decode_attention_backend="triton"), "triton"),
+            # only one side set: the other falls back to sglang's platform default, not nsa
+            (dict(prefill_attention_backend="nsa"), "prefill resolves to nsa and decode to "),
+        ]
+        for backends, bad in cases:
+            with self.subTest(backends=backends), self.assertRaises(ValueError) as ctx:
+                self.glm5_args(tp_size=2, **CP_ON, **backends)
+            message = str(ctx.exception)
+            for part in (CP_SHARED_KV_FLAG, bad, "--attention-backend", "--prefill-attention-backend",
+                         "--decode-attention-backend"):  # fmt: skip
+                self.assertIn(part, message)
+            if backends == dict(prefill_attention_backend="nsa"):
+                self.assertNotIn("decode to nsa", message)
+        self.assertRejected("--attention-backend", "triton", model_path="dummy",
+                            attention_backend="triton", **CP_ON)  # fmt: skip
+
+    def test_flag_off_keeps_other_attention_backends(self):
+        flag_off = {**CP_ON, "enable_nsa_prefill_cp_shared_kv": False}
+        args = self.glm5_args(tp_size=8, attention_backend="fa3", **flag_off)
+        self.assertEqual(args.get_attention_backends(), ("fa3", "fa3"))
+
+    # ---- HiCache sizes and layouts that cannot work ----
+
+    def test_rejects_a_host_pool_not_larger_than_the_device_pool(self):
+        """Stock asserts host slots > device slots when the scheduler builds HiCache; the host pool is
+        whole pages, one more than ``device * ratio`` rounds down to, so ratio 1 passes and anything below
+        fails. Planted bug: ``< 1`` changed to ``<= 1`` rejects the ratio-1 case and this fails."""
+        hicache = dict(model_path="dummy", enable_hierarchical_cache=True, **CP_ON)
+        for ratio in (0.5, 0.99):
+            with self.subTest(ratio=ratio):
+                self.assertRejected(f"--hicache-ratio {ratio}", "--hicache-size", hicache_ratio=ratio, **hicache)
+        for accepted in (dict(hicache_ratio=1.0), dict(hicache_ratio=2.0),
+                         dict(hicache_ratio=0.5, hicache_size=64)):  # fmt: skip
+            with self.subTest(accepted=accepted):
+                ServerArgs(**hicache, **accepted)
+        ServerArgs(model_path="dummy", hicache_ratio=0.5, **CP_ON)  # HiCache off: the ratio is unused
+
+    def test_rejects_host_layouts_the_nsa_host_pools_cannot_allocate(self):
+        hicache = dict(enable_hierarchical_cache=True, **CP_ON)
+        for layout in ("page_head", "page_first_kv_split"):
+            with self.subTest(layout=layout):
+                self.assertRejected(f"--hicache-mem-layout {layout}", model_path="dummy",
+                                    hicache_mem_layout=layout, **hicache)  # fmt: skip
+        for layout in ("layer_first", "page_first", "page_first_direct"):
+            with self.subTest(layout=layout):
+                args = self.glm5_args(tp_size=2, hicache_mem_layout=layout, **hicache)
+                self.assertIn(args.hicache_mem_layout, ("layer_first", "page_first", "page_first_direct"))
+        with self.assertRaises(ValueError) as ctx:
+            self.glm5_args(tp_size=2, hicache_mem_layout="page_head", **hicache)
+        self.assertIn("--hicache-mem-layout page_head", str(ctx.exception))
+
+    def test_the_nsa_host_pools_accept_exactly_the_allowed_layouts(self):
+        """The allowed list against sglang itself: each layout through the two NSA host pool
+        constructors (KV, then indexer K) on a tiny CPU pool."""
+        from sglang_cp_shared_kv.server_args import NSA_HICACHE_MEM_LAYOUTS
+        from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, HOST_LAYOUTS
+        from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+
+        allowed = set()
+        for layout in ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"):
+            io_backend = "direct" if layout in ("page_first_direct", "page_first_kv_split") else "kernel"
+            try:
+                build_cp_hicache_stack(cp_size=2, cp_rank=0, group=single_process_group(),
+                                       physical_pages=4, io_backend=io_backend, host_layout=layout)  # fmt: skip
+            except ValueError as e:
+                self.assertIn("Unsupported layout", str(e))
+            else:
+                allowed.add(layout)
+        self.assertEqual(allowed, set(NSA_HICACHE_MEM_LAYOUTS))
+
+    # ---- radix cache off, page size ----
+
+    def test_rejects_radix_cache_off(self):
+        self.assertRejected("--disable-radix-cache", "not been audited", model_path="dummy",
+                            disable_radix_cache=True, **CP_ON)  # fmt: skip
+
+    def test_page_size_is_judged_after_sglangs_rewrite(self):
+        """For an NSA model on CUDA sglang runs 64-token pages whatever --page-size says (with a
+        warning), so the rule accepts it; the value is refused only where it would survive (dummy)."""
+        args = self.glm5_args(tp_size=2, page_size=32, **CP_ON)
+        self.assertEqual(args.page_size, 64)
+        os.environ.pop(CP_SHARED_KV_ENV)  # exported by the accepted launch above
+        self.assertRejected("--page-size 32", model_path="dummy", page_size=32, **CP_ON)
+
+    def test_help_names_what_the_flag_requires(self):
+        parser = ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        help_text = " ".join(parser.format_help().split())
+        start = help_text.rindex(CP_SHARED_KV_FLAG)  # its entry, after the usage line
+        flag_help = help_text[start : start + 1200]
+        for part in ("--enable-nsa-prefill-context-parallel", "--tp 2, 4 or 8", "NSA attention backend",
+                     "--disable-cuda-graph", "page size 64"):  # fmt: skip
+            self.assertIn(part, flag_help)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ stock path hands the transfer worker) is logical. Here:
   the same positions (``page_pairing.owned_page_pairs``), then run the stock transfer. A rank
   owning nothing of a chunk transfers nothing for it; on the last chunk it still sends aux and its
   Success status, so the decode instance counts ``cp_size`` arrivals and never waits forever.
+* A request whose pages cannot be paired fails alone: ``send_kvcache`` returns -1 (stock's failed
+  chunk), ``maybe_send_extra`` has ``send_aux`` report the failure (stock's failed last chunk); the
+  transfer thread lives on.
 
 Everything else (bootstrap, the transfer worker, aux, status, failures, timeouts) is stock. With
 ``--enable-nsa-prefill-cp-shared-kv`` off on the server (``cp_shared_kv_layout is None``) both
@@ -78,13 +81,33 @@ def check_cp_shared_kv_transfer_setup(manager: "CpSharedKVMooncakeKVManager") ->
         )
 
 
+def fail_state_send(manager: "CpSharedKVMooncakeKVManager", req, error: ValueError) -> int:
+    """Fail ``req`` alone (``maybe_send_extra`` could not pair its indexer-K pages), the way stock
+    reports a failed transfer of its last chunk.
+
+    The stock transfer worker ignores ``maybe_send_extra``'s result and turns an exception into the
+    end of the transfer thread (every later request of this prefill server would hang). So the
+    failure is recorded here and ``send_aux``, which the worker calls next for the same request and
+    destination, reports it: the worker then marks the room Failed and tells the decode side, and
+    no metadata is sent. Unlike a -1 from ``send_kvcache`` this does not mark the decode session
+    failed: nothing is wrong with it.
+    """
+    reason = f"{CP_SHARED_KV_FLAG}: indexer-K pages of room {req.room} not sent: {error}"
+    logger.error(reason)
+    manager.record_failure(req.room, reason)
+    # One transfer thread handles a room, and the worker calls send_aux right after this.
+    manager.cp_shared_kv_failed_state_sends.add((req.room, req.mooncake_session_id))
+    return -1
+
+
 class CpSharedKVMooncakeKVManager(MooncakeKVManager):
     """``MooncakeKVManager`` whose KV and indexer-K transfers send only this rank's pages."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
         from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
 
-        # Set before the stock __init__ starts the transfer threads that read it.
+        # Set before the stock __init__ starts the transfer threads that read them.
+        self.cp_shared_kv_failed_state_sends = set()  # see maybe_send_extra
         self.cp_shared_kv_layout = cp_shared_kv_transfer_layout(
             server_args,
             disaggregation_mode,
@@ -144,7 +167,10 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
                 len(req.dst_state_indices),
                 len(prefill),
             )
-        pairs = owned_page_pairs(layout, prefill, dst)
+        try:
+            pairs = owned_page_pairs(layout, prefill, dst)
+        except ValueError as e:
+            return fail_state_send(self, req, e)
         owned_req = dataclasses.replace(req, dst_state_indices=pairs.dst_pages.tolist())
         return super().maybe_send_extra(
             owned_req,
@@ -153,6 +179,14 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
             executor,
             target_rank_registration_info,
         )
+
+    def send_aux(self, req, prefill_aux_index, dst_aux_ptrs):
+        """Stock, except for a request ``maybe_send_extra`` failed (``fail_state_send``)."""
+        key = (req.room, req.mooncake_session_id)
+        if self.cp_shared_kv_layout is not None and key in self.cp_shared_kv_failed_state_sends:
+            self.cp_shared_kv_failed_state_sends.discard(key)
+            return -1  # the request failed in maybe_send_extra: no metadata, status Failed
+        return super().send_aux(req, prefill_aux_index, dst_aux_ptrs)
 
     def send_kvcache_hisparse(self, mooncake_session_id, prefill_kv_indices, *args, **kwargs):
         if self.cp_shared_kv_layout is None:

@@ -212,6 +212,79 @@ class TestSharedKVPDTransfer(CustomTestCase):
         self.assertTrue(pools_equal(decode.pool, pd.build_nsa_pool(DECODE_PAGES)))
 
 
+class TestOneBadRequestFailsAlone(CustomTestCase):
+    """A request whose indexer-K pages cannot be paired (``owned_page_pairs`` raises ValueError in
+    ``maybe_send_extra``) fails alone, as stock reports a failed transfer: Failed on the prefill rank
+    with a reason, Failed to the decode side, no metadata; the transfer thread lives on, the decode
+    session stays usable, and the next request arrives whole.
+
+    Failed before the fix: the ValueError escaped ``maybe_send_extra`` and the stock transfer worker
+    turned it into "Transfer thread failed ... Prefill instance ... is dead" (the thread's end)."""
+
+    CP_SIZE = 2
+    BAD_ROOM, GOOD_ROOM = 1001, 1002
+    BAD_AUX, GOOD_AUX = 1, 2
+
+    def test_a_bad_indexer_pairing_fails_its_request_alone(self):
+        generator = torch.Generator().manual_seed(3)
+        replicated = pd.build_nsa_pool(self.CP_SIZE * (PHYSICAL_PAGES + 1))
+        pd.fill_random(replicated, generator)
+        requests = {  # room: (logical pages, decode pages, aux slot)
+            self.BAD_ROOM: (np.array([2, 3, 4]), np.array([1, 2, 3]), self.BAD_AUX),
+            self.GOOD_ROOM: (np.array([5, 6, 7, 8]), np.array([10, 11, 12, 13]), self.GOOD_AUX),
+        }
+        decode = pd.DecodeInstance.build(DECODE_PAGES)
+        real_position_aligned = shared_kv_conn.position_aligned
+        corrupting = {"on": False}
+
+        def negative_first_page(prefill_pages, dst_pages):
+            prefill, dst, aligned = real_position_aligned(prefill_pages, dst_pages)
+            if corrupting["on"]:
+                prefill = np.array(prefill, copy=True)
+                prefill[0] = -1  # owned_page_pairs: "negative logical page"
+            return prefill, dst, aligned
+
+        ranks = []
+        for rank in range(self.CP_SIZE):
+            layout = CpSharedKVLayout(self.CP_SIZE, rank, PAGE)
+            pool = pd.shard_of(replicated, layout, PHYSICAL_PAGES, generator)
+            prefill = pd.build_prefill_rank(cp_size=self.CP_SIZE, cp_rank=rank, pool=pool, decode=decode)
+            for room, (_, dst_pages, aux) in requests.items():
+                pd.connect_decode(prefill, decode, room, dst_pages, aux_index=aux)
+            ranks.append(prefill)
+
+        with mock.patch.object(shared_kv_conn, "position_aligned", negative_first_page):
+            for room, (logical_pages, _, aux) in requests.items():
+                corrupting["on"] = room == self.BAD_ROOM
+                locs = torch.as_tensor(np.concatenate([np.arange(q * PAGE, (q + 1) * PAGE) for q in logical_pages]))
+                for prefill in ranks:
+                    try:
+                        pd.send_request(prefill, room=room, logical_locs=locs, chunk_ends=[len(locs)],
+                                        first_output_id=FIRST_TOKEN + room, aux_index=aux)  # fmt: skip
+                    except RuntimeError as e:
+                        self.fail(f"the transfer thread died on room {room}: {e}")
+
+        for prefill in ranks:
+            manager = prefill.manager
+            self.assertEqual(manager.check_status(self.BAD_ROOM), KVPoll.Failed)
+            self.assertIn("negative logical page", manager.failure_records[self.BAD_ROOM])
+            self.assertEqual(manager.check_status(self.GOOD_ROOM), KVPoll.Success)
+            self.assertNotIn(pd.DECODE_SESSION, manager.failed_sessions)
+            self.assertEqual(prefill.engine.errors, [])
+        self.assertTrue(decode.failed(self.BAD_ROOM))
+        self.assertEqual(decode.senders_done(self.BAD_ROOM), set())
+        self.assertFalse(decode.failed(self.GOOD_ROOM))
+        self.assertEqual(decode.senders_done(self.GOOD_ROOM), set(range(self.CP_SIZE)))
+        self.assertNotEqual(int(decode.metadata.output_ids[self.BAD_AUX][0]), FIRST_TOKEN + self.BAD_ROOM)
+        self.assertEqual(int(decode.metadata.output_ids[self.GOOD_AUX][0]), FIRST_TOKEN + self.GOOD_ROOM)
+        logical, dst, _ = requests[self.GOOD_ROOM]
+        expected = pd.build_nsa_pool(DECODE_PAGES)
+        pd.copy_pages(replicated, logical, expected, dst)
+        index = torch.as_tensor(dst)
+        for got, want in zip(pd.pool_page_views(decode.pool), pd.pool_page_views(expected)):
+            self.assertTrue(torch.equal(got[index], want[index]))
+
+
 class TestTransferSetup(CustomTestCase):
     def test_flag_off_means_stock_classes(self):
         """Without the flag on ServerArgs the layout is None: both subclasses behave as stock."""

@@ -178,5 +178,37 @@ class TestLoadBackKeepsItsHostCopies(CustomTestCase):
         self.assertEqual((cache.protected_size_, cache.evictable_size_), (0, len(b)))
 
 
+class TestSimulationScriptArguments(CustomTestCase):
+    """``scripts/simulate_cp_hicache.py`` refuses a host pool smaller than the device pool up front:
+    stock HiCache asserts host > device when it builds the host pool, so a run could only report that
+    assertion as a simulation "VIOLATION". Failed before the check: the script ran the scenarios and
+    returned 1 with a VIOLATION line instead of an argparse error."""
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+        cls.script = load_script("scripts/simulate_cp_hicache.py")
+
+    def test_refuses_a_ratio_below_one(self):
+        import contextlib
+        import io
+
+        for ratio in ("0.5", "0.99", "-1"):
+            stderr = io.StringIO()
+            with self.subTest(ratio=ratio), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(
+                io.StringIO()
+            ):
+                with self.assertRaises(SystemExit) as caught:
+                    self.script.main(["--hicache-ratio", ratio, "--cp-sizes", "2", "--seeds", "0", "--ops", "5"])
+                self.assertEqual(caught.exception.code, 2)
+                self.assertIn("--hicache-ratio", stderr.getvalue())
+                self.assertIn("at least 1", stderr.getvalue())
+
+    def test_accepts_ratios_from_one(self):
+        for ratio in ("1", "1.5", "4"):
+            self.assertEqual(self.script.parse_args(["--hicache-ratio", ratio]).hicache_ratio, float(ratio))
+
+
 if __name__ == "__main__":
     unittest.main()
