@@ -13,10 +13,12 @@ CPU makes the same run report mismatches (``TestPlantedBugsAreCaught``): the che
 
 import unittest
 
+import torch
 import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.model_executor.peer_page_prefetch import create_prefetch_group
 from sglang_cp_shared_kv.testing import runtime_check
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
@@ -36,6 +38,15 @@ def _rank(rank, world_size, dtype_name, prefetch, options):
             act_quant=act_quant_torch, seed=world_size, prefetch_group=prefetch_group, **options,
         )
     return rank, result.rows_compared, result.mismatches, result.prefetch_forwards
+
+
+def _group_rank(rank, world_size):
+    """Two CP groups {0, 2} and {1, 3} (attention TP 2 x CP 2); each rank knows only its own."""
+    own = [rank % 2, rank % 2 + 2]
+    group = create_prefetch_group(own, coordination_group=dist.group.WORLD, backend="gloo")
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value, group=group)
+    return dist.get_process_group_ranks(group), float(value)
 
 
 PREFETCH_STORY = dict(num_layers=4, skip_index_layers=(2,), hicache=True)
@@ -90,6 +101,13 @@ class TestRuntimeAcrossRanks(_GlooCase):
             2, "fp8", prefetch=True, prefetch_slot_tokens=2 * 64, **PREFETCH_STORY
         )
         self.assertEqual([r[3] for r in rows], [0, 0])
+
+
+class TestPrefetchGroup(CustomTestCase):
+    def test_every_rank_creates_every_cp_group_and_keeps_its_own(self):
+        rows = run_ranks(_group_rank, 4, (), start_method="forkserver", timeout_s=TIMEOUT_S,
+                         deadline_s=TIMEOUT_S)
+        self.assertEqual(rows, [([0, 2], 4.0), ([1, 3], 6.0), ([0, 2], 4.0), ([1, 3], 6.0)])
 
 
 class TestPlantedBugsAreCaught(_GlooCase):
