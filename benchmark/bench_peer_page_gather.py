@@ -216,7 +216,8 @@ def main() -> int:
             for cp_size in cp_sizes:
                 for prefix in prefixes:
                     rows.append(_case(cp_size, prefix, dtype_name, chunk, args.device, timed, act_quant))
-                    torch.cuda.empty_cache() if args.device == "cuda" else None
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
     columns = [
         "dtype", "cp", "prefix", "gathered_pages", "bytes_recv_MB", "store_2x", "store_1x", "copy",
         "maps", "pack", "recv", "compute", "compute+gather_serial", "compute+gather_ahead",

@@ -169,6 +169,25 @@ class TestAttachRuntime(CustomTestCase):
             self.assertIsNone(runtime_of(runner.token_to_kv_pool))
 
 
+class TestIndexerLayerTable(CustomTestCase):
+    def test_sglang_attention_still_carries_the_flags_the_table_reads(self):
+        # indexer_layer_ids_of reads layer_id, indexer and skip_topk from sglang's NSA attention.
+        import inspect
+
+        from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
+
+        source = inspect.getsource(DeepseekV2AttentionMLA.__init__)
+        for assignment in ("self.layer_id = ", "self.indexer = ", "self.skip_topk = "):
+            self.assertIn(assignment, source)
+
+    def test_model_without_nsa_attention_means_every_layer(self):
+        from sglang_cp_shared_kv.model_executor.peer_page_prefetch import indexer_layer_ids_of
+
+        self.assertIsNone(indexer_layer_ids_of(torch.nn.Linear(2, 2)))
+        model = torch.nn.ModuleList([_Attention(i, i % 2 == 1) for i in range(4)])
+        self.assertEqual(indexer_layer_ids_of(model), frozenset({0, 2}))
+
+
 class TestHookTargets(CustomTestCase):
     def test_every_target_resolves_in_sglang(self):
         registered = []
