@@ -98,8 +98,10 @@ class LayerPipeline:
         self.prefetch_group = prefetch_group
         self.indexer_layer_ids = indexer_layer_ids
         self.side_stream = None
+        self._slot_events = [None] * len(self.slots)  # re-recorded by each prefetch into the slot
         if len(self.slots) > 1 and torch.device(pool.device).type == "cuda":
             self.side_stream = torch.cuda.Stream(device=pool.device)
+            self._slot_events = [torch.cuda.Event() for _ in self.slots]
         self.plan: Optional[PeerPagePlan] = None
         self.prefetching = False
         self._logged_serial = False
@@ -209,9 +211,8 @@ class LayerPipeline:
         with self._side():
             self.wait_for_load_back(layer_id - self.pool.start_layer)
             self.gather_into(self.slots[index], layer_id, parts)
-            event = None
-            if self.side_stream is not None:
-                event = torch.cuda.Event()
+            event = self._slot_events[index]
+            if event is not None:
                 event.record(self.side_stream)
         self._prefetched[index] = (layer_id, parts)
         self._prefetch_events[index] = event
