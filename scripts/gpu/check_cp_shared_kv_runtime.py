@@ -9,6 +9,15 @@ with a replicated pool written by the same sglang code without hooks
 (``sglang_cp_shared_kv.testing.runtime_check``: fresh prefill, chunked prefill over a cached prefix
 with padding, decode with a padded request).
 
+Each case runs twice: ``serial`` (one scratch slot, each layer gathered after its store) and
+``prefetch`` (second slot, layer-ahead gather on a side stream over a second gloo group, 4 layers
+of which layer 2 skips the indexer, the cached prefix page loaded back layer by layer as HiCache
+does). On CUDA the prefetch run also delays the load-back (a delay kernel on its stream) and the
+compute stream before each layer's reads, so a missing stream wait shows up as a mismatch; over
+gloo the gather itself is host-side, so the side stream only overlaps the GPU work around it.
+With ``--plants`` every planted bug of ``runtime_check.PLANTS`` is run too and must be caught
+(mismatches > 0); ``prefetch_without_waiting_for_reads`` needs the CUDA delays (skipped on CPU).
+
 GPU (after the staging in docs/gpu.md):
     source scripts/gpu/remote_env.sh && python scripts/gpu/check_cp_shared_kv_runtime.py
 CPU:
@@ -18,7 +27,8 @@ On CUDA the real kernels run: Triton ``quantize_k_cache_separate`` + ``set_mla_k
 the JIT ``fused_store_index_k_cache`` (the indexer's CUDA branch), Triton ``GetKAndS``. On CPU those
 are replaced by the torch stand-ins of ``testing/nsa_cpu_kernels.py`` and the indexer store takes
 sglang's non-CUDA branch (``act_quant`` + ``set_index_k_scale_buffer``).
-Prints ``ran``, ``rows compared`` and ``mismatches``; exits non-zero unless every case ran clean.
+Prints ``ran``, ``rows compared``, ``mismatches`` (clean cases) and ``plants caught``; exits
+non-zero unless every clean case ran with 0 mismatches and every plant run was caught.
 """
 
 from __future__ import annotations
@@ -28,8 +38,25 @@ import sys
 import time
 
 
+READ_DELAY_MS = 40  # compute stream, before each layer's reads (prefetch runs on CUDA)
+LOAD_BACK_DELAY_MS = 10  # load stream, before each layer's load-back
+
+
+def _cases(args):
+    """``(cp_size, dtype, mode, plant)`` in the order every rank runs them."""
+    cases = [(c, d, m, None) for c in args.cp_sizes for d in args.dtypes for m in ("serial", "prefetch")]
+    if args.plants:
+        from sglang_cp_shared_kv.testing.runtime_check import PLANTS
+
+        for plant in PLANTS:
+            if plant == "prefetch_without_waiting_for_reads" and args.device != "cuda":
+                continue
+            cases.append((args.cp_sizes[0], args.dtypes[-1], "prefetch", plant))
+    return cases
+
+
 def _rank_main(rank, world_size, args):
-    """This rank's cases: ``[(cp_size, dtype, rank, rows compared, mismatches)]``."""
+    """This rank's cases: ``[(case, rank, rows compared, mismatches, prefetch forwards)]``."""
     import torch
     import torch.distributed as dist
 
@@ -46,20 +73,39 @@ def _rank_main(rank, world_size, args):
     if args.device == "cuda":
         _build_indexer_store_kernel_once(rank)
     runtime_check.apply_hooks()
+    # Every process joins every group's creation, in the same order (dist.new_group needs it).
+    groups = {c: (dist.new_group(list(range(c))), dist.new_group(list(range(c)))) for c in args.cp_sizes}
     rows = []
-    for cp_size in args.cp_sizes:
-        group = dist.new_group(list(range(cp_size)))  # every process joins the creation
-        for dtype_name in args.dtypes:
-            if rank >= cp_size:
-                continue
-            if kernels is None:
-                result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
-            else:
-                with kernels():
-                    result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
-            rows.append((cp_size, dtype_name, rank, result.rows_compared, result.mismatches))
+    for case in _cases(args):
+        cp_size, dtype_name, mode, plant = case
+        if rank < cp_size:
+            group, prefetch_group = groups[cp_size]
+            options = dict(seed=args.seed + cp_size, num_layers=args.layers, physical_pages=args.physical_pages)
+            if mode == "prefetch":
+                delays = args.device == "cuda"
+                options.update(
+                    prefetch_group=prefetch_group,
+                    num_layers=max(args.layers, 4),
+                    skip_index_layers=(2,),
+                    hicache=True,
+                    plant=plant,
+                    read_delay_ms=READ_DELAY_MS if delays else 0,
+                )
+            context = kernels() if kernels is not None else _nothing()
+            with context:
+                result = runtime_check.run_rank(
+                    rank, cp_size, group, device=args.device, dtype_name=dtype_name,
+                    act_quant=act_quant, **options,
+                )
+            rows.append((case, rank, result.rows_compared, result.mismatches, result.prefetch_forwards))
         dist.barrier()
     return rows
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _build_indexer_store_kernel_once(rank):
@@ -77,20 +123,6 @@ def _build_indexer_store_kernel_once(rank):
     can_use_nsa_fused_store(torch.bfloat16, torch.int64, 64)
 
 
-def _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant):
-    return runtime_check.run_rank(
-        rank,
-        cp_size,
-        group,
-        device=args.device,
-        dtype_name=dtype_name,
-        act_quant=act_quant,
-        seed=args.seed + cp_size,
-        num_layers=args.layers,
-        physical_pages=args.physical_pages,
-    )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -100,6 +132,7 @@ def main() -> int:
     parser.add_argument("--physical-pages", type=int, default=8, help="pages per rank shard")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=int, default=500)
+    parser.add_argument("--plants", action="store_true", help="also run every planted bug")
     args = parser.parse_args()
     args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
     args.dtypes = args.dtypes.split(",")
@@ -120,26 +153,45 @@ def main() -> int:
     rows = [row for outcome in outcomes if outcome.ok for row in outcome.value]
     errors_by_rank = {o.rank: repr(o.error) for o in outcomes if o.error is not None}
 
-    expected_cases = len(args.cp_sizes) * len(args.dtypes)
-    ran = compared = mismatches = 0
-    for cp_size in args.cp_sizes:
-        for dtype_name in args.dtypes:
-            case = [r for r in rows if r[0] == cp_size and r[1] == dtype_name]
-            errors = [errors_by_rank[r] for r in range(cp_size) if r in errors_by_rank]
-            case_ok = len(case) == cp_size and not errors
+    cases = _cases(args)
+    clean = [c for c in cases if c[3] is None]
+    ran = compared = mismatches = caught = 0
+    for case in cases:
+        cp_size, dtype_name, mode, plant = case
+        got = [r for r in rows if r[0] == case]
+        errors = [errors_by_rank[r] for r in range(cp_size) if r in errors_by_rank]
+        case_ok = len(got) == cp_size and not errors
+        case_compared, case_mismatches = sum(r[2] for r in got), sum(r[3] for r in got)
+        prefetched = [r[4] for r in got]
+        name = f"cp_size={cp_size} dtype={dtype_name} {mode}" + (f" plant={plant}" if plant else "")
+        print(
+            f"{name} device={args.device}: ranks reported {len(got)}/{cp_size}, rows compared "
+            f"{case_compared}, mismatches {case_mismatches}, prefetched forwards per rank "
+            f"{prefetched}" + (f", errors {errors}" if errors else "")
+        )
+        if mode == "prefetch" and case_ok and prefetched != [1] * cp_size:
+            print(f"  {name}: the prefetch path did not run")
+            case_ok = False
+        if plant is None:
             ran += case_ok
-            compared += sum(r[3] for r in case)
-            mismatches += sum(r[4] for r in case)
-            print(
-                f"cp_size={cp_size} dtype={dtype_name} device={args.device}: ranks reported "
-                f"{len(case)}/{cp_size}, rows compared {sum(r[3] for r in case)}, "
-                f"mismatches {sum(r[4] for r in case)}" + (f", errors {errors}" if errors else "")
-            )
+            compared += case_compared
+            mismatches += case_mismatches
+        else:
+            caught += case_ok and case_mismatches > 0
+    plants = len(cases) - len(clean)
     print(f"rank exit codes: {exit_codes}; {time.time() - start:.1f} s")
-    print(f"ran = {ran}/{expected_cases}")
+    print(f"ran = {ran}/{len(clean)}")
     print(f"rows compared = {compared}")
     print(f"mismatches = {mismatches}")
-    ok = ran == expected_cases and mismatches == 0 and compared > 0 and all(c == 0 for c in exit_codes)
+    if plants:
+        print(f"plants caught = {caught}/{plants}")
+    ok = (
+        ran == len(clean)
+        and mismatches == 0
+        and compared > 0
+        and caught == plants
+        and all(c == 0 for c in exit_codes)
+    )
     return 0 if ok else 1
 
 

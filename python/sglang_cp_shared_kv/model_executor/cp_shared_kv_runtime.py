@@ -9,10 +9,12 @@ logical pool:
 2. Plan (``peer_page_reads``, once per forward): from the unfiltered batch, which pages every rank
    reads and where they go in the gather scratch; the backend's index tables are rewritten to
    scratch locs (``PeerPagePlan``).
-3. Per layer, right after the layer's store (which every rank runs for the whole batch): rows
-   written by this forward are copied into the scratch locally, and one all-gather over the
-   attention CP group brings the other referenced pages from their owners
-   (``gather_peer_pages``). Attention and the indexer then read the scratch through the pool
+3. Per layer (``peer_page_prefetch``): the gathered pages of a prefill forward's layer ``l+1``
+   come from their owners on a side stream while layer ``l`` computes, into the other of two
+   scratch slots; decode and forwards that do not fit the second slot gather each layer right
+   after its store, on the compute stream. The store hooks (every rank runs them for the whole
+   batch) store this forward's rows once, into the layer's slot, and copy the owned rows' bytes to
+   the pool (``scratch_rows``). Attention and the indexer then read the slot through the pool
    getters.
 
 Lifecycle hooks here: reserve the scratch's memory before sglang sizes the pool, and build the
@@ -36,11 +38,26 @@ from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     SCRATCH_LAYER,
     SCRATCH_LAYER_ID,
+    configured_prefetch_slot_tokens,
     create_gather_scratch,
+    create_prefetch_slot,
     reserve_scratch_bytes,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
+from sglang_cp_shared_kv.model_executor.peer_page_prefetch import (
+    INDEX,
+    KV,
+    LayerPipeline,
+    create_prefetch_group,
+    indexer_layer_ids_of,
+)
+from sglang_cp_shared_kv.model_executor.scratch_rows import (
+    BatchRowMaps,
+    batch_row_maps,
+    copy_index_k_rows,
+    copy_kv_rows,
+)
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
 from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
 
@@ -67,9 +84,17 @@ class CpSharedKVRuntime:
         layout: CpSharedKVLayout,
         scratch: NSATokenToKVPool,
         cp_group: dist.ProcessGroup,
+        prefetch_slot: Optional[NSATokenToKVPool] = None,
+        prefetch_group: Optional[dist.ProcessGroup] = None,
+        indexer_layer_ids: Optional[frozenset] = None,
     ):
+        """``scratch``: slot 0 (logical capacity); ``prefetch_slot`` / ``prefetch_group``: slot 1
+        and the process group of the layer-ahead prefetch (both or neither; neither: serial
+        path only); ``indexer_layer_ids``: layers that store indexer K (None: all)."""
         if scratch.size < layout.cp_size * pool.size:
             raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")
+        if (prefetch_slot is None) != (prefetch_group is None):
+            raise ValueError(f"{FLAG}: the prefetch needs both its scratch slot and its group")
         self.pool = pool
         self.layout = layout
         self.scratch = scratch
@@ -78,13 +103,13 @@ class CpSharedKVRuntime:
         self.num_logical_pages = layout.cp_size * (pool.size // pool.page_size + 1)
         self.scratch_num_pages = scratch.size // scratch.page_size + 1
         self.plan: Optional[PeerPagePlan] = None
-        # Layer whose pages the scratch holds, set once that layer's store assembled it; a read of
-        # any other layer is a bug (a read without the store that triggers the gather).
-        self.kv_layer_in_scratch: Optional[int] = None
-        self.index_layer_in_scratch: Optional[int] = None
-        # True while an indexer store runs sglang's original into the physical pool: its fused
-        # path fetches the buffer through ``get_index_k_with_scale_buffer``, which must then
-        # return the physical buffer rather than the scratch.
+        slots = [scratch] + ([prefetch_slot] if prefetch_slot is not None else [])
+        # Slot choice, prefetch and what each slot holds (reads of anything else raise).
+        self.pipeline = LayerPipeline(pool, slots, prefetch_group, indexer_layer_ids)
+        self._row_maps_cache: list = []  # [(plan, locs, BatchRowMaps)] of the current forward
+        # True while an indexer store runs sglang's original into the physical pool (no forward
+        # planned): its fused path fetches the buffer through ``get_index_k_with_scale_buffer``,
+        # which must then return the physical buffer rather than the scratch.
         self.writing_physical = False
         setattr(pool, _RUNTIME_ATTR, self)
 
@@ -109,81 +134,93 @@ class CpSharedKVRuntime:
             num_logical_pages=self.num_logical_pages,
             scratch_num_pages=self.scratch_num_pages,
         )
-        self.kv_layer_in_scratch = None
-        self.index_layer_in_scratch = None
+        self.pipeline.begin(self.plan, is_decode=mode.is_decode_or_idle())
         return self.plan
 
     # ---- writes (see owner_filtered_writes) ----
 
     def store_mla_kv(self, original, layer, logical_locs, cache_k_nope, cache_k_rope) -> None:
-        """``set_mla_kv_buffer`` of the whole batch: owned rows to the pool, then assemble the scratch."""
+        """``set_mla_kv_buffer`` of the whole batch: once into the layer's slot, owned rows to the pool."""
         self._refuse_graph_capture()
-        physical_locs = self.layout.physical_locs_or_dummy(logical_locs)
-        original(self.pool, layer, physical_locs, cache_k_nope, cache_k_rope)
         plan = self.plan
         if plan is None:  # no forward planned yet: nothing can read the scratch
+            physical_locs = self.layout.physical_locs_or_dummy(logical_locs)
+            original(self.pool, layer, physical_locs, cache_k_nope, cache_k_rope)
             return
-        fill_locs = plan.fill_locs(logical_locs)
-        original(self.scratch, SCRATCH_LAYER, fill_locs, cache_k_nope, cache_k_rope)
-        layer_index = self.wait_for_layer(layer.layer_id)
-        gather_peer_pages(
-            plan,
-            as_pages(self.pool.kv_buffer[layer_index], self.pool.page_size),
-            as_pages(self.scratch.kv_buffer[SCRATCH_LAYER_ID], self.scratch.page_size),
-            self.cp_group,
-        )
-        self.kv_layer_in_scratch = layer.layer_id
+        layer_id = layer.layer_id
+        slot, prefetched = self.pipeline.slot_for_store(layer_id, KV)
+        maps = self.row_maps(plan, logical_locs)
+        original(slot, SCRATCH_LAYER, maps.scratch_locs, cache_k_nope, cache_k_rope)
+        layer_index = layer_id - self.pool.start_layer
+        copy_kv_rows(slot.kv_buffer[SCRATCH_LAYER_ID], self.pool.kv_buffer[layer_index], maps)
+        if not prefetched:
+            self.wait_for_layer(layer_id)
+            gather_peer_pages(
+                plan,
+                as_pages(self.pool.kv_buffer[layer_index], self.pool.page_size),
+                as_pages(slot.kv_buffer[SCRATCH_LAYER_ID], slot.page_size),
+                self.cp_group,
+            )
+        self.pipeline.mark_assembled(layer_id, KV)
 
     def store_index_k(self, original, indexer, forward_batch, layer_id, key, act_quant) -> None:
         """``Indexer._store_index_k_cache`` of the whole batch, same scheme as ``store_mla_kv``.
 
         sglang reads the locs from ``forward_batch.out_cache_loc`` (and the pool from
         ``forward_batch.token_to_kv_pool``) on all three of its branches, so both are swapped
-        around each call and restored afterwards.
+        around the call and restored afterwards.
         """
         self._refuse_graph_capture()
         logical_locs = forward_batch.out_cache_loc
         pool = forward_batch.token_to_kv_pool
         plan = self.plan
+        if plan is None:  # no forward planned yet: physical rows only
+            try:
+                forward_batch.out_cache_loc = self.layout.physical_locs_or_dummy(logical_locs)
+                self.writing_physical = True
+                original(indexer, forward_batch, layer_id, key, act_quant=act_quant)
+            finally:
+                self.writing_physical = False
+                forward_batch.out_cache_loc = logical_locs
+            return
+        slot, prefetched = self.pipeline.slot_for_store(layer_id, INDEX)
+        maps = self.row_maps(plan, logical_locs)
         try:
-            forward_batch.out_cache_loc = self.layout.physical_locs_or_dummy(logical_locs)
-            self.writing_physical = True
-            original(indexer, forward_batch, layer_id, key, act_quant=act_quant)
-            self.writing_physical = False
-            if plan is not None:
-                forward_batch.out_cache_loc = plan.fill_locs(logical_locs)
-                forward_batch.token_to_kv_pool = self.scratch
-                original(indexer, forward_batch, SCRATCH_LAYER_ID, key, act_quant=act_quant)
+            forward_batch.out_cache_loc = maps.scratch_locs
+            forward_batch.token_to_kv_pool = slot
+            original(indexer, forward_batch, SCRATCH_LAYER_ID, key, act_quant=act_quant)
         finally:
-            self.writing_physical = False
             forward_batch.out_cache_loc = logical_locs
             forward_batch.token_to_kv_pool = pool
-        if plan is None:
-            return
-        layer_index = self.wait_for_layer(layer_id)
-        gather_peer_pages(
-            plan,
-            self.pool.index_k_with_scale_buffer[layer_index],
-            self.scratch.index_k_with_scale_buffer[SCRATCH_LAYER_ID],
-            self.cp_group,
-        )
-        self.index_layer_in_scratch = layer_id
+        layer_index = layer_id - self.pool.start_layer
+        pool_pages = self.pool.index_k_with_scale_buffer[layer_index]
+        slot_pages = slot.index_k_with_scale_buffer[SCRATCH_LAYER_ID]
+        copy_index_k_rows(slot_pages, pool_pages, maps, self.pool.page_size, self.pool.index_head_dim)
+        if not prefetched:
+            self.wait_for_layer(layer_id)
+            gather_peer_pages(plan, pool_pages, slot_pages, self.cp_group)
+        self.pipeline.mark_assembled(layer_id, INDEX)
+
+    def row_maps(self, plan: PeerPagePlan, logical_locs: torch.Tensor) -> BatchRowMaps:
+        """``BatchRowMaps`` of this forward's locs, built once per (plan, locs tensor)."""
+        for cached_plan, cached_locs, maps in self._row_maps_cache:
+            if cached_plan is plan and cached_locs is logical_locs:
+                return maps
+        maps = batch_row_maps(plan, self.layout, logical_locs)
+        if self._row_maps_cache and self._row_maps_cache[0][0] is not plan:
+            self._row_maps_cache = []
+        # Holding the locs tensor keeps its identity from being reused within the forward.
+        self._row_maps_cache = (self._row_maps_cache + [(plan, logical_locs, maps)])[-2:]
+        return maps
 
     # ---- reads (see peer_page_reads) ----
 
-    def require_kv_layer(self, layer_id: int) -> None:
-        if self.kv_layer_in_scratch != layer_id:
-            raise RuntimeError(
-                f"{FLAG}: KV of layer {layer_id} read before its store assembled the scratch "
-                f"(scratch holds layer {self.kv_layer_in_scratch})"
-            )
+    def kv_slot_for_read(self, layer_id: int) -> NSATokenToKVPool:
+        """The slot holding layer ``layer_id``'s KV; raises unless its store assembled it."""
+        return self.pipeline.slot_for_read(layer_id, KV)
 
-    def require_index_layer(self, layer_id: int) -> None:
-        if self.index_layer_in_scratch != layer_id:
-            raise RuntimeError(
-                f"{FLAG}: indexer K of layer {layer_id} read before its store assembled the "
-                f"scratch (scratch holds layer {self.index_layer_in_scratch})"
-            )
+    def index_slot_for_read(self, layer_id: int) -> NSATokenToKVPool:
+        return self.pipeline.slot_for_read(layer_id, INDEX)
 
     def wait_for_layer(self, layer_id: int) -> int:
         """Wait for HiCache's load-back of this layer (as the pool getters do); return its index.
@@ -224,7 +261,12 @@ def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **k
         unreserved_tokens = min(unreserved_tokens, server_args.max_total_tokens)
     kv_row_bytes = model_runner.calculate_mla_kv_cache_dim() * model_runner.kv_cache_dtype.itemsize
     reserve = reserve_scratch_bytes(
-        available_bytes, unreserved_tokens, get_attention_cp_size(), kv_row_bytes, page_size
+        available_bytes,
+        unreserved_tokens,
+        get_attention_cp_size(),
+        kv_row_bytes,
+        page_size,
+        requested_prefetch_slot_tokens=_requested_prefetch_slot_tokens(model_runner),
     )
     logger.info(
         "CP shared KV: reserved %.2f GB of %.2f GB KV memory for the gather scratch",
@@ -232,6 +274,12 @@ def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **k
         available_bytes / (1 << 30),
     )
     return available_bytes - reserve
+
+
+def _requested_prefetch_slot_tokens(model_runner) -> int:
+    return configured_prefetch_slot_tokens(
+        model_runner.model_config.context_len, model_runner.server_args.chunked_prefill_size
+    )
 
 
 def attach_runtime(result, model_runner, *args, **kwargs):
@@ -262,14 +310,40 @@ def attach_runtime(result, model_runner, *args, **kwargs):
             f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator with layout "
             f"{layout}, got {type(allocator).__name__}"
         )
+    from sglang.srt.distributed.parallel_state import get_world_group
+
+    cp_group = get_attention_cp_group()
     scratch = create_gather_scratch(pool, layout.cp_size)
-    CpSharedKVRuntime(pool, layout, scratch, get_attention_cp_group().device_group)
+    prefetch_slot = create_prefetch_slot(
+        pool, layout.cp_size, _requested_prefetch_slot_tokens(model_runner)
+    )
+    prefetch_group = None
+    if prefetch_slot is not None:
+        # Every rank reaches this point (attach runs on every TP worker), as new_group requires.
+        prefetch_group = create_prefetch_group(
+            cp_group.ranks,
+            coordination_group=get_world_group().cpu_group,
+            backend=dist.get_backend(cp_group.device_group),
+        )
+    indexer_layer_ids = indexer_layer_ids_of(model_runner.model)
+    CpSharedKVRuntime(
+        pool,
+        layout,
+        scratch,
+        cp_group.device_group,
+        prefetch_slot=prefetch_slot,
+        prefetch_group=prefetch_group,
+        indexer_layer_ids=indexer_layer_ids,
+    )
     logger.info(
-        "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens",
+        "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens; layer-ahead "
+        "prefetch %s; %s layers store indexer K",
         layout.cp_rank,
         layout.cp_size,
         pool.size,
         layout.cp_size * pool.size,
+        f"on ({prefetch_slot.size} tokens in slot 1)" if prefetch_slot is not None else "off",
+        "all" if indexer_layer_ids is None else len(indexer_layer_ids),
     )
     return None
 

@@ -1,20 +1,29 @@
-"""The gather scratch: one layer of KV and indexer K for every page a forward may reference.
+"""The gather scratch: two slots, each one layer of KV and indexer K for the pages a forward reads.
 
-It is a real ``NSATokenToKVPool`` with ``layer_num=1`` and ``cp_size x`` the physical pool's token
-count (= the logical capacity), so sglang's own setters and getters read and write it with the
-pool's exact row formats (bf16 576-wide rows, fp8 656-byte rows, 132-byte indexer rows per token).
-Layers reuse it one after another (stream order), so it costs ``cp_size / num_layers`` of the
-physical pool, not a replica. Sizing it from the logical capacity makes every forward fit: a batch
-cannot reference more pages than exist (see ``build_peer_page_plan``).
+Each slot is a real ``NSATokenToKVPool`` with ``layer_num=1``, so sglang's own setters and getters
+read and write it with the pool's exact row formats (bf16 576-wide rows, fp8 656-byte rows,
+132-byte indexer rows per token).
 
-Its memory is reserved before sglang sizes the pool (``reserve_scratch_bytes``): without that the
-pool would take the whole profiled budget and the scratch would not fit.
+* Slot 0 has ``cp_size x`` the physical pool's token count (= the logical capacity), so every
+  forward fits: a batch cannot reference more pages than exist (see ``build_peer_page_plan``).
+  Decode and every forward that does not prefetch use it for all layers.
+* Slot 1 (``prefetch_slot_tokens``) lets a prefill forward gather layer ``l+1`` while layer ``l``
+  reads slot 0 (``peer_page_prefetch``). It only has to hold what one prefill forward references,
+  so by default it is sized from the context length plus the chunked-prefill budget (+25% for
+  owner padding), capped at the logical capacity; a forward that does not fit runs the serial path.
+
+Layers reuse the slots one after another, so the scratch costs about ``cp_size / num_layers`` of
+the physical pool for slot 0 plus slot 1's share, not a replica. Its memory is reserved before
+sglang sizes the pool (``reserve_scratch_bytes``): without that the pool would take the whole
+profiled budget and the scratch would not fit.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -23,6 +32,9 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 logger = logging.getLogger(__name__)
 
 SCRATCH_LAYER_ID = 0  # the scratch pool's only layer
+# Tokens of the second slot; 0 turns the layer-ahead prefetch off. Unset: sized from the context
+# length and the chunked-prefill budget (``prefetch_slot_tokens``).
+PREFETCH_SLOT_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS"
 # The indexer head dim of GLM-5 / DeepSeek-V3.2, and the only one NSATokenToKVPool accepts (it asserts).
 NSA_INDEX_HEAD_DIM = 128
 
@@ -57,6 +69,31 @@ def scratch_bytes(
     return kv_rows * kv_row_bytes + index_pages * page_size * index_k_bytes_per_token(index_head_dim)
 
 
+def configured_prefetch_slot_tokens(context_len: int, chunked_prefill_size: Optional[int]) -> int:
+    """Requested tokens of slot 1 before the capacity cap (``PREFETCH_SLOT_TOKENS_ENV`` or the default).
+
+    Default: one request of the full context length plus one chunk of new tokens, +25% for the
+    padding of unbalanced owners (``1 + cp_size * n`` scratch pages for the gathered region).
+    """
+    raw = os.environ.get(PREFETCH_SLOT_TOKENS_ENV)
+    if raw is not None:
+        try:
+            tokens = int(raw)
+        except ValueError:
+            tokens = -1
+        if tokens < 0:
+            raise ValueError(f"{PREFETCH_SLOT_TOKENS_ENV} must be a token count >= 0, got {raw!r}")
+        return tokens
+    chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else context_len
+    return (context_len + chunk) * 5 // 4
+
+
+def prefetch_slot_tokens(requested_tokens: int, logical_tokens: int, page_size: int) -> int:
+    """Tokens of slot 1: the request rounded up to pages, at most the logical capacity (slot 0)."""
+    pages = -(-max(requested_tokens, 0) // page_size)
+    return min(pages * page_size, logical_tokens)
+
+
 def reserve_scratch_bytes(
     available_bytes: int,
     unreserved_physical_tokens: int,
@@ -64,26 +101,42 @@ def reserve_scratch_bytes(
     kv_row_bytes: int,
     page_size: int,
     index_head_dim: int = NSA_INDEX_HEAD_DIM,
+    requested_prefetch_slot_tokens: int = 0,
 ) -> int:
-    """KV-budget bytes to hold back for the scratch.
+    """KV-budget bytes to hold back for both scratch slots.
 
     ``unreserved_physical_tokens`` is what the pool would get from the whole ``available_bytes``;
-    the pool sized from what remains is no larger, so its scratch fits the reservation.
+    the pool sized from what remains is no larger, so both of its slots fit the reservation (slot
+    1 is capped at the logical capacity, which can only shrink).
     """
-    reserve = scratch_bytes(
-        cp_size * unreserved_physical_tokens, kv_row_bytes, page_size, index_head_dim
-    )
+    logical_tokens = cp_size * unreserved_physical_tokens
+    slot1_tokens = prefetch_slot_tokens(requested_prefetch_slot_tokens, logical_tokens, page_size)
+    reserve = scratch_bytes(logical_tokens, kv_row_bytes, page_size, index_head_dim)
+    if slot1_tokens > 0:
+        reserve += scratch_bytes(slot1_tokens, kv_row_bytes, page_size, index_head_dim)
     if reserve >= available_bytes:
         raise ValueError(
             f"--enable-nsa-prefill-cp-shared-kv: the gather scratch needs {reserve} bytes but only "
             f"{available_bytes} bytes are available for the KV cache; raise --mem-fraction-static"
+            f" (or lower {PREFETCH_SLOT_TOKENS_ENV})"
         )
     return reserve
 
 
 def create_gather_scratch(pool: NSATokenToKVPool, cp_size: int) -> NSATokenToKVPool:
-    """Allocate the scratch for ``pool`` (one layer, ``cp_size * pool.size`` tokens)."""
-    scratch_tokens = cp_size * pool.size
+    """Allocate slot 0 for ``pool`` (one layer, ``cp_size * pool.size`` tokens)."""
+    return _scratch_pool(pool, cp_size * pool.size, "slot 0")
+
+
+def create_prefetch_slot(
+    pool: NSATokenToKVPool, cp_size: int, requested_tokens: int
+) -> Optional[NSATokenToKVPool]:
+    """Allocate slot 1 (``prefetch_slot_tokens``); None when that is 0 tokens (prefetch off)."""
+    tokens = prefetch_slot_tokens(requested_tokens, cp_size * pool.size, pool.page_size)
+    return _scratch_pool(pool, tokens, "slot 1") if tokens > 0 else None
+
+
+def _scratch_pool(pool: NSATokenToKVPool, scratch_tokens: int, name: str) -> NSATokenToKVPool:
     try:
         scratch = NSATokenToKVPool(
             size=scratch_tokens,
@@ -99,13 +152,14 @@ def create_gather_scratch(pool: NSATokenToKVPool, cp_size: int) -> NSATokenToKVP
         )
     except torch.OutOfMemoryError as error:
         raise RuntimeError(
-            f"--enable-nsa-prefill-cp-shared-kv: cannot allocate the gather scratch "
+            f"--enable-nsa-prefill-cp-shared-kv: cannot allocate the gather scratch {name} "
             f"({scratch_tokens} tokens, one layer); lower --mem-fraction-static or "
             f"--max-total-tokens"
         ) from error
     logger.info(
-        "CP shared KV gather scratch: %d logical tokens x 1 layer (%.2f GB); the 'KV Cache is "
+        "CP shared KV gather scratch %s: %d logical tokens x 1 layer (%.2f GB); the 'KV Cache is "
         "allocated' line above is this scratch",
+        name,
         scratch_tokens,
         scratch.get_kv_size_bytes() / (1 << 30),
     )

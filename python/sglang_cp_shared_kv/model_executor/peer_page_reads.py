@@ -6,7 +6,8 @@
   ``real_page_table`` page ids; all become scratch locs / pages. Under round-robin CP the tables are
   already filtered to this rank's requests; the remap is elementwise, and the plan covers the whole
   unfiltered batch, so that is fine.
-* Pool getters (AROUND), called by the kernels after the layer's store assembled the scratch:
+* Pool getters (AROUND), called by the kernels after the layer's store assembled its scratch slot
+  (``CpSharedKVRuntime.kv_slot_for_read``: slot ``l % 2`` under the layer-ahead prefetch, else 0):
   ``get_key_buffer`` (attention, all impls), ``get_index_k_with_scale_buffer`` (paged indexer in
   decode; the fused indexer store also calls it, see ``CpSharedKVRuntime.writing_physical``) and
   ``get_index_k_scale_buffer`` (ragged indexer in prefill) return the scratch's buffers, after the
@@ -49,8 +50,7 @@ def get_key_buffer(original, pool, layer_id):
     runtime = runtime_of(pool)
     if runtime is None:
         return buffer
-    runtime.require_kv_layer(layer_id)
-    return original(runtime.scratch, SCRATCH_LAYER_ID)
+    return original(runtime.kv_slot_for_read(layer_id), SCRATCH_LAYER_ID)
 
 
 def get_index_k_with_scale_buffer(original, pool, layer_id):
@@ -58,8 +58,7 @@ def get_index_k_with_scale_buffer(original, pool, layer_id):
     runtime = runtime_of(pool)
     if runtime is None or runtime.writing_physical:
         return buffer
-    runtime.require_index_layer(layer_id)
-    return original(runtime.scratch, SCRATCH_LAYER_ID)
+    return original(runtime.index_slot_for_read(layer_id), SCRATCH_LAYER_ID)
 
 
 def get_index_k_scale_buffer(
@@ -69,11 +68,9 @@ def get_index_k_scale_buffer(
     if runtime is None:
         return original(pool, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len)
     runtime.wait_for_layer(layer_id)
-    runtime.require_index_layer(layer_id)
+    slot = runtime.index_slot_for_read(layer_id)
     # ``page_indices`` is the remapped ``real_page_table``: scratch pages.
-    return original(
-        runtime.scratch, SCRATCH_LAYER_ID, seq_len_tensor, page_indices, seq_len_sum, max_seq_len
-    )
+    return original(slot, SCRATCH_LAYER_ID, seq_len_tensor, page_indices, seq_len_sum, max_seq_len)
 
 
 def refuse_when_served(name: str):

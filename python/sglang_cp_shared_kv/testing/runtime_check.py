@@ -8,19 +8,30 @@ small serving story through sglang's own store methods with our hooks applied (`
 1. EXTEND of two fresh requests (every page is new: nothing to gather);
 2. EXTEND of a request whose first page is a cached prefix of another, plus the second chunk of a
    request whose first chunk ended mid-page (old, new and mixed pages), with padded tokens;
+   with ``hicache`` the prefix page is being loaded back layer by layer (``LayerWiseLoadBack``);
 3. DECODE of the three requests (one opens a new page) plus a padded request (req_to_token row 0).
+
+Layers in ``skip_index_layers`` behave like sglang's ``skip_topk`` layers: no indexer store, no
+indexer read. With a ``prefetch_group`` the runtime gets a second scratch slot and forward 2 runs
+the layer-ahead prefetch (``peer_page_prefetch``).
 
 After each layer's stores it compares, bit for bit, what the kernels would read (the remapped
 ``NSAMetadata`` tables into the getters' buffers) with the replicated pool, and at the end this
-rank's physical rows with the replicated rows of the logical locs they hold. Used by the gloo
-unit test and ``scripts/gpu/check_cp_shared_kv_runtime.py``.
+rank's physical rows with the replicated rows of the logical locs they hold. Comparisons are
+queued on the device and summed once at the end, so nothing waits for the GPU between layers
+(a delay kernel before the reads, ``read_delay_ms``, can then expose a missing stream wait).
+
+``plant`` switches on one deliberate bug (test harness only; see ``PLANTS``), so the tests can
+show that the check catches it. Used by the gloo unit test and
+``scripts/gpu/check_cp_shared_kv_runtime.py``.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,24 +44,146 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
-from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
+from sglang_cp_shared_kv.model_executor.gather_scratch import (
+    create_gather_scratch,
+    create_prefetch_slot,
+)
+from sglang_cp_shared_kv.model_executor.scratch_rows import BatchRowMaps
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
 
 PAGE_SIZE = 64
 KV_DIMS = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 656)}
 
 
+# Deliberate bugs the check must catch (never on by default; applied to one runtime instance):
+PLANTS = (
+    # the prefetch packs a layer without waiting for its HiCache load-back
+    "pack_before_load_back",
+    # layer l+1's prefetch lands in the slot layer l is about to read (a slot reused too early)
+    "prefetch_into_busy_slot",
+    # the prefetch of layer l+1 does not wait for the compute stream (GPU: with read_delay_ms)
+    "prefetch_without_waiting_for_reads",
+    # a mixed page is taken whole from the prefetch: the store skips it (fill-only locs)
+    "mixed_page_from_prefetch",
+)
+
+
 @dataclass
 class RankResult:
     rows_compared: int = 0
     mismatches: int = 0
+    prefetch_forwards: int = 0
+    _pending: list = field(default_factory=list)
 
     def compare(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
-        """Row-wise bit comparison (dim 0 = rows)."""
+        """Row-wise bit comparison (dim 0 = rows), queued on the device (see ``finish``)."""
         actual = actual.contiguous().view(torch.uint8).reshape(actual.shape[0], -1)
         expected = expected.contiguous().view(torch.uint8).reshape(expected.shape[0], -1)
         self.rows_compared += actual.shape[0]
-        self.mismatches += int((actual != expected).any(dim=1).sum())
+        self._pending.append((actual != expected).any(dim=1).sum())
+
+    def finish(self) -> "RankResult":
+        if self._pending:
+            self.mismatches += int(torch.stack(self._pending).sum())
+        self._pending = []
+        return self
+
+
+class LayerWiseLoadBack:
+    """A HiCache-like layer-wise load-back of some pages into a shard, standing in for
+    ``LayerDoneCounter`` (``pool.layer_transfer_counter``).
+
+    ``arm`` saves the true rows of the pages, overwrites them with garbage and registers itself;
+    the rows of layer ``i`` land again only as the load would: on CUDA a load stream restores
+    them after a delay kernel and records layer ``i``'s event, and ``wait_until(i)`` makes the
+    current stream wait for it (what sglang's counter does); on CPU ``wait_until(i)`` restores
+    layer ``i`` itself, so a pack that does not wait reads the garbage in both cases.
+    """
+
+    def __init__(self, shard: NSATokenToKVPool, physical_pages: torch.Tensor, delay_ms: float = 0):
+        self.shard = shard
+        self.pages = physical_pages.long()
+        self.rows = (self.pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=self.pages.device)).reshape(-1)
+        self.delay_ms = delay_ms
+        self.saved = []
+        self.loaded = []
+        self.events = []
+
+    def arm(self) -> None:
+        cuda = self.shard.kv_buffer[0].is_cuda
+        for layer in range(self.shard.layer_num):
+            kv, index = self.shard.kv_buffer[layer], self.shard.index_k_with_scale_buffer[layer]
+            self.saved.append((kv[self.rows].clone(), index[self.pages].clone()))
+            kv.view(torch.uint8)[self.rows] = 0x5A
+            index[self.pages] = 0x5A
+        self.loaded = [False] * self.shard.layer_num
+        if cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for layer in range(self.shard.layer_num):
+                    if self.delay_ms:
+                        torch.cuda._sleep(int(self.delay_ms * 2_000_000))
+                    self._restore(layer)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    self.events.append(event)
+        self.shard.register_layer_transfer_counter(self)
+
+    def _restore(self, layer: int) -> None:
+        kv_rows, index_pages = self.saved[layer]
+        self.shard.kv_buffer[layer][self.rows] = kv_rows
+        self.shard.index_k_with_scale_buffer[layer][self.pages] = index_pages
+        self.loaded[layer] = True
+
+    def wait_until(self, layer_index: int) -> None:
+        if self.events:
+            torch.cuda.current_stream().wait_event(self.events[layer_index])
+        elif not self.loaded[layer_index]:
+            self._restore(layer_index)
+
+    def disarm(self) -> None:
+        """Every layer landed (as after the forward), then unregister."""
+        for layer in range(self.shard.layer_num):
+            self.wait_until(layer)
+        self.shard.layer_transfer_counter = None
+
+
+def apply_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
+    """Switch on one of ``PLANTS`` on ``runtime`` (instance attributes only)."""
+    if plant is None:
+        return
+    pipeline = runtime.pipeline
+    if plant == "pack_before_load_back":
+        pipeline.wait_for_load_back = lambda layer_index: None
+    elif plant == "prefetch_into_busy_slot":
+        gather_into = pipeline.gather_into
+
+        def into_the_other_slot(slot, layer_id, parts):
+            other = pipeline.slots[1 - pipeline.slots.index(slot)]
+            gather_into(other, layer_id, parts)
+
+        pipeline.gather_into = into_the_other_slot
+    elif plant == "prefetch_without_waiting_for_reads":
+        pipeline.side_waits_for_compute = lambda: None
+    elif plant == "mixed_page_from_prefetch":
+        row_maps = runtime.row_maps
+
+        def fill_only(plan, logical_locs):
+            maps = row_maps(plan, logical_locs)
+            locs = plan.fill_locs(logical_locs)
+            rows = locs.long()
+            return BatchRowMaps(
+                scratch_locs=locs,
+                scratch_rows=rows,
+                physical_rows=maps.physical_rows,
+                scratch_page_slot=(rows // PAGE_SIZE, rows % PAGE_SIZE),
+                physical_page_slot=maps.physical_page_slot,
+            )
+
+        runtime.row_maps = fill_only
+    else:
+        raise ValueError(f"unknown plant {plant!r}; one of {PLANTS}")
 
 
 def apply_hooks() -> None:
@@ -153,15 +286,39 @@ def run_rank(
     seed: int = 0,
     num_layers: int = 2,
     physical_pages: int = 6,
+    prefetch_group: Optional[dist.ProcessGroup] = None,
+    prefetch_slot_tokens: Optional[int] = None,
+    skip_index_layers: tuple = (),
+    hicache: bool = False,
+    plant: Optional[str] = None,
+    read_delay_ms: float = 0,
 ) -> RankResult:
-    """Run the story on this rank (hooks must be applied); return what was compared."""
+    """Run the story on this rank (hooks must be applied); return what was compared.
+
+    ``prefetch_group``: a second group over the same ranks; turns on the layer-ahead prefetch with
+    a second slot of ``prefetch_slot_tokens`` tokens (default: the logical capacity).
+    """
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
     # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
     # so the replica needs that many pages of rows.
     replica_pages = cp_size * (physical_pages + 1)
     replica = make_nsa_pool((replica_pages - 1) * PAGE_SIZE, dtype_name, num_layers, device)
-    CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, cp_size), group)
+    prefetch_slot = None
+    if prefetch_group is not None:
+        tokens = cp_size * shard.size if prefetch_slot_tokens is None else prefetch_slot_tokens
+        prefetch_slot = create_prefetch_slot(shard, cp_size, tokens)
+    indexer_layers = frozenset(set(range(num_layers)) - set(skip_index_layers))
+    runtime = CpSharedKVRuntime(
+        shard,
+        layout,
+        create_gather_scratch(shard, cp_size),
+        group,
+        prefetch_slot=prefetch_slot,
+        prefetch_group=prefetch_group,
+        indexer_layer_ids=indexer_layers,
+    )
+    apply_plant(runtime, plant)
     rng = random.Random(seed)
     data = torch.Generator().manual_seed(seed)
     story = _Story(layout, physical_pages, rng, device)
@@ -169,68 +326,111 @@ def run_rank(
     backend = SimpleNamespace(forward_metadata=None)
     indexer = IndexerStub()
 
-    def run_forward(mode, reqs, new_counts, out_locs):
+    def run_forward(mode, reqs, new_counts, out_locs, load_back_pages=(), delay_ms=0.0):
         batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device)
         replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, replica, device)
         seq_lens = batch.seq_lens_cpu.tolist()
         logical_table = story.req_to_token[batch.req_pool_indices, : max(seq_lens)]
+        num_tokens = len(out_locs)
+        # Everything a layer needs is on the device before the first layer: no host wait inside.
+        inputs = [
+            tuple(
+                torch.randn(num_tokens, *shape, generator=data).to(torch.bfloat16).to(device)
+                for shape in ((1, 512), (1, 64), (128,))
+            )
+            for _ in range(num_layers)
+        ]
+        reads = _ReadIndex(reqs, seq_lens, logical_table, device)
+        load_back = None
+        owned = [p for p in load_back_pages if layout.owner_of_page(p) == cp_rank]
+        if owned:
+            pages = torch.tensor([layout.physical_page_of(p) for p in owned], device=device)
+            load_back = LayerWiseLoadBack(shard, pages, delay_ms=delay_ms)
+            load_back.arm()
         backend.forward_metadata = nsa_metadata_for(logical_table)
         peer_page_reads.remap_forward_metadata(None, backend, batch)
+        result.prefetch_forwards += runtime.pipeline.prefetching
         metadata = backend.forward_metadata
-        num_tokens = len(out_locs)
         for layer_id in range(num_layers):
             layer = SimpleNamespace(layer_id=layer_id)
-            nope = torch.randn(num_tokens, 1, 512, generator=data).to(torch.bfloat16).to(device)
-            rope = torch.randn(num_tokens, 1, 64, generator=data).to(torch.bfloat16).to(device)
-            key = torch.randn(num_tokens, 128, generator=data).to(torch.bfloat16).to(device)
+            nope, rope, key = inputs[layer_id]
+            stores_index = layer_id not in skip_index_layers
             for pool_batch in (batch, replica_batch):
                 pool = pool_batch.token_to_kv_pool
+                if stores_index:  # sglang's indexer stores before attention stores KV
+                    Indexer._store_index_k_cache(
+                        indexer, pool_batch, layer_id, key, act_quant=act_quant
+                    )
                 pool.set_mla_kv_buffer(layer, pool_batch.out_cache_loc, nope, rope)
-                Indexer._store_index_k_cache(
-                    indexer, pool_batch, layer_id, key, act_quant=act_quant
-                )
-            _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, replica, result)
+            if delay_ms and device == "cuda":
+                # Hold the compute stream before this layer's reads: a prefetch that does not wait
+                # for them overwrites the slot first.
+                torch.cuda._sleep(int(delay_ms * 2_000_000))
+            _check_reads(layer_id, reads, metadata, shard, replica, result, stores_index)
+        if load_back is not None:
+            load_back.disarm()
 
     # 1. Two fresh requests.
     run_forward(ForwardMode.EXTEND, [1, 2], [70, 128], story.append(1, 70) + story.append(2, 128))
-    # 2. Request 3 hits request 1's first page as cached prefix; request 1's second chunk starts
-    #    mid-page; three padded tokens (loc 0).
+    # 2. Request 3 hits request 1's first page as cached prefix (loaded back from host with
+    #    ``hicache``); request 1's second chunk starts mid-page (a mixed page); three padded
+    #    tokens (loc 0).
     story.share_prefix(3, 1, PAGE_SIZE)
+    prefix_page = int(story.req_to_token[1, 0]) // PAGE_SIZE
     out_locs = story.append(1, 40) + story.append(3, 50) + [0, 0, 0]
-    run_forward(ForwardMode.EXTEND, [1, 3], [40, 50], out_locs)
+    run_forward(
+        ForwardMode.EXTEND,
+        [1, 3],
+        [40, 50],
+        out_locs,
+        load_back_pages=(prefix_page,) if hicache else (),
+        delay_ms=read_delay_ms,
+    )
     # 3. Decode; request 2 opens a new page; one padded request (row 0).
     out_locs = story.append(1, 1) + story.append(2, 1) + story.append(3, 1) + [0]
     run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
 
     _check_shard(layout, shard, replica, num_layers, result)
-    return result
+    return result.finish()
 
 
-def _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, replica, result):
-    # Padded requests (req_to_token row 0) read the dummy page, as in stock sglang: not compared.
-    rows = [row for row, req in enumerate(reqs) if req != 0]
-    real_lens = [seq_lens[row] for row in rows]
+class _ReadIndex:
+    """Host-built index tensors of one forward's reads (built before any layer runs)."""
+
+    def __init__(self, reqs, seq_lens, logical_table, device):
+        # Padded requests (req_to_token row 0) read the dummy page, as in stock sglang: not compared.
+        self.rows = [row for row, req in enumerate(reqs) if req != 0]
+        self.real_lens = [seq_lens[row] for row in self.rows]
+        self.logical_table = logical_table
+        self.seq_len_tensor = torch.tensor(self.real_lens, device=device)
+        self.seq_len_cpu = torch.tensor(self.real_lens)
+        self.rows_t = torch.tensor(self.rows, device=device)
+        self.logical_pages = logical_table[self.rows_t, ::PAGE_SIZE] // PAGE_SIZE
+        self.totals = (sum(self.real_lens), max(self.real_lens))
+
+
+def _check_reads(layer_id, reads, metadata, shard, replica, result, stores_index=True):
     scratch_kv = shard.get_key_buffer(layer_id)
     replica_kv = replica.get_key_buffer(layer_id)
-    for row, seq_len in zip(rows, real_lens):
+    for row, seq_len in zip(reads.rows, reads.real_lens):
         scratch_locs = metadata.page_table_1[row, :seq_len].long()
-        result.compare(scratch_kv[scratch_locs], replica_kv[logical_table[row, :seq_len].long()])
-
-    device = logical_table.device
-    seq_len_tensor = torch.tensor(real_lens, device=device)
-    rows_t = torch.tensor(rows, device=device)
-    scratch_pages = metadata.real_page_table[rows_t]
-    logical_pages = logical_table[rows_t, ::PAGE_SIZE] // PAGE_SIZE
-    totals = (sum(real_lens), max(real_lens))
+        logical_locs = reads.logical_table[row, :seq_len].long()
+        result.compare(scratch_kv[scratch_locs], replica_kv[logical_locs])
+    if not stores_index:  # a skip_topk layer reads the previous layer's top-k, not indexer K
+        return
+    scratch_pages = metadata.real_page_table[reads.rows_t]
+    logical_pages, totals = reads.logical_pages, reads.totals
     # Prefill indexer read (ragged): the hooked getter and sglang's gather kernel.
-    k, s = shard.get_index_k_scale_buffer(layer_id, seq_len_tensor, scratch_pages, *totals)
-    k_ref, s_ref = replica.get_index_k_scale_buffer(layer_id, seq_len_tensor, logical_pages, *totals)
+    k, s = shard.get_index_k_scale_buffer(layer_id, reads.seq_len_tensor, scratch_pages, *totals)
+    k_ref, s_ref = replica.get_index_k_scale_buffer(
+        layer_id, reads.seq_len_tensor, logical_pages, *totals
+    )
     result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
     # Decode indexer read (paged): the whole buffer from the hooked getter, addressed by page.
     buffer = shard.get_index_k_with_scale_buffer(layer_id)
-    k, s = get_k_and_s_torch(shard, buffer, scratch_pages, seq_len_tensor, *totals)
+    k, s = get_k_and_s_torch(shard, buffer, scratch_pages, reads.seq_len_cpu, *totals)
     buffer = replica.get_index_k_with_scale_buffer(layer_id)
-    k_ref, s_ref = get_k_and_s_torch(replica, buffer, logical_pages, seq_len_tensor, *totals)
+    k_ref, s_ref = get_k_and_s_torch(replica, buffer, logical_pages, reads.seq_len_cpu, *totals)
     result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
 
 

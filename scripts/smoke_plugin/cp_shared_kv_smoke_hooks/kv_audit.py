@@ -209,7 +209,8 @@ def register_hooks(registry, audit_dir: str) -> None:
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
         from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages
 
-        pool, scratch = runtime.pool, runtime.scratch
+        # The slot this layer's store assembled (slot l % 2 under the layer-ahead prefetch).
+        pool, scratch = runtime.pool, runtime.kv_slot_for_read(layer.layer_id)
         audit_of(runtime).check_layer(
             runtime,
             as_pages(pool.kv_buffer[layer.layer_id - pool.start_layer], pool.page_size).view(torch.uint8),
@@ -220,7 +221,7 @@ def register_hooks(registry, audit_dir: str) -> None:
     def after_store_index_k(result, runtime, original, indexer, forward_batch, layer_id, *args, **kwargs):
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 
-        pool, scratch = runtime.pool, runtime.scratch
+        pool, scratch = runtime.pool, runtime.index_slot_for_read(layer_id)
         audit_of(runtime).check_layer(
             runtime,
             pool.index_k_with_scale_buffer[layer_id - pool.start_layer],

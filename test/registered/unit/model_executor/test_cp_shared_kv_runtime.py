@@ -67,20 +67,44 @@ class TestUnsupportedServerArgs(CustomTestCase):
         self.assertEqual(unsupported_server_args(trtllm), [])
 
 
+class _Attention(torch.nn.Module):
+    """The attributes ``indexer_layer_ids_of`` reads from sglang's ``DeepseekV2AttentionMLA``."""
+
+    def __init__(self, layer_id, skip_topk):
+        super().__init__()
+        self.layer_id, self.skip_topk = layer_id, skip_topk
+        self.indexer = torch.nn.Identity()
+
+
 class TestAttachRuntime(CustomTestCase):
+    CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
+
     def _model_runner(self, pool, allocator, **overrides):
+        model = torch.nn.ModuleList([_Attention(0, False), _Attention(1, True)])
         return SimpleNamespace(
             token_to_kv_pool=pool,
             token_to_kv_pool_allocator=allocator,
-            server_args=_server_args(**overrides),
+            server_args=_server_args(chunked_prefill_size=self.CHUNK, **overrides),
+            model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
+            model=model,
             is_draft_worker=False,
         )
 
     def _attach(self, model_runner, cp_rank=1):
-        group = SimpleNamespace(device_group="cp-device-group")
+        group = SimpleNamespace(device_group="cp-device-group", ranks=[0, 1])
+        world = SimpleNamespace(cpu_group="world-cpu-group")
+        self.group_calls = []
+
+        def create_prefetch_group(ranks, coordination_group, backend):
+            self.group_calls.append((list(ranks), coordination_group, backend))
+            return "prefetch-group"
+
         with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=2), \
              mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_rank", return_value=cp_rank), \
-             mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group):
+             mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group), \
+             mock.patch("sglang.srt.distributed.parallel_state.get_world_group", return_value=world), \
+             mock.patch.object(cp_shared_kv_runtime, "create_prefetch_group", create_prefetch_group), \
+             mock.patch("torch.distributed.get_backend", return_value="nccl"):
             attach_runtime(None, model_runner)
 
     def _allocator(self, pool, cp_rank=1):
@@ -97,8 +121,26 @@ class TestAttachRuntime(CustomTestCase):
         self.assertEqual(runtime.scratch.size, 2 * pool.size)
         self.assertEqual(runtime.cp_group, "cp-device-group")
         self.assertIsNone(runtime_of(runtime.scratch))
+        # The second slot, sized from context length + chunk, and the prefetch's own group over
+        # the CP ranks, created with the CP group's backend after an exchange on the world group.
+        slot1 = runtime.pipeline.slots[1]
+        self.assertEqual(slot1.size, 3 * PAGE_SIZE)
+        self.assertIsNone(runtime_of(slot1))
+        self.assertEqual(runtime.pipeline.prefetch_group, "prefetch-group")
+        self.assertEqual(self.group_calls, [([0, 1], "world-cpu-group", "nccl")])
+        self.assertEqual(runtime.pipeline.indexer_layer_ids, frozenset({0}))  # layer 1 skips
         self._attach(runner)
         self.assertIs(runtime_of(pool), runtime)
+
+    def test_prefetch_off_with_a_zero_token_second_slot(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        runner = self._model_runner(pool, self._allocator(pool))
+        with mock.patch.dict("os.environ", {"SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS": "0"}):
+            self._attach(runner)
+        runtime = runtime_of(pool)
+        self.assertEqual(len(runtime.pipeline.slots), 1)
+        self.assertFalse(runtime.pipeline.can_prefetch)
+        self.assertEqual(self.group_calls, [])  # no group: nothing else to create on any rank
 
     def test_flag_off_attaches_nothing(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
@@ -125,6 +167,25 @@ class TestAttachRuntime(CustomTestCase):
                 self._attach(runner)
             self.assertIn(expected, str(raised.exception))
             self.assertIsNone(runtime_of(runner.token_to_kv_pool))
+
+
+class TestIndexerLayerTable(CustomTestCase):
+    def test_sglang_attention_still_carries_the_flags_the_table_reads(self):
+        # indexer_layer_ids_of reads layer_id, indexer and skip_topk from sglang's NSA attention.
+        import inspect
+
+        from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
+
+        source = inspect.getsource(DeepseekV2AttentionMLA.__init__)
+        for assignment in ("self.layer_id = ", "self.indexer = ", "self.skip_topk = "):
+            self.assertIn(assignment, source)
+
+    def test_model_without_nsa_attention_means_every_layer(self):
+        from sglang_cp_shared_kv.model_executor.peer_page_prefetch import indexer_layer_ids_of
+
+        self.assertIsNone(indexer_layer_ids_of(torch.nn.Linear(2, 2)))
+        model = torch.nn.ModuleList([_Attention(i, i % 2 == 1) for i in range(4)])
+        self.assertEqual(indexer_layer_ids_of(model), frozenset({0, 2}))
 
 
 class TestHookTargets(CustomTestCase):

@@ -4,40 +4,61 @@
 stores with our hooks (Triton kernels swapped for torch) through prefill, chunked prefill on a
 cached prefix, and decode, and compare every read and every stored row with a replicated pool
 (``sglang_cp_shared_kv.testing.runtime_check``).
+
+The layer-ahead prefetch runs on a second gloo group over the same ranks (two scratch slots), on
+4 layers of which layer 2 skips the indexer (``skip_topk``), with the cached prefix page loaded
+back layer by layer as HiCache does. Each planted bug of ``runtime_check.PLANTS`` that can show on
+CPU makes the same run report mismatches (``TestPlantedBugsAreCaught``): the check sees them.
 """
 
 import unittest
 
+import torch
 import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.model_executor.peer_page_prefetch import create_prefetch_group
 from sglang_cp_shared_kv.testing import runtime_check
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
 
 TIMEOUT_S = 120
 
 
-def _rank(rank, world_size, dtype_name):
+def _rank(rank, world_size, dtype_name, prefetch, options):
     runtime_check.apply_hooks()  # this rank's process only
+    # Every rank creates the second group (dist.new_group is entered by the whole world).
+    prefetch_group = dist.new_group(list(range(world_size))) if prefetch else None
     with cpu_kernels():
         result = runtime_check.run_rank(
             rank, world_size, dist.group.WORLD, device="cpu", dtype_name=dtype_name,
-            act_quant=act_quant_torch, seed=world_size,
+            act_quant=act_quant_torch, seed=world_size, prefetch_group=prefetch_group, **options,
         )
-    return rank, result.rows_compared, result.mismatches
+    return rank, result.rows_compared, result.mismatches, result.prefetch_forwards
 
 
-class TestRuntimeAcrossRanks(CustomTestCase):
-    def _run_group(self, world_size, dtype_name):
+def _group_rank(rank, world_size):
+    """Two CP groups {0, 2} and {1, 3} (attention TP 2 x CP 2); each rank knows only its own."""
+    own = [rank % 2, rank % 2 + 2]
+    group = create_prefetch_group(own, coordination_group=dist.group.WORLD, backend="gloo")
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value, group=group)
+    return dist.get_process_group_ranks(group), float(value)
+
+
+PREFETCH_STORY = dict(num_layers=4, skip_index_layers=(2,), hicache=True)
+
+
+class _GlooCase(CustomTestCase):
+    def _run_group(self, world_size, dtype_name, prefetch=False, **options):
         # Ranks fork from a server that imported sglang and this check once.
         rows = run_ranks(
             _rank,
             world_size,
-            (dtype_name,),
+            (dtype_name, prefetch, options),
             start_method="forkserver",
             preload=[runtime_check.__name__],
             timeout_s=TIMEOUT_S,
@@ -47,16 +68,64 @@ class TestRuntimeAcrossRanks(CustomTestCase):
         compared = {r[1] for r in rows}
         self.assertEqual(len(compared), 1)  # every rank checked the same reads
         self.assertGreater(compared.pop(), 1000)
+        return rows
+
+
+class TestRuntimeAcrossRanks(_GlooCase):
+    def _clean(self, world_size, dtype_name, **kwargs):
+        rows = self._run_group(world_size, dtype_name, **kwargs)
         self.assertEqual([r[2] for r in rows], [0] * world_size)
+        return rows
 
     def test_two_ranks_bf16(self):
-        self._run_group(2, "bf16")
+        self._clean(2, "bf16")
 
     def test_two_ranks_fp8(self):
-        self._run_group(2, "fp8")
+        self._clean(2, "fp8")
 
     def test_four_ranks_fp8(self):
-        self._run_group(4, "fp8")
+        self._clean(4, "fp8")
+
+    def test_prefetch_two_ranks_bf16(self):
+        rows = self._clean(2, "bf16", prefetch=True, **PREFETCH_STORY)
+        # The chunk over a cached prefix prefetched; fresh prefill and decode ran serially.
+        self.assertEqual([r[3] for r in rows], [1, 1])
+
+    def test_prefetch_four_ranks_fp8(self):
+        # At cp 4 the forward gathers two pages: two ranks own none and still join every collective.
+        rows = self._clean(4, "fp8", prefetch=True, **PREFETCH_STORY)
+        self.assertEqual([r[3] for r in rows], [1] * 4)
+
+    def test_forward_larger_than_the_second_slot_runs_serially(self):
+        rows = self._clean(
+            2, "fp8", prefetch=True, prefetch_slot_tokens=2 * 64, **PREFETCH_STORY
+        )
+        self.assertEqual([r[3] for r in rows], [0, 0])
+
+
+class TestPrefetchGroup(CustomTestCase):
+    def test_every_rank_creates_every_cp_group_and_keeps_its_own(self):
+        rows = run_ranks(_group_rank, 4, (), start_method="forkserver", timeout_s=TIMEOUT_S,
+                         deadline_s=TIMEOUT_S)
+        self.assertEqual(rows, [([0, 2], 4.0), ([1, 3], 6.0), ([0, 2], 4.0), ([1, 3], 6.0)])
+
+
+class TestPlantedBugsAreCaught(_GlooCase):
+    """Each plant must make the prefetch run report mismatches on at least one rank."""
+
+    def _caught(self, plant, world_size=2):
+        rows = self._run_group(world_size, "fp8", prefetch=True, plant=plant, **PREFETCH_STORY)
+        self.assertEqual([r[3] for r in rows], [1] * world_size)  # the prefetch path ran
+        self.assertGreater(sum(r[2] for r in rows), 0, plant)
+
+    def test_pack_before_load_back(self):
+        self._caught("pack_before_load_back")
+
+    def test_prefetch_into_busy_slot(self):
+        self._caught("prefetch_into_busy_slot")
+
+    def test_mixed_page_from_prefetch(self):
+        self._caught("mixed_page_from_prefetch")
 
 
 if __name__ == "__main__":

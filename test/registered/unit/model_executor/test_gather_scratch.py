@@ -1,4 +1,4 @@
-"""Gather scratch budget: the bytes reserved before pool sizing always hold the scratch allocated after."""
+"""Gather scratch budget: the bytes reserved before pool sizing always hold both slots allocated after."""
 
 import random
 import unittest
@@ -13,8 +13,12 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     reserve_scratch_before_pool_sizing,
 )
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
+    PREFETCH_SLOT_TOKENS_ENV,
+    configured_prefetch_slot_tokens,
     create_gather_scratch,
+    create_prefetch_slot,
     index_k_bytes_per_token,
+    prefetch_slot_tokens,
     reserve_scratch_bytes,
     scratch_bytes,
 )
@@ -49,6 +53,28 @@ class TestScratchSize(CustomTestCase):
                 scratch_bytes(15 * PAGE, _kv_row_bytes(dtype_name), PAGE, pool.index_head_dim),
             )
 
+    def test_second_slot_is_page_rounded_and_capped_at_the_logical_capacity(self):
+        pool = make_nsa_pool(5 * PAGE, "fp8", 3, "cpu")
+        row = _kv_row_bytes("fp8")
+        for requested, tokens in ((1, PAGE), (2 * PAGE, 2 * PAGE), (10**6, 15 * PAGE)):
+            slot = create_prefetch_slot(pool, 3, requested)
+            self.assertEqual(slot.size, tokens)
+            self.assertEqual(slot.layer_num, 1)
+            self.assertEqual(slot.get_kv_size_bytes(), scratch_bytes(tokens, row, PAGE))
+        self.assertIsNone(create_prefetch_slot(pool, 3, 0))
+
+    def test_second_slot_default_and_setting(self):
+        with mock.patch.dict("os.environ", {}, clear=False) as env:
+            env.pop(PREFETCH_SLOT_TOKENS_ENV, None)
+            # context + one chunk, +25% for owner padding; no chunking: two contexts.
+            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), (131072 + 8192) * 5 // 4)
+            self.assertEqual(configured_prefetch_slot_tokens(1000, -1), 2500)
+            env[PREFETCH_SLOT_TOKENS_ENV] = "4096"
+            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), 4096)
+            env[PREFETCH_SLOT_TOKENS_ENV] = "-3"
+            with self.assertRaisesRegex(ValueError, PREFETCH_SLOT_TOKENS_ENV):
+                configured_prefetch_slot_tokens(131072, 8192)
+
     def test_indexer_row_bytes_come_from_the_pool_geometry(self):
         pool = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
         page_bytes = pool.index_k_with_scale_buffer[0].shape[1]
@@ -57,21 +83,32 @@ class TestScratchSize(CustomTestCase):
 
 
 class TestReservation(CustomTestCase):
-    def test_pool_sized_from_the_rest_leaves_room_for_its_scratch(self):
+    def test_pool_sized_from_the_rest_leaves_room_for_both_slots(self):
         rng = random.Random(0)
         for _ in range(500):
             dtype_name = rng.choice(["bf16", "fp8"])
             cp_size = rng.choice([2, 4, 8])
-            layers = rng.randrange(2 * cp_size, 80)  # the scratch is cp_size layers' worth
+            layers = rng.randrange(4 * cp_size, 80)  # the scratch is up to 2 * cp_size layers' worth
             # sglang's configurator counts 576 latent values per token, even for fp8 656-byte rows.
             cell = layers * (576 * KV_DIMS[dtype_name][0].itemsize + 132)
-            available = rng.randrange(cell * PAGE * (cp_size + 2), cell * 10**6)
+            available = rng.randrange(cell * PAGE * (2 * cp_size + 2), cell * 10**6)
             unreserved = _pool_tokens(available, cell)
             row = _kv_row_bytes(dtype_name)
-            reserve = reserve_scratch_bytes(available, unreserved, cp_size, row, PAGE)
+            requested = rng.choice([0, rng.randrange(1, 4 * cp_size * unreserved + 2)])
+            reserve = reserve_scratch_bytes(
+                available, unreserved, cp_size, row, PAGE, requested_prefetch_slot_tokens=requested
+            )
             pool_tokens = _pool_tokens(available - reserve, cell)
-            self.assertLessEqual(scratch_bytes(cp_size * pool_tokens, row, PAGE), reserve)
+            slot1 = prefetch_slot_tokens(requested, cp_size * pool_tokens, PAGE)
+            allocated = scratch_bytes(cp_size * pool_tokens, row, PAGE)
+            allocated += scratch_bytes(slot1, row, PAGE) if slot1 else 0
+            self.assertLessEqual(allocated, reserve)
             self.assertGreater(pool_tokens, 0)
+            # Exact when the pool gets the unreserved size: the reservation is both slots' bytes.
+            slot1 = prefetch_slot_tokens(requested, cp_size * unreserved, PAGE)
+            exact = scratch_bytes(cp_size * unreserved, row, PAGE)
+            exact += scratch_bytes(slot1, row, PAGE) if slot1 else 0
+            self.assertEqual(reserve, exact)
 
     def test_too_little_memory_names_the_flags(self):
         with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv.*mem-fraction-static"):
@@ -81,6 +118,9 @@ class TestReservation(CustomTestCase):
 class TestReservationHook(CustomTestCase):
     CELL = 78 * (576 + 132)
 
+    CONTEXT_LEN, CHUNK = 131072, 8192
+    SLOT1 = (CONTEXT_LEN + CHUNK) * 5 // 4  # a multiple of the page size
+
     def _model_runner(self, max_total_tokens=None, is_draft_worker=False, flag=True):
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
@@ -88,7 +128,9 @@ class TestReservationHook(CustomTestCase):
                 page_size=PAGE,
                 max_total_tokens=max_total_tokens,
                 enable_nsa_prefill_cp_shared_kv=flag,
+                chunked_prefill_size=self.CHUNK,
             ),
+            model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             calculate_mla_kv_cache_dim=lambda: 656,
             kv_cache_dtype=torch.float8_e4m3fn,
         )
@@ -102,20 +144,26 @@ class TestReservationHook(CustomTestCase):
         with mock.patch(
             "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
             return_value=configurator,
-        ), mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=8):
+        ), mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=8), \
+            mock.patch.dict("os.environ") as env:
+            env.pop(PREFETCH_SLOT_TOKENS_ENV, None)
             return reserve_scratch_before_pool_sizing(available, model_runner, 0)
 
-    def test_returns_the_budget_minus_the_scratch_of_the_unreserved_pool(self):
+    def test_returns_the_budget_minus_both_slots_of_the_unreserved_pool(self):
         available = 40 << 30
         left = self._run(self._model_runner(), available)
-        expected = scratch_bytes(8 * _pool_tokens(available, self.CELL), 656, PAGE)
-        self.assertEqual(available - left, expected)
-        # GLM-5 fp8 shape (78 layers, cp 8): about 11% of the KV budget.
-        self.assertAlmostEqual((available - left) / available, 8 * 788 / self.CELL, delta=0.01)
+        slot0 = scratch_bytes(8 * _pool_tokens(available, self.CELL), 656, PAGE)
+        self.assertEqual(available - left, slot0 + scratch_bytes(self.SLOT1, 656, PAGE))
+        # GLM-5 fp8 shape (78 layers, cp 8): slot 0 is about 11% of the KV budget, slot 1
+        # (128K context + 8K chunk) about 0.13 GB.
+        self.assertAlmostEqual(slot0 / available, 8 * 788 / self.CELL, delta=0.01)
+        self.assertAlmostEqual(scratch_bytes(self.SLOT1, 656, PAGE) / (1 << 30), 0.125, delta=0.01)
 
     def test_user_token_cap_bounds_the_reservation(self):
         left = self._run(self._model_runner(max_total_tokens=64 * 1000), 40 << 30)
-        self.assertEqual((40 << 30) - left, scratch_bytes(8 * 64 * 1000, 656, PAGE))
+        slot1 = min(self.SLOT1, 8 * 64 * 1000)
+        expected = scratch_bytes(8 * 64 * 1000, 656, PAGE) + scratch_bytes(slot1, 656, PAGE)
+        self.assertEqual((40 << 30) - left, expected)
 
     def test_draft_worker_untouched(self):
         self.assertIsNone(self._run(self._model_runner(is_draft_worker=True), 40 << 30))

@@ -111,9 +111,11 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
         Indexer._store_index_k_cache(IndexerStub(), batch, layer_id, key, act_quant=act_quant)
 
 
-def _rank(rank, world_size, dtype_name, audit_dir, plant):
+def _rank(rank, world_size, dtype_name, audit_dir, plant, prefetch=False):
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
+    # With ``prefetch``: a second group and slot, the layer-ahead path on the chunked forward.
+    prefetch_group = dist.new_group(list(range(world_size))) if prefetch else None
     runtimes = []
     _apply_hooks(audit_dir, plant, runtimes)
     collectives = _record_collectives()
@@ -122,6 +124,7 @@ def _rank(rank, world_size, dtype_name, audit_dir, plant):
         story = runtime_check.run_rank(
             rank, world_size, dist.group.WORLD, device="cpu", dtype_name=dtype_name,
             act_quant=act_quant_torch, seed=world_size, num_layers=NUM_LAYERS,
+            prefetch_group=prefetch_group, hicache=prefetch,
         )  # fmt: skip
         after_story = counts_file.read_text()
         _decode_with_dummy_refs(runtimes[-1], act_quant_torch)
@@ -132,14 +135,15 @@ def _rank(rank, world_size, dtype_name, audit_dir, plant):
         "after_dummy": after_dummy,
         "runtimes": len({id(r) for r in runtimes}),
         "collectives": collectives,
+        "prefetch_forwards": story.prefetch_forwards,
     }
 
 
 class TestSmokeReadAudit(CustomTestCase):
-    def _run(self, world_size, dtype_name="fp8", plant=False):
+    def _run(self, world_size, dtype_name="fp8", plant=False, prefetch=False):
         with tempfile.TemporaryDirectory() as audit_dir:
             ranks = run_ranks(
-                _rank, world_size, (dtype_name, audit_dir, plant), start_method="forkserver",
+                _rank, world_size, (dtype_name, audit_dir, plant, prefetch), start_method="forkserver",
                 preload=[runtime_check.__name__], timeout_s=TIMEOUT_S, deadline_s=TIMEOUT_S,
             )  # fmt: skip
         for r in ranks:
@@ -155,8 +159,9 @@ class TestSmokeReadAudit(CustomTestCase):
             self.assertEqual(r["after_dummy"], ranks[0]["after_dummy"])
         return ranks[0], ranks
 
-    def _assert_clean(self, world_size, dtype_name):
-        rank0, ranks = self._run(world_size, dtype_name)
+    def _assert_clean(self, world_size, dtype_name, prefetch=False):
+        rank0, ranks = self._run(world_size, dtype_name, prefetch=prefetch)
+        self.assertEqual([r["prefetch_forwards"] for r in ranks], [int(prefetch)] * world_size)
         self.assertEqual([r["story_mismatches"] for r in ranks], [0] * world_size)
         story = rank0["after_story"]
         self.assertEqual(story["forwards"], 3)
@@ -192,6 +197,11 @@ class TestSmokeReadAudit(CustomTestCase):
 
     def test_two_ranks_clean(self):
         self._assert_clean(2, "fp8")
+
+    def test_two_ranks_clean_with_the_layer_ahead_prefetch(self):
+        # The audit checks each layer's slot against the owners' pages on the prefetch path too
+        # (the chunked forward, with its prefix page loaded back layer by layer).
+        self._assert_clean(2, "fp8", prefetch=True)
 
     def test_two_ranks_read_from_wrong_owner(self):
         self._assert_catches_wrong_owner(2, "fp8")
