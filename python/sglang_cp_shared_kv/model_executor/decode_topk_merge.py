@@ -127,15 +127,12 @@ def owned_attention_indices(
 def all_gather_candidates(keys: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[cp_size, B, k]`` keys of every rank; every rank of ``group`` must call it, in the same order."""
     cp_size = dist.get_world_size(group)
-    if keys.is_cuda and dist.get_backend(group) == dist.Backend.GLOO:
-        # gloo moves host memory (ranks sharing one GPU in the device checks).
-        host = keys.cpu()
-        out = torch.empty((cp_size, *host.shape), dtype=host.dtype)
-        dist.all_gather_into_tensor(out, host.contiguous(), group=group)
-        return out.to(keys.device)
-    out = torch.empty((cp_size, *keys.shape), dtype=keys.dtype, device=keys.device)
-    dist.all_gather_into_tensor(out, keys.contiguous(), group=group)
-    return out
+    staged = keys.is_cuda and dist.get_backend(group) == dist.Backend.GLOO  # gloo moves host memory
+    source = (keys.cpu() if staged else keys).contiguous()
+    # Ranks concatenated along dim 0 (the shape gloo requires), then viewed rank-major.
+    out = source.new_empty((cp_size * source.shape[0], *source.shape[1:]))
+    dist.all_gather_into_tensor(out, source, group=group)
+    return out.view(cp_size, *source.shape).to(keys.device)
 
 
 # ---- the replicated reference ----
