@@ -11,6 +11,11 @@ rows, 64-token pages) is built, and each rank's physical shard is cut from it by
   here), attention over the selected rows the rank owns (-1 elsewhere) with the LSE kept; the
   partials merged by the scaled sum (and the all-gather form).
 
+``--hooked-cp-sizes`` (default 2,4) then runs one decode layer through sglang's own decode methods
+with our hooks applied (``testing/per_owner_decode_hooked.py``: metadata hook, owner-filtered decode
+store, ``get_indexer_metadata`` + ``Indexer._get_topk_paged``, ``get_key_buffer``,
+``_forward_flashmla_kv``), one gloo rank per process sharing the device, against the replicated pool.
+
 Compared, for every real request (padded requests must give no NaN): selected positions equal the
 replicated selection (exactly, and up to ties at the k-th score); the rows the ranks attend to,
 mapped back to logical locs, are the replicated selection's locs, each once; merged outputs within
@@ -58,6 +63,13 @@ def parse_args(argv=None):
         default="6000,2048,700,3001",
         type=lambda s: [int(x) for x in s.split(",")],
         help="real requests (tokens); a padded request is appended",
+    )
+    parser.add_argument(
+        "--hooked-cp-sizes",
+        default="2,4",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="also run one decode layer through sglang's own decode methods with our hooks, as "
+        "gloo ranks (processes) sharing the device; '' skips it",
     )
     parser.add_argument("--plant", choices=PLANTS, default="none")
     parser.add_argument("--seed", type=int, default=0)
@@ -312,6 +324,32 @@ def _empty_partial_lse(lses, ranks) -> str:
     return "n/a"
 
 
+def run_hooked_case(args, cp_size: int, kernels: Kernels) -> bool:
+    """One decode layer through sglang's ``get_indexer_metadata``, ``Indexer._get_topk_paged``,
+    ``set_mla_kv_buffer``, ``get_key_buffer`` and ``_forward_flashmla_kv`` with our hooks, on
+    ``cp_size`` gloo ranks, against the replicated pool (this process's kernels)."""
+    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+
+    start = time.monotonic()
+    seq_lens = list(args.seq_lens)
+    results = run_ranks(hooked.run_rank, cp_size, (seq_lens, TOPK, args.device), timeout_s=600)
+    case = hooked.make_case(cp_size, seq_lens, args.device)
+    expected, locs = hooked.replicated_reference(
+        case, results, TOPK, logits_fn=kernels.logits, attention_fn=kernels.attention
+    )
+    comparison = hooked.compare(case, results, expected, locs, REL_TOL)
+    ok = hooked.passed(comparison)
+    kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
+    flags = " ".join(f"{k}={v}" for k, v in comparison.items() if k != "rel_err")
+    print(
+        f"hooked cp={cp_size} ({kernels_used}) {flags} max rel err={comparison['rel_err']:.2e} "
+        f"[{time.monotonic() - start:.1f}s] {'PASS' if ok else 'FAIL'}",
+        flush=True,
+    )
+    return ok
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -342,6 +380,11 @@ def main(argv=None) -> int:
         )
         passed += result["passed"]
         failed += not result["passed"]
+    if args.plant == "none":  # the plants live in this process's emulation only
+        for cp_size in args.hooked_cp_sizes:
+            result = run_hooked_case(args, cp_size, kernels)
+            passed += result
+            failed += not result
     print(f"check: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1
 

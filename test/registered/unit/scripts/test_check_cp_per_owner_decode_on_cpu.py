@@ -1,6 +1,7 @@
 """scripts/gpu/check_cp_per_owner_decode.py on the CPU (torch references of the kernels): it passes on
 the per-owner decode code it checks, and FAILS on each planted bug (a rank's partial dropped from the
-merge, the LSE taken in the wrong base, a selected token attributed to the wrong owner).
+merge, the LSE taken in the wrong base, a selected token attributed to the wrong owner); its
+section through sglang's decode methods passes on two gloo ranks.
 
 The script is only run on a lent GPU, so this is what notices when a change breaks it, or when it
 stops catching a bug it exists to catch."""
@@ -12,7 +13,7 @@ from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
-register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=120, suite="stage-a-test-cpu")
 
 SEQ_LENS = "3000,2048,700,2200"
 
@@ -51,9 +52,13 @@ class TestCheckCpPerOwnerDecodeOnCpu(CustomTestCase):
                     self.assertLess(result["union_ok"], result["requests"])
 
     def test_main_reports_kernels_and_exits_non_zero_on_a_plant(self):
-        argv = ["--device", "cpu", "--cp-sizes", "2", "--seq-lens", "900,300"]
+        argv = ["--device", "cpu", "--cp-sizes", "2", "--seq-lens", "900,300", "--hooked-cp-sizes", ""]
         self.assertEqual(self.check.main(argv), 0)
         self.assertEqual(self.check.main(argv + ["--plant", "drop-partial"]), 1)
+
+    def test_the_hooked_decode_layer_passes_on_two_ranks(self):
+        args = self.check.parse_args(["--device", "cpu", "--seq-lens", "2500,300"])
+        self.assertTrue(self.check.run_hooked_case(args, 2, self.kernels))
 
 
 if __name__ == "__main__":
