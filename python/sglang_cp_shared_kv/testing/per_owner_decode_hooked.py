@@ -208,7 +208,9 @@ def run_rank(rank: int, world_size: int, seq_lens, topk: int, device: str) -> di
         peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
         planned = runtime.plan is not None
         layer = SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, head_dim=576)
-        pool.set_mla_kv_buffer(layer, case.last_locs, case.new_kv[:, None, :512], case.new_kv[:, None, 512:])
+        k_nope = case.new_kv[:, None, :512].contiguous()
+        k_rope = case.new_kv[:, None, 512:].contiguous()
+        pool.set_mla_kv_buffer(layer, case.last_locs, k_nope, k_rope)
         metadata = backend.get_indexer_metadata(0, forward_batch)
         indexer = object.__new__(nsa_indexer.Indexer)
         indexer.index_topk = topk
