@@ -124,6 +124,17 @@ def owned_attention_indices(
     return torch.where(selection.owner == cp_rank, rows, -1).to(torch.int32)
 
 
+def compact_owned_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid (>= 0) indices first, in their order, -1 after; and their count per row (int32).
+
+    For kernels that read ``cache_seqlens`` entries and do not skip -1 (fa3 with a page-size-1
+    table). One stable sort per row, fixed shapes, no host sync.
+    """
+    valid = indices >= 0
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    return indices.gather(1, order), valid.sum(dim=1, dtype=torch.int32)
+
+
 def all_gather_candidates(keys: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[cp_size, B, k]`` keys of every rank; every rank of ``group`` must call it, in the same order."""
     cp_size = dist.get_world_size(group)

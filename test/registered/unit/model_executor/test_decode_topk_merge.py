@@ -7,7 +7,8 @@ Planted bugs, each made one test here fail (then reverted):
 - local candidates not masking columns past the owned length -> the garbage columns win;
 - ``owned_seq_lens`` counting the partial last page as full -> positions past seq_len selected;
 - owner of a global slot computed as ``columns % k`` -> indices of the wrong rank;
-- owned pages not excluding logical pages below cp_size -> the padded request selects the dummy page.
+- owned pages not excluding logical pages below cp_size -> the padded request selects the dummy page;
+- ``compact_owned_indices`` sorting without ``stable=True`` -> the compaction test.
 """
 
 import math
@@ -20,6 +21,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     PAD_KEY,
     candidate_keys,
+    compact_owned_indices,
     position_of_key,
     replicated_topk_positions,
     same_selection_up_to_ties,
@@ -127,6 +129,21 @@ class TestPerOwnerSelection(CustomTestCase):
             self.assertEqual(int(rank.tables.owned_seq_lens[1:].sum()), 0)
         expected = replicated_topk_positions(scores[:1], batch.seq_lens[:1], 32)
         self.assertTrue(torch.equal(ranks[0].selection.positions[:1], expected))
+
+
+class TestCompactOwnedIndices(CustomTestCase):
+    def test_valid_first_in_order_with_counts(self):
+        g = torch.Generator().manual_seed(6)
+        indices = torch.randint(0, 1000, (7, 64), generator=g, dtype=torch.int32)
+        indices[torch.rand(7, 64, generator=g) < 0.6] = -1
+        indices[3] = -1  # a rank owning none of a token's selection
+        compacted, counts = compact_owned_indices(indices)
+        for row in range(7):
+            valid = indices[row][indices[row] >= 0]
+            n = int(counts[row])
+            self.assertEqual(n, valid.numel())
+            self.assertTrue(torch.equal(compacted[row, :n], valid))
+            self.assertTrue((compacted[row, n:] == -1).all())
 
 
 class TestSameSelectionUpToTies(CustomTestCase):
