@@ -12,6 +12,8 @@
   decode; the fused indexer store also calls it, see ``CpSharedKVRuntime.writing_physical``) and
   ``get_index_k_scale_buffer`` (ragged indexer in prefill) return the scratch's buffers, after the
   original's HiCache per-layer wait.
+* A decode forward that ``per_owner_decode`` takes over (when attached) is not planned or remapped,
+  and the getters then serve the physical buffers (``serves_physical``).
 * Readers this runtime does not serve raise: ``get_index_k_continuous`` /
   ``get_index_k_scale_continuous`` (in-seq-split CP and the non-CUDA indexer), ``get_mla_kv_buffer``
   (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend.
@@ -24,6 +26,8 @@ import dataclasses
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
+from sglang_cp_shared_kv.model_executor.per_owner_decode import begin_forward as begin_per_owner
+from sglang_cp_shared_kv.model_executor.per_owner_decode import serves_physical
 
 _POOL = "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool"
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
@@ -32,6 +36,8 @@ _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
 def remap_forward_metadata(result, backend, forward_batch, *args, **kwargs):
     runtime = runtime_of(forward_batch.token_to_kv_pool)
     if runtime is None:
+        return None
+    if begin_per_owner(runtime, backend, forward_batch):  # decode per owner: no plan, no remap
         return None
     plan = runtime.begin_forward(forward_batch)
     metadata = backend.forward_metadata
@@ -48,7 +54,7 @@ def remap_forward_metadata(result, backend, forward_batch, *args, **kwargs):
 def get_key_buffer(original, pool, layer_id):
     buffer = original(pool, layer_id)
     runtime = runtime_of(pool)
-    if runtime is None:
+    if runtime is None or serves_physical(runtime):
         return buffer
     return original(runtime.kv_slot_for_read(layer_id), SCRATCH_LAYER_ID)
 
@@ -56,7 +62,7 @@ def get_key_buffer(original, pool, layer_id):
 def get_index_k_with_scale_buffer(original, pool, layer_id):
     buffer = original(pool, layer_id)
     runtime = runtime_of(pool)
-    if runtime is None or runtime.writing_physical:
+    if runtime is None or runtime.writing_physical or serves_physical(runtime):
         return buffer
     return original(runtime.index_slot_for_read(layer_id), SCRATCH_LAYER_ID)
 

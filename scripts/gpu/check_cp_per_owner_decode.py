@@ -1,0 +1,393 @@
+"""Check per-owner NSA decode (owner top-k + LSE merge) against a replicated pool, with the real kernels.
+
+CP ranks are emulated in one process: one replicated pool (fp8 656-byte KV rows, 132-byte indexer
+rows, 64-token pages) is built, and each rank's physical shard is cut from it by the layout
+(``CpSharedKVLayout``: logical page q on rank q % cp as physical page q // cp). Then, per cp size:
+
+* replicated: indexer logits over the logical block table, top-k (our rule; and sglang's own
+  ``fast_topk_v2`` where it imports, compared up to ties), sparse attention over the replicated pool;
+* per owner, for every rank: the rank's physical block table, indexer logits over its shard only,
+  local candidates, the global selection from all ranks' candidates (the all-gather is a stack
+  here), attention over the selected rows the rank owns (-1 elsewhere) with the LSE kept; the
+  partials merged by the scaled sum (and the all-gather form).
+
+``--hooked-cp-sizes`` (default 2,4) then runs one decode layer through sglang's own decode methods
+with our hooks applied (``testing/per_owner_decode_hooked.py``: metadata hook, owner-filtered decode
+store, ``get_indexer_metadata`` + ``Indexer._get_topk_paged``, ``get_key_buffer``,
+``_forward_flashmla_kv``), one gloo rank per process sharing the device, against the replicated pool.
+
+Compared, for every real request (padded requests must give no NaN): selected positions equal the
+replicated selection (exactly, and up to ties at the k-th score); the rows the ranks attend to,
+mapped back to logical locs, are the replicated selection's locs, each once; merged outputs within
+bf16 tolerance of the replicated kernel's output (relative L2 error per request).
+
+Kernels: ``deep_gemm.fp8_paged_mqa_logits`` (indexer), ``sgl_kernel.flash_mla.flash_mla_with_kvcache``
+with ``indices`` (attention, natural-log LSE), ``sgl_kernel.fast_topk_v2`` (sglang's top-k). Each is
+used when it imports on CUDA and otherwise replaced by its torch reference
+(``testing/nsa_decode_reference.py``), with the reason printed. ``--device cpu`` uses the references.
+
+``--plant`` plants one bug; the check must then FAIL:
+  drop-partial   the last rank's partial is left out of the merge
+  lse-base       the kernel's natural-log LSE is taken as base 2
+  wrong-owner    each request's best selected token is attributed to the next rank
+
+GPU (after the staging in docs/gpu.md):
+    source scripts/gpu/remote_env.sh && python scripts/gpu/check_cp_per_owner_decode.py
+CPU:
+    python scripts/gpu/check_cp_per_owner_decode.py --device cpu
+Prints one line per cp size and ``check: N passed, M failed``; exits non-zero unless all passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+
+PLANTS = ("none", "drop-partial", "lse-base", "wrong-owner")
+HEADS = 64
+INDEX_HEADS = 32
+PAGE = 64
+TOPK = 2048
+REL_TOL = 2e-2  # bf16 outputs: relative L2 error per request
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--cp-sizes", default="2,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument(
+        "--seq-lens",
+        default="6000,2048,700,3001",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="real requests (tokens); a padded request is appended",
+    )
+    parser.add_argument(
+        "--hooked-cp-sizes",
+        default="2,4",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="also run one decode layer through sglang's own decode methods with our hooks, as "
+        "gloo ranks (processes) sharing the device; '' skips it",
+    )
+    parser.add_argument("--plant", choices=PLANTS, default="none")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+# ---- kernels: the real ones where they import, else torch references ----
+
+
+class Kernels:
+    """The indexer, attention and (optional, None) sglang top-k callables, and what each one is."""
+
+    def __init__(self, logits, attention, sglang_topk, names: dict):
+        self.logits, self.attention, self.sglang_topk, self.names = logits, attention, sglang_topk, names
+
+
+def pick_kernels(device: str) -> Kernels:
+    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+
+    names = {}
+
+    def ref_logits(q_fp8, weights, pages, block_table, seq_lens):
+        return ref.paged_mqa_logits_reference(q_fp8, weights, pages, block_table, seq_lens, PAGE)
+
+    def ref_attention(q, rows, indices, sm_scale, seq_lens):
+        out, lse = ref.sparse_mla_decode_reference(q, ref.kv_rows_as_float(rows), indices, sm_scale)
+        return out.to(q.dtype), lse
+
+    logits, attention, sglang_topk = ref_logits, ref_attention, None
+    if device != "cuda":
+        names = {"indexer": "torch reference (cpu)", "attention": "torch reference (cpu)",
+                 "sglang top-k": "skipped (cpu)"}
+        return Kernels(logits, attention, None, names)
+    try:
+        import deep_gemm
+
+        def logits(q_fp8, weights, pages, block_table, seq_lens):
+            lens = seq_lens.to(torch_int32())
+            schedule = deep_gemm.get_paged_mqa_logits_metadata(lens, PAGE, deep_gemm.get_num_sms())
+            return deep_gemm.fp8_paged_mqa_logits(
+                q_fp8.unsqueeze(1),
+                pages.view(pages.shape[0], PAGE, 1, -1),
+                weights,
+                lens,
+                block_table.to(torch_int32()).contiguous(),
+                schedule,
+                block_table.shape[1] * PAGE,
+                clean_logits=False,
+            )
+
+        names["indexer"] = "deep_gemm.fp8_paged_mqa_logits"
+    except Exception as error:  # noqa: BLE001  (any import failure: report and fall back)
+        names["indexer"] = f"torch reference (deep_gemm not importable: {error!r})"
+    try:
+        from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+        def attention(q, rows, indices, sm_scale, seq_lens):
+            import torch
+
+            batch = q.shape[0]
+            cache_seqlens = seq_lens.clamp(max=TOPK).to(torch.int32)
+            metadata, splits = get_mla_metadata(cache_seqlens, HEADS, 1, HEADS, True, TOPK)
+            out, lse = flash_mla_with_kvcache(
+                q=q.view(batch, 1, HEADS, -1),
+                k_cache=rows.view(torch.float8_e4m3fn).view(-1, PAGE, 1, rows.shape[-1]),
+                block_table=torch.empty((batch, 0), dtype=torch.int32, device=q.device),
+                cache_seqlens=cache_seqlens,
+                head_dim_v=512,
+                tile_scheduler_metadata=metadata,
+                num_splits=splits,
+                softmax_scale=sm_scale,
+                indices=indices.view(batch, 1, -1).to(torch.int32),
+                is_fp8_kvcache=True,
+            )
+            return out[:, 0], lse[:, :, 0]
+
+        names["attention"] = "sgl_kernel.flash_mla.flash_mla_with_kvcache (sparse, fp8 KV)"
+    except Exception as error:  # noqa: BLE001
+        names["attention"] = f"torch reference (flash_mla not importable: {error!r})"
+    try:
+        from sgl_kernel import fast_topk_v2
+
+        def sglang_topk(logits, seq_lens):
+            return fast_topk_v2(logits.contiguous(), seq_lens.to(torch_int32()), TOPK)
+
+        names["sglang top-k"] = "sgl_kernel.fast_topk_v2"
+    except Exception as error:  # noqa: BLE001
+        names["sglang top-k"] = f"skipped (not importable: {error!r})"
+    return Kernels(logits, attention, sglang_topk, names)
+
+
+def torch_int32():
+    import torch
+
+    return torch.int32
+
+
+# ---- one cp size ----
+
+
+def build_pool(generator, batch, device):
+    """Replicated pool: fp8 KV rows [rows, 656] and indexer pages [pages, 64 * 132], with exact
+    score ties planted (indexer rows copied between pages of one request)."""
+    import torch
+
+    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+
+    rows = batch.logical_pages * PAGE
+    kv = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
+    index_k = torch.randn(rows, 128, generator=generator).to(torch.float8_e4m3fn)
+    index_scale = torch.rand(rows, generator=generator) + 0.5
+    locs = batch.token_locs().cpu()
+    for b, seq_len in enumerate(batch.seq_lens.tolist()):
+        if seq_len < 2 * PAGE:
+            continue
+        src = torch.randint(0, seq_len - PAGE, (64,), generator=generator)
+        dst = (src + PAGE * torch.randint(1, max(2, (seq_len - 1) // PAGE), (64,), generator=generator))
+        dst = dst.clamp(max=seq_len - 1)
+        k_bytes = index_k.view(torch.uint8)
+        k_bytes[locs[b, dst]] = k_bytes[locs[b, src]]
+        index_scale[locs[b, dst]] = index_scale[locs[b, src]]
+    return (
+        ref.fp8_kv_rows(kv.to(device)),
+        ref.index_pages(index_k.to(device), index_scale.to(device), PAGE),
+    )
+
+
+def run_case(args, cp_size: int, kernels: Kernels) -> dict:
+    import torch
+
+    from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
+    from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+        owned_attention_indices,
+        replicated_topk_positions,
+        same_selection_up_to_ties,
+    )
+    from sglang_cp_shared_kv.testing.per_owner_decode_cases import per_owner_topk, random_batch
+
+    device = args.device
+    g = torch.Generator().manual_seed(args.seed * 100 + cp_size)
+    seq_lens = list(args.seq_lens) + [1]
+    real = torch.tensor([True] * len(args.seq_lens) + [False], device=device)
+    batch = random_batch(g, cp_size, PAGE, seq_lens, [False] * len(args.seq_lens) + [True], device)
+    kv_rows, index_pool = build_pool(g, batch, device)
+    b = len(seq_lens)
+    q_index = torch.randn(b, INDEX_HEADS, 128, generator=g).to(device).to(torch.float8_e4m3fn)
+    weights = (torch.rand(b, INDEX_HEADS, generator=g) * 0.1).to(device)
+    q = (torch.randn(b, HEADS, 576, generator=g) * 3.0).to(device).to(torch.bfloat16)
+    sm_scale = 576**-0.5
+
+    # Replicated pool.
+    logits_rep = kernels.logits(q_index, weights, index_pool, batch.page_table, batch.seq_lens)
+    logits_rep = logits_rep.float()
+    positions_rep = replicated_topk_positions(logits_rep, batch.seq_lens, TOPK)
+    locs_rep = torch.where(
+        positions_rep >= 0, batch.token_locs().gather(1, positions_rep.clamp(min=0).long()), -1
+    )
+    out_rep, _ = kernels.attention(q, kv_rows, locs_rep, sm_scale, batch.seq_lens)
+
+    # Per owner.
+    def shard(rank):
+        physical = torch.arange(batch.physical_pages, device=device)
+        pages = batch.layout(rank).logical_page_of(physical)
+        rows = batch.shard_rows(rank)
+        return index_pool[pages], kv_rows[rows]
+
+    shards = [shard(r) for r in range(cp_size)]
+
+    def local_logits(rank, tables):
+        return kernels.logits(
+            q_index, weights, shards[rank][0], tables.physical_page_table, tables.owned_seq_lens
+        ).float()
+
+    ranks = per_owner_topk(batch, local_logits, TOPK)
+    outs, lses = [], []
+    for rank_id, rank in enumerate(ranks):
+        indices = rank.attention_indices
+        if args.plant == "wrong-owner":
+            owner = rank.selection.owner.clone()
+            owner[:, 0] = torch.where(owner[:, 0] >= 0, (owner[:, 0] + 1) % cp_size, -1)
+            planted = dataclasses.replace(rank.selection, owner=owner)
+            indices = owned_attention_indices(planted, rank.candidates, rank_id)
+            rank = dataclasses.replace(rank, attention_indices=indices)
+            ranks[rank_id] = rank
+        out_r, lse_r = kernels.attention(q, shards[rank_id][1], indices, sm_scale, batch.seq_lens)
+        lse_r = merge.natural_lse(lse_r, base=2 if args.plant == "lse-base" else math.e)
+        if args.plant == "drop-partial" and rank_id == cp_size - 1:
+            lse_r = torch.full_like(lse_r, float("-inf"))
+        outs.append(out_r)
+        lses.append(lse_r)
+    lse_all = merge.global_lse(torch.stack(lses))
+    merged = torch.zeros_like(outs[0])
+    for out_r, lse_r in zip(outs, lses):  # the bf16 sum all-reduce, rank by rank
+        merged = merged + merge.scaled_partial(out_r, lse_r, lse_all).to(out_r.dtype)
+    merged_gather, _ = merge.merge_partials(torch.stack(outs), torch.stack(lses))
+
+    # Compare.
+    selection = ranks[0].selection.positions
+    same_on_ranks = all(torch.equal(r.selection.positions, selection) for r in ranks)
+    exact = (selection == positions_rep).all(dim=1) & real
+    ties_ok = same_selection_up_to_ties(selection, positions_rep, logits_rep, batch.seq_lens, TOPK)
+    union_ok = []
+    for row in range(b):
+        if not bool(real[row]):
+            continue
+        attended = []
+        for rank_id, rank in enumerate(ranks):
+            idx = rank.attention_indices[row]
+            attended += batch.shard_rows(rank_id)[idx[idx >= 0].long()].tolist()
+        expected = locs_rep[row][locs_rep[row] >= 0].tolist()
+        union_ok.append(sorted(attended) == sorted(expected))
+    result = {
+        "cp_size": cp_size,
+        "requests": int(real.sum()),
+        "same_on_ranks": same_on_ranks,
+        "exact": int(exact.sum()),
+        "ties_ok": int((ties_ok & real).sum()),
+        "union_ok": sum(union_ok),
+        "nan": int(merged.isnan().any()) + int(merged_gather.isnan().any()),
+        "rel_err": _rel_err(merged, out_rep, real),
+        "rel_err_gather_form": _rel_err(merged_gather, out_rep, real),
+        "empty_lse": _empty_partial_lse(lses, ranks),
+    }
+    if kernels.sglang_topk is not None:
+        theirs = kernels.sglang_topk(logits_rep, batch.seq_lens)
+        agree = same_selection_up_to_ties(positions_rep, theirs, logits_rep, batch.seq_lens, TOPK)
+        result["sglang_ties_ok"] = int((agree & real).sum())
+    n = result["requests"]
+    result["passed"] = (
+        same_on_ranks
+        and result["ties_ok"] == n
+        and result["union_ok"] == n
+        and result["nan"] == 0
+        and result["rel_err"] <= REL_TOL
+        and result["rel_err_gather_form"] <= REL_TOL
+        and result.get("sglang_ties_ok", n) == n
+    )
+    return result
+
+
+def _rel_err(out, ref, real) -> float:
+    diff = (out.float() - ref.float())[real].flatten(1).norm(dim=1)
+    return float((diff / ref.float()[real].flatten(1).norm(dim=1).clamp_min(1e-12)).max())
+
+
+def _empty_partial_lse(lses, ranks) -> str:
+    """What the attention kernel returned as LSE for a (token, rank) with no owned selected rows."""
+    for lse_r, rank in zip(lses, ranks):
+        empty = (rank.attention_indices < 0).all(dim=1)
+        if bool(empty.any()):
+            return str(float(lse_r[empty][0, 0]))
+    return "n/a"
+
+
+def run_hooked_case(args, cp_size: int, kernels: Kernels) -> bool:
+    """One decode layer through sglang's ``get_indexer_metadata``, ``Indexer._get_topk_paged``,
+    ``set_mla_kv_buffer``, ``get_key_buffer`` and ``_forward_flashmla_kv`` with our hooks, on
+    ``cp_size`` gloo ranks, against the replicated pool (this process's kernels)."""
+    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+
+    start = time.monotonic()
+    seq_lens = list(args.seq_lens)
+    results = run_ranks(hooked.run_rank, cp_size, (seq_lens, TOPK, args.device), timeout_s=600)
+    case = hooked.make_case(cp_size, seq_lens, args.device)
+    expected, locs = hooked.replicated_reference(
+        case, results, TOPK, logits_fn=kernels.logits, attention_fn=kernels.attention
+    )
+    comparison = hooked.compare(case, results, expected, locs, REL_TOL)
+    ok = hooked.passed(comparison)
+    kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
+    flags = " ".join(f"{k}={v}" for k, v in comparison.items() if k != "rel_err")
+    print(
+        f"hooked cp={cp_size} ({kernels_used}) {flags} max rel err={comparison['rel_err']:.2e} "
+        f"[{time.monotonic() - start:.1f}s] {'PASS' if ok else 'FAIL'}",
+        flush=True,
+    )
+    return ok
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device; use --device cpu")
+        return 2
+    kernels = pick_kernels(args.device)
+    for role, name in kernels.names.items():
+        print(f"{role}: {name}")
+    print(f"plant: {args.plant}")
+    passed = failed = 0
+    for cp_size in args.cp_sizes:
+        start = time.monotonic()
+        result = run_case(args, cp_size, kernels)
+        elapsed = time.monotonic() - start
+        verdict = "PASS" if result["passed"] else "FAIL"
+        n = result["requests"]
+        print(
+            f"cp={cp_size} requests={n} selection: same on ranks={result['same_on_ranks']} "
+            f"exact={result['exact']}/{n} up-to-ties={result['ties_ok']}/{n} "
+            f"attended rows={result['union_ok']}/{n} "
+            + (f"sglang top-k up-to-ties={result['sglang_ties_ok']}/{n} " if "sglang_ties_ok" in result else "")
+            + f"max rel err={result['rel_err']:.2e} (all-gather form {result['rel_err_gather_form']:.2e}, "
+            f"tol {REL_TOL:.0e}) nan={result['nan']} empty-partial lse={result['empty_lse']} "
+            f"[{elapsed:.1f}s] {verdict}",
+            flush=True,
+        )
+        passed += result["passed"]
+        failed += not result["passed"]
+    if args.plant == "none":  # the plants live in this process's emulation only
+        for cp_size in args.hooked_cp_sizes:
+            result = run_hooked_case(args, cp_size, kernels)
+            passed += result
+            failed += not result
+    print(f"check: {passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
