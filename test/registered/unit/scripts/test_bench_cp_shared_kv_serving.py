@@ -1,0 +1,162 @@
+"""benchmark/bench_cp_shared_kv_serving.py --dry-run, end to end against the fake sglang server.
+
+The dry run starts the fake server (``testing/e2e/fake_sglang_server.py``) with the exact command
+lines the benchmark would give ``sglang serve``, runs every part (headline phases, single-request
+costs, the PD pair) and writes results.json, the markdown page and the plot. The test replays the
+headline workload through the fake's own cache model (``PrefixCacheModel``), sizing it from the
+same flags, so it knows how many prompt tokens each server served from device and from host; the
+table must report exactly those rates. Concurrency 1 keeps the request order, hence the cache's
+decisions, deterministic.
+
+Planted bugs this caught (each reverted): host hits read from ``cached_tokens_details["device"]``
+(device and host rates swapped); the hit rate divided by prompt plus output tokens; the ``host``
+TTFT rows not pushing the prefix off the device (their timed requests then hit device).
+"""
+
+import json
+import tempfile
+import unittest
+from pathlib import Path
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import PrefixCacheModel
+from sglang_cp_shared_kv.testing.e2e.server_process import ServerError
+from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+register_cpu_ci(est_time=45, suite="stage-a-test-cpu")
+
+PHYSICAL = 4096
+TP = 2
+RATIO = 2.0
+
+
+class TestServingBenchmarkDryRun(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        root = Path(cls.tmp.name)
+        (root / "model").mkdir()
+        (root / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 202752}))
+        cls.out = root / "out"
+        cls.argv = [
+            "--model-path", str(root / "model"), "--dry-run", "--out-dir", str(cls.out), "--tp", str(TP),
+            "--physical-tokens-per-rank", str(PHYSICAL), "--hicache-ratio", str(RATIO),
+            "--document-tokens", "512", "--turns", "2", "--turn-tokens", "64", "--rounds", "2",
+            "--concurrency", "1", "--max-new-tokens", "4", "--chunk-tokens", "256",
+            "--cached-prefixes", "0,1024,4096", "--tpot-contexts", "256,2048", "--tpot-batches", "1,2",
+            "--tpot-new-tokens", "4", "--repeats", "2", "--parts", "headline,single,pd",
+            "--pd-prompts", "2", "--pd-prompt-tokens", "256", "--startup-timeout", "60", "--request-timeout", "60",
+        ]  # fmt: skip
+        cls.bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        cls.rc = cls.bench.main(cls.argv)
+        cls.results = json.loads((cls.out / "results.json").read_text())
+        cls.page = (cls.out / "serving.md").read_text()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def expected_rates(self, shared_kv: bool):
+        """Per phase: (device rate, host rate) the fake server must have served, replayed here."""
+        device = PHYSICAL * (TP if shared_kv else 1)
+        out = {}
+        for w in self.bench.workloads_of(self.bench.parse_args(self.argv)):
+            cache = PrefixCacheModel(device, int(RATIO * device))  # the phase starts with a flush
+            dev = host = prompt = 0
+            for turns in w.conversations():
+                for turn in turns:
+                    d, h = cache.serve(turn.input_ids)
+                    dev, host, prompt = dev + d, host + h, prompt + len(turn.input_ids)
+            out[w.name] = (dev / prompt, host / prompt)
+        return out
+
+    def test_run_completes(self):
+        self.assertEqual(self.rc, 0, self.page)
+        self.assertIn("DRY RUN", self.page)
+
+    def test_headline_hit_rates_are_what_the_server_served(self):
+        for mode, shared_kv in (("off", False), ("on", True)):
+            headline = self.results["servers"][mode]["headline"]
+            for phase, (dev, host) in self.expected_rates(shared_kv).items():
+                s = headline[phase]["summary"]
+                self.assertEqual(s["errors"], 0)
+                self.assertAlmostEqual(s["device_hit_rate"], dev, places=12, msg=(mode, phase))
+                self.assertAlmostEqual(s["host_hit_rate"], host, places=12, msg=(mode, phase))
+                self.assertAlmostEqual(s["metrics_hit_rate"], dev + host, places=12, msg=(mode, phase))
+                self.assertIn(f"| {phase} | device hit rate |", self.page)
+        off, on = self.expected_rates(False), self.expected_rates(True)
+        # The workload's point: the re-read documents fit the shared-KV device pool only.
+        self.assertGreater(on["device"][0], off["device"][0])
+        self.assertGreater(on["host"][0] + on["host"][1], off["host"][0] + off["host"][1])
+        line = next(l for l in self.page.splitlines() if l.startswith("| device | device hit rate |"))
+        self.assertEqual(line.split("|")[3].strip(), f"{off['device'][0]:.3f}")
+        self.assertEqual(line.split("|")[4].strip(), f"{on['device'][0]:.3f}")
+
+    def test_working_sets_sit_between_the_reported_pools(self):
+        stock = self.results["servers"]["off"]["max_total_num_tokens"]
+        shared = self.results["servers"]["on"]["max_total_num_tokens"]
+        self.assertEqual((stock, shared), (PHYSICAL, TP * PHYSICAL))
+        device = self.results["servers"]["on"]["headline"]["device"]["summary"]["working_set_tokens"]
+        host = self.results["servers"]["on"]["headline"]["host"]["summary"]["working_set_tokens"]
+        self.assertTrue(stock < device <= shared, device)
+        self.assertTrue(shared < host <= RATIO * shared, host)
+        self.assertIn(f"> {stock} and <=", self.page)
+
+    def test_single_request_rows_come_from_where_they_say(self):
+        for mode in ("off", "on"):
+            device = self.results["servers"][mode]["max_total_num_tokens"]
+            for row in self.results["servers"][mode]["ttft"]:
+                if row["cached_prefix"] + 256 + 64 > 0.9 * device:
+                    self.assertIn("skipped", row)
+                    continue
+                self.assertIsNotNone(row["ttft_ms"])
+                expect = {"none": (0, 0), "device": (row["cached_prefix"], 0), "host": (0, row["cached_prefix"])}
+                self.assertEqual((row["cached_device_tokens"], row["cached_host_tokens"]), expect[row["source"]],
+                                 (mode, row))  # fmt: skip
+            # 4096 cached tokens fit the shared-KV pool only
+            rows = {(r["cached_prefix"], r["source"]): r for r in self.results["servers"][mode]["ttft"]}
+            self.assertEqual("skipped" in rows[(4096, "host")], mode == "off")
+            tpot = {(r["context"], r["batch"]): r for r in self.results["servers"][mode]["tpot"]}
+            self.assertIsNotNone(tpot[(256, 2)]["tpot_ms"])
+            self.assertEqual("skipped" in tpot[(2048, 2)], mode == "off")
+        self.assertIn("not run: needs", self.page)
+
+    def test_pd_pairs_report_latency_and_transfer_from_every_rank(self):
+        for mode in ("off", "on"):
+            pd = self.results["pd"][mode]
+            self.assertEqual(pd["errors"], [])
+            self.assertEqual(pd["ttft_requests"], 2)
+            self.assertIsNotNone(pd["tpot_median_ms"])
+            self.assertIn("--disaggregation-mode", pd["prefill_command"])
+            self.assertEqual("--enable-nsa-prefill-cp-shared-kv" in pd["prefill_command"], mode == "on")
+        self.assertIn("TTFT on / off", self.page)
+
+    def test_plot_has_both_modes(self):
+        plot = next(self.out.glob("serving-plot.*"))
+        self.assertIn(plot.name, self.page)
+        if plot.suffix == ".svg":
+            self.assertEqual(plot.read_text().count("<polyline"), 4)  # 2 panels x (off, on)
+
+    def test_report_from_merges_separate_runs(self):
+        doc = self.out / "merged.md"
+        self.assertEqual(self.bench.main(["--report-from", str(self.out / "results.json"), "--doc-out", str(doc)]), 0)
+        self.assertEqual(doc.read_text(), self.page.replace("serving-plot", "merged-plot"))
+
+
+class TestServingBenchmarkRefusals(CustomTestCase):
+    def test_pools_that_cannot_separate_a_working_set_are_refused(self):
+        bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        with tempfile.TemporaryDirectory() as tmp:
+            rc = bench.main(["--model-path", tmp, "--dry-run", "--tp", "1", "--out-dir", tmp])
+        self.assertEqual(rc, 2)
+
+    def test_a_pool_other_than_planned_stops_the_run(self):
+        bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        with self.assertRaisesRegex(ServerError, "expected 8192"):
+            bench.check_reported_pool({"max_total_num_tokens": 8128}, 8192, "on")
+
+
+if __name__ == "__main__":
+    unittest.main()
