@@ -267,7 +267,7 @@ def timed(server, ids, new_tokens, args) -> Dict[str, Any]:
 def fill_device(server, prompts: Prompts, device_tokens: int, args) -> None:
     """Push everything cached before out of the device pool (written through to host) with fresh prompts."""
     piece = max(PAGE_SIZE, min(args.chunk_tokens * 4, device_tokens // 4) // PAGE_SIZE * PAGE_SIZE)
-    for _ in range(-(-int(device_tokens * 1.1) // piece)):
+    for _ in range(-(-int(device_tokens * 1.05) // piece)):
         timed(server, prompts.take(piece), 1, args)
 
 
@@ -448,9 +448,13 @@ def _ratio(on, off) -> str:
 
 
 def merge_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One result from runs of separate parts or modes: each server's parts side by side."""
     merged: Dict[str, Any] = {"servers": {}, "pd": {}, "runs": []}
     for r in results:
-        merged["servers"].update(r.get("servers", {}))
+        for mode, data in r.get("servers", {}).items():
+            server = merged["servers"].setdefault(mode, {"failures": []})
+            server.update({k: v for k, v in data.items() if k != "failures"})
+            server["failures"] += data.get("failures", [])
         merged["pd"].update(r.get("pd", {}))
         merged["runs"].append({"commit": r.get("commit"), "command": r.get("command"), "dry_run": r.get("dry_run")})
         merged.setdefault("setup", r.get("setup"))

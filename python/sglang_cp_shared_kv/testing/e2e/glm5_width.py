@@ -203,8 +203,10 @@ def layers_that_fit(
 ) -> MemoryPlan:
     """Most layers whose weights plus a KV pool of ``physical_tokens_per_rank`` rows (and, for the
     shared-KV server, its scratch) fit sglang's static budget ``mem_fraction_static x gpu`` less
-    ``overhead_gib`` (CUDA context, NCCL and allocator slack; an estimate). With fp8 weights the
-    dummy loader also needs a float16 copy of the largest parameter while it fills it."""
+    ``overhead_gib`` (CUDA context, NCCL and allocator slack; an estimate). While it fills a
+    parameter, the dummy loader holds a temporary copy of it (float16 in sglang's init for fp8
+    parameters, float32 in the smoke plugin's unit-gain init), so the largest parameter's float32
+    copy must fit beside all the weights too."""
     gpu = int(gpu_gib * GIB)
     budget = int(mem_fraction_static * gpu - overhead_gib * GIB)
     first_k_dense = GLM5_WIDTHS["first_k_dense_replace"]
@@ -214,7 +216,7 @@ def layers_that_fit(
         weights = weight_bytes_per_rank(config, tp, weight_dtype)
         total_weights = weights.total(num_layers, first_k_dense)
         kv = kv_pool_bytes_per_rank(physical_tokens_per_rank, num_layers, kv_dtype, cp_size=tp)
-        dummy_fill = weights.largest_param * 2 if weight_dtype == "fp8" else 0
+        dummy_fill = weights.largest_param * 4
         if total_weights + kv > budget or total_weights + dummy_fill > gpu - overhead_gib * GIB:
             break
         best = MemoryPlan(tp, weight_dtype, kv_dtype, num_layers, physical_tokens_per_rank, total_weights, kv, budget)
