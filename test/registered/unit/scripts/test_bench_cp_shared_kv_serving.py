@@ -10,7 +10,8 @@ decisions, deterministic.
 
 Planted bugs this caught (each reverted): host hits read from ``cached_tokens_details["device"]``
 (device and host rates swapped); the hit rate divided by prompt plus output tokens; the ``host``
-TTFT rows not pushing the prefix off the device (their timed requests then hit device).
+TTFT rows not pushing the prefix off the device (their timed requests then hit device); runs of separate
+parts merged server by server with dict.update (the second part replaced the first).
 """
 
 import json
@@ -143,6 +144,24 @@ class TestServingBenchmarkDryRun(CustomTestCase):
         doc = self.out / "merged.md"
         self.assertEqual(self.bench.main(["--report-from", str(self.out / "results.json"), "--doc-out", str(doc)]), 0)
         self.assertEqual(doc.read_text(), self.page.replace("serving-plot", "merged-plot"))
+
+
+class TestServingBenchmarkMerge(CustomTestCase):
+    def test_parts_of_one_server_from_separate_runs_meet(self):
+        """One call per part and mode (what fits a call) must still give one table per server."""
+        bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        run = lambda servers, pd=None: {"commit": "c", "command": "x", "dry_run": False,  # noqa: E731
+                                        "servers": servers, "pd": pd or {}}  # fmt: skip
+        merged = bench.merge_results([
+            run({"off": {"mode": "off", "headline": {"device": 1}, "failures": ["a"]}}),
+            run({"off": {"mode": "off", "ttft": [], "tpot": [], "failures": ["b"]},
+                 "on": {"mode": "on", "ttft": [], "failures": []}}),
+            run({}, {"on": {"ttft_median_ms": 1.0}}),
+        ])  # fmt: skip
+        self.assertEqual(set(merged["servers"]["off"]), {"mode", "headline", "ttft", "tpot", "failures"})
+        self.assertEqual(merged["servers"]["off"]["failures"], ["a", "b"])
+        self.assertEqual(merged["pd"], {"on": {"ttft_median_ms": 1.0}})
+        self.assertEqual(len(merged["runs"]), 3)
 
 
 class TestServingBenchmarkRefusals(CustomTestCase):
