@@ -66,7 +66,7 @@ PROMPT_TOKENS = "sglang:prompt_tokens_total"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
 MODES = {"off": False, "on": True}
-PARTS = ("headline", "single", "pd")
+PARTS = ("headline", "single", "ttft", "tpot", "pd")  # single = ttft + tpot
 
 
 def int_list(text: str) -> List[int]:
@@ -354,8 +354,9 @@ def run_server(args, mode: str, shared_kv: bool, parts: List[str], workloads, cu
                 for w in workloads:
                     print(f"[{label}] {w.conditions[0]}", flush=True)
                     result["headline"][w.name] = run_headline_phase(args, server, f"{label}/{w.name}", w)
-            if "single" in parts:
+            if "single" in parts or "ttft" in parts:
                 result["ttft"] = run_ttft_rows(args, server, device, label)
+            if "single" in parts or "tpot" in parts:
                 result["tpot"] = run_tpot_rows(args, server, device, label)
         except (ServerError, OSError, ValueError) as e:
             result["failures"].append(f"{type(e).__name__}: {e}")
@@ -384,7 +385,7 @@ def run_pd(args) -> Dict[str, Any]:
             hicache_ratio=args.hicache_ratio, prefill_mem_fraction_static=args.pd_prefill_mem_fraction_static,
             decode_mem_fraction_static=args.pd_decode_mem_fraction_static, load_format=args.load_format,
             prefill_extra_args=["--chunked-prefill-size", str(args.chunk_tokens)] + shlex.split(args.extra_server_args),
-            decode_extra_args=shlex.split(args.extra_server_args),
+            decode_extra_args=["--cuda-graph-max-bs", "8"] + shlex.split(args.extra_server_args),
             common_env=server_env(args, True), prefill_only_env=server_env(args, shared_kv),
             all_cp_ranks_transfer=True,
         )  # fmt: skip
@@ -495,8 +496,11 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
             lines += ["", f"![hit rate and TTFT over the run]({plot_name})"]
         lines.append("")
     labels = [m for m in ("off", "off-graphs", "on") if servers.get(m, {}).get("ttft") is not None]
+    tpot_labels = [m for m in ("off", "off-graphs", "on") if servers.get(m, {}).get("tpot") is not None]
+    if labels or tpot_labels:
+        lines += ["## Single-request costs", ""]
     if labels:
-        lines += ["## Single-request costs", "", "| TTFT: new tokens on cached prefix | source | "
+        lines += ["| TTFT: new tokens on cached prefix | source | "
                   + " | ".join(labels) + " | on / off |", "|---|---|" + "---|" * (len(labels) + 1)]  # fmt: skip
         keys = [(r["cached_prefix"], r["source"]) for r in servers[labels[0]]["ttft"]]
         for prefix, source in keys:
@@ -507,17 +511,21 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
                 cells.append(row.get("skipped") and f"not run: {row['skipped']}" or
                              f"{_fmt(row.get('ttft_ms'))} ms ({row.get('cached_device_tokens')}/{row.get('cached_host_tokens')})")  # fmt: skip
             lines.append(f"| {prefix} | {source} | " + " | ".join(cells) + f" | {_ratio(values.get('on'), values.get('off'))} |")
-        lines += ["", "(cached device/host tokens of the timed requests in parentheses)", "",
-                  "| TPOT: context | batch | " + " | ".join(labels) + " | on / off |",
-                  "|---|---|" + "---|" * (len(labels) + 1)]  # fmt: skip
-        for row0 in servers[labels[0]].get("tpot", []):
+        lines += ["", "(cached device/host tokens of the timed requests in parentheses)", ""]
+    if tpot_labels:
+        graphs = "off-graphs" in tpot_labels
+        lines += ["| TPOT: context | batch | " + " | ".join(tpot_labels) + " | on / off |"
+                  + (" on / off-graphs |" if graphs else ""),
+                  "|---|---|" + "---|" * (len(tpot_labels) + 1 + graphs)]  # fmt: skip
+        for row0 in servers[tpot_labels[0]]["tpot"]:
             cells, values = [], {}
-            for m in labels:
+            for m in tpot_labels:
                 row = next((r for r in servers[m].get("tpot", []) if (r["context"], r["batch"]) == (row0["context"], row0["batch"])), {})
                 values[m] = row.get("tpot_ms")
                 cells.append(row.get("skipped") and f"not run: {row['skipped']}" or f"{_fmt(row.get('tpot_ms'), '.2f')} ms")
             lines.append(f"| {row0['context']} | {row0['batch']} | " + " | ".join(cells)
-                         + f" | {_ratio(values.get('on'), values.get('off'))} |")  # fmt: skip
+                         + f" | {_ratio(values.get('on'), values.get('off'))} |"
+                         + (f" {_ratio(values.get('on'), values.get('off-graphs'))} |" if graphs else ""))  # fmt: skip
         lines.append("")
     if pd:
         lines += ["## PD pair (fresh prompts)", "", "| pair | TTFT median (ms) | TPOT median (ms) | errors |", "|---|---|---|---|"]
@@ -641,8 +649,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if server_parts:
         for mode in modes_of(args):
             results["servers"][mode] = run_server(args, mode, MODES[mode], server_parts, workloads)
-        if args.stock_cuda_graphs and "single" in server_parts:
-            results["servers"]["off-graphs"] = run_server(args, "off", False, ["single"], [], cuda_graphs=True)
+        single = [p for p in server_parts if p in ("single", "ttft", "tpot")]
+        if args.stock_cuda_graphs and single:
+            results["servers"]["off-graphs"] = run_server(args, "off", False, single, [], cuda_graphs=True)
     if "pd" in args.parts:
         results["pd"] = run_pd(args)
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))

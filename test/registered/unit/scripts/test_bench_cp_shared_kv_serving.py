@@ -26,7 +26,7 @@ from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import PrefixCacheModel
 from sglang_cp_shared_kv.testing.e2e.server_process import ServerError
 from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
-register_cpu_ci(est_time=45, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=80, suite="stage-a-test-cpu")
 
 PHYSICAL = 4096
 TP = 2
@@ -144,6 +144,35 @@ class TestServingBenchmarkDryRun(CustomTestCase):
         doc = self.out / "merged.md"
         self.assertEqual(self.bench.main(["--report-from", str(self.out / "results.json"), "--doc-out", str(doc)]), 0)
         self.assertEqual(doc.read_text(), self.page.replace("serving-plot", "merged-plot"))
+
+
+class TestServingBenchmarkRunner(CustomTestCase):
+    def test_gpu_runner_dry_run_with_the_stock_cuda_graph_baseline(self):
+        """scripts/gpu/bench_serving_runs.sh, as a machine would run one part of one mode."""
+        import os
+        import subprocess
+
+        from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), "BENCH_DRY_RUN": "1", "OUT": str(tmp / "out"),
+                   "BENCH_RUNS_DIR": str(tmp / "runs"), "BENCH_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+            args = ["off", "tpot", "--stock-cuda-graphs", "--physical-tokens-per-rank", "4096",
+                    "--tpot-contexts", "256", "--tpot-batches", "1", "--tpot-new-tokens", "4"]  # fmt: skip
+            proc = subprocess.run(["bash", "scripts/gpu/bench_serving_runs.sh", *args], cwd=REPO_ROOT, env=env,
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-2000:])
+            results = json.loads((tmp / "out" / "off_tpot.json").read_text())
+            config = json.loads((tmp / "model" / "config.json").read_text())
+        self.assertEqual(config["hidden_size"], 6144)
+        eager, graphs = results["servers"]["off"], results["servers"]["off-graphs"]
+        self.assertIn("--disable-cuda-graph", eager["command"])
+        self.assertNotIn("--disable-cuda-graph", graphs["command"])
+        self.assertNotIn("--enable-nsa-prefill-cp-shared-kv", graphs["command"])
+        for server in (eager, graphs):
+            self.assertIsNotNone(server["tpot"][0]["tpot_ms"])
+            self.assertNotIn("ttft", server)
 
 
 class TestServingBenchmarkMerge(CustomTestCase):
