@@ -29,7 +29,8 @@
 #   PD_TP=2|4|8         prefill --tp (= CP size), on GPUs 0..PD_TP-1
 #   PD_MODEL=tiny|glm5-width   the tiny GLM-5 (default), or GLM-5's widths with as many layers as the
 #                       prefill's share of PD_TP H200s holds (make_tiny_glm5_config.py --glm5-width,
-#                       sized at --mem-fraction-static 0.4; PD_WEIGHTS bf16|fp8, default fp8)
+#                       sized at --mem-fraction-static 0.4; PD_WEIGHTS bf16|fp8, default fp8); its KV
+#                       audits (transfer audit included) cover the first PD_AUDIT_LAYERS layers (default 2)
 #   PD_DECODE_GPUS, PD_DECODE_TP   the stock decode server. Default, tiny: --tp 1 on the prefill's last
 #                       GPU; glm5-width: --tp PD_TP on the prefill's GPUs. Sharing a GPU, the prefill takes
 #                       --mem-fraction-static 0.35 (glm5-width 0.4) of it and the decode, launched second,
@@ -56,6 +57,7 @@ case "${PD_MODEL:-tiny}" in
     make_model=(--no-check) ;;
   glm5-width)
     MODEL="${PD_MODEL_DIR:-/tmp/glm5-width-pd-tp$TP}"
+    export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${PD_AUDIT_LAYERS:-2}"
     DECODE_GPUS="${PD_DECODE_GPUS:-$PREFILL_GPUS}"; DECODE_TP="${PD_DECODE_TP:-$TP}"
     MEM=(--prefill-mem-fraction-static 0.4 --decode-mem-fraction-static 0.85)
     make_model=(--glm5-width --tp "$TP" --weights "${PD_WEIGHTS:-fp8}" --mem-fraction-static 0.4

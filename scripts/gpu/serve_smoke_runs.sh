@@ -22,7 +22,8 @@
 #   SMOKE_MODEL=tiny|glm5-width   the tiny GLM-5 (default) or GLM-5's real widths with as many layers
 #                           as SMOKE_TP H200s hold (make_tiny_glm5_config.py --glm5-width, SMOKE_WEIGHTS
 #                           bf16|fp8, default fp8); a glm5-width server takes most of every GPU, so its
-#                           smokes run one at a time (SMOKE_SERIAL=1 is implied)
+#                           smokes run one at a time (SMOKE_SERIAL=1 is implied), and the KV audits cover
+#                           its first SMOKE_AUDIT_LAYERS layers (default 2; layer 0 is what judges)
 #   SMOKE_SERIAL=1          one smoke at a time, in the order listed (references first)
 #   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
@@ -45,6 +46,7 @@ case "${SMOKE_MODEL:-tiny}" in
   glm5-width)
     MODEL="${SMOKE_MODEL_DIR:-/tmp/glm5-width-tp$TP}"
     SERIAL=1
+    export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${SMOKE_AUDIT_LAYERS:-2}"
     [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --glm5-width --tp "$TP" \
       --weights "${SMOKE_WEIGHTS:-fp8}" --mem-fraction-static 0.85 --no-check ;;
   *) echo "SMOKE_MODEL must be tiny or glm5-width" >&2; exit 2 ;;
