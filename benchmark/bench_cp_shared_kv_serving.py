@@ -16,6 +16,9 @@ Reported, off vs on:
   pool says so).
 * ``pd``: TTFT / TPOT of fresh prompts through a PD pair: the shared-KV prefill server with a
   stock decode server, against the stock pair with all-CP-ranks transfer on both.
+* ``capacity``: each server with its pool sized by the memory budget alone (no ``--max-total-tokens``
+  cap, no HiCache): logical capacity off vs on, judged against ``cp_size`` x the physical pool per
+  rank and the physical pool against stock's less the gather scratch's share.
 
 Writes ``results.json`` under ``--out-dir`` and a markdown page (``--doc-out``) with the tables,
 the commit, the command and one plot (hit rate and TTFT over the run, off vs on; PNG with
@@ -66,7 +69,9 @@ PROMPT_TOKENS = "sglang:prompt_tokens_total"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
 MODES = {"off": False, "on": True}
-PARTS = ("headline", "single", "ttft", "tpot", "pd")  # single = ttft + tpot
+PARTS = ("headline", "single", "ttft", "tpot", "pd", "capacity")  # single = ttft + tpot
+# --max-total-tokens of the capacity part: far above any budget, so the memory budget sizes the pool.
+UNCAPPED_TOKENS = 1 << 30
 
 
 def int_list(text: str) -> List[int]:
@@ -364,6 +369,53 @@ def run_server(args, mode: str, shared_kv: bool, parts: List[str], workloads, cu
     return result
 
 
+def run_capacity(args) -> Dict[str, Any]:
+    """Both servers sized by memory alone; the figures and the verdict of the documented formula."""
+    from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+    from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+    from sglang_cp_shared_kv.testing.e2e.smoke_report import (
+        capacity_failures,
+        capacity_figures,
+        scratch_share_failures,
+    )
+
+    out: Dict[str, Any] = {"failures": []}
+    for mode in ("off", "on"):
+        config = ServeConfig(
+            model_path=args.model_path, tp_size=args.tp, shared_kv=MODES[mode], port=free_port(),
+            physical_tokens_per_rank=UNCAPPED_TOKENS, hicache_ratio=None,
+            mem_fraction_static=args.mem_fraction_static, load_format=args.load_format,
+            extra_args=shlex.split(args.extra_server_args),
+        )  # fmt: skip
+        label = f"capacity-{mode}"
+        server = SglangServer(launch_command(args, config.command()), config.port,
+                              args.out_dir / f"server_{label}.log", {**os.environ, **server_env(args, MODES[mode])})  # fmt: skip
+        info: Dict[str, Any] = {}
+        with server:
+            try:
+                server.wait_ready(args.startup_timeout)
+                info = server.get_json("/server_info")
+            except (ServerError, OSError, ValueError) as e:
+                out["failures"].append(f"{label}: {type(e).__name__}: {e}")
+        figures = capacity_figures(info, parse_capacity_lines(server.log_lines_before_stop()), {})
+        out[mode] = {"command": config.command(), **figures}
+        out["failures"] += [f"{label}: {f}" for f in capacity_failures(MODES[mode], args.tp, figures)]
+        print(f"[{label}] logical {figures.get('logical_device_tokens_per_cp_group')}, physical per rank "
+              f"{figures.get('physical_device_tokens_per_rank')}", flush=True)  # fmt: skip
+    model_config = Path(args.model_path) / "config.json"
+    if "logical_device_tokens_per_cp_group" in out["off"] and model_config.is_file():
+        layers = json.loads(model_config.read_text())["num_hidden_layers"]
+        extra = shlex.split(args.extra_server_args)
+        dtype = "fp8" if "--kv-cache-dtype" in extra and extra[extra.index("--kv-cache-dtype") + 1].startswith("fp8") else "bf16"
+        out["failures"] += scratch_share_failures(
+            out["on"], out["off"], None, args.tp, layers * kv_bytes_per_token_per_layer(dtype),
+            kv_row_bytes(dtype), PAGE_SIZE,
+        )  # fmt: skip
+    print("capacity: " + ("; ".join(out["failures"]) or "logical = cp x physical, physical = stock's less the scratch's share"),
+          flush=True)  # fmt: skip
+    return out
+
+
 def run_pd(args) -> Dict[str, Any]:
     """Fresh prompts through each pair, one at a time after one warm-up; TTFT / TPOT at the client."""
     out: Dict[str, Any] = {}
@@ -452,6 +504,8 @@ def merge_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One result from runs of separate parts or modes: each server's parts side by side."""
     merged: Dict[str, Any] = {"servers": {}, "pd": {}, "runs": []}
     for r in results:
+        if r.get("capacity"):
+            merged["capacity"] = r["capacity"]
         for mode, data in r.get("servers", {}).items():
             server = merged["servers"].setdefault(mode, {"failures": []})
             server.update({k: v for k, v in data.items() if k != "failures"})
@@ -470,10 +524,12 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
         lines.append(f"- commit `{run['commit']}`{' (DRY RUN: fake servers, numbers are not sglang)' if run['dry_run'] else ''}: "
                      f"`{run['command']}`")  # fmt: skip
     setup = results.get("setup") or {}
-    lines += ["", f"Model `{setup.get('model_path')}`, `--tp {setup.get('tp')}`, `--max-total-tokens "
-              f"{setup.get('physical_tokens_per_rank')}` per rank, HiCache ratio {setup.get('hicache_ratio')}. "
-              f"Reported logical device pool (max_total_num_tokens): off {off.get('max_total_num_tokens')}, "
-              f"on {on.get('max_total_num_tokens')}.", ""]  # fmt: skip
+    lines += ["", f"Model `{setup.get('model_path')}`, `--tp {setup.get('tp')}`."]
+    if servers:
+        lines[-1] += (f" `--max-total-tokens {setup.get('physical_tokens_per_rank')}` per rank, HiCache ratio "
+                      f"{setup.get('hicache_ratio')}. Reported logical device pool (max_total_num_tokens): off "
+                      f"{off.get('max_total_num_tokens')}, on {on.get('max_total_num_tokens')}.")  # fmt: skip
+    lines.append("")
     phases = sorted(set(off.get("headline", {})) | set(on.get("headline", {})), key=lambda p: p != "device")
     if phases:
         lines += ["## Headline: agents re-reading shared documents", ""]
@@ -539,7 +595,21 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
             lines.append(f"\nTTFT on / off {_ratio(pd['on'].get('ttft_median_ms'), pd['off'].get('ttft_median_ms'))}, "
                          f"TPOT on / off {_ratio(pd['on'].get('tpot_median_ms'), pd['off'].get('tpot_median_ms'))}.")  # fmt: skip
         lines.append("")
+    capacity = results.get("capacity")
+    if capacity and "off" in capacity and "on" in capacity:
+        off_c, on_c = capacity["off"], capacity["on"]
+        lines += ["## Logical capacity (pools sized by memory alone)", "",
+                  "| | shared KV off | shared KV on | on / off |", "|---|---|---|---|"]  # fmt: skip
+        for key, name in (("logical_device_tokens_per_cp_group", "logical tokens per CP group"),
+                          ("physical_device_tokens_per_rank", "physical tokens per rank"),
+                          ("logical_over_physical", "logical / physical")):  # fmt: skip
+            a, b = off_c.get(key), on_c.get(key)
+            ratio = _ratio(b[0] if isinstance(b, list) and b else b, a[0] if isinstance(a, list) and a else a)
+            lines.append(f"| {name} | {a} | {b} | {ratio} |")
+        lines += ["", "Judged: logical = cp_size x physical; physical = stock's less the gather scratch's share "
+                  "(to one page): " + ("; ".join(capacity.get("failures", [])) or "both hold") + ".", ""]  # fmt: skip
     failures = [f"{m}: {f}" for m, s in servers.items() for f in s.get("failures", [])]
+    failures += [f"capacity: {f}" for f in (capacity or {}).get("failures", [])]
     failures += [f"pd-{m}: {f}" for m, s in pd.items() for f in s.get("failures", [])]
     if failures:
         lines += ["## Failures", ""] + [f"- {f}" for f in failures] + [""]
@@ -645,7 +715,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "setup": {"model_path": args.model_path, "tp": args.tp, "physical_tokens_per_rank": args.physical_tokens_per_rank,
                   "hicache_ratio": args.hicache_ratio, "chunk_tokens": args.chunk_tokens},
     }  # fmt: skip
-    server_parts = [p for p in args.parts if p != "pd"]
+    server_parts = [p for p in args.parts if p not in ("pd", "capacity")]
     if server_parts:
         for mode in modes_of(args):
             results["servers"][mode] = run_server(args, mode, MODES[mode], server_parts, workloads)
@@ -654,9 +724,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results["servers"]["off-graphs"] = run_server(args, "off", False, single, [], cuda_graphs=True)
     if "pd" in args.parts:
         results["pd"] = run_pd(args)
+    if "capacity" in args.parts:
+        results["capacity"] = run_capacity(args)
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     doc = write_report(merge_results([results]), args.doc_out)
     failures = [f for s in list(results["servers"].values()) + list(results["pd"].values()) for f in s["failures"]]
+    failures += results.get("capacity", {}).get("failures", [])
     print(f"\n{doc.read_text()}\n{'FAILED' if failures else 'DONE'}; results {args.out_dir / 'results.json'}, page {doc}")
     return 1 if failures else 0
 

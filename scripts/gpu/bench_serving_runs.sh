@@ -4,12 +4,14 @@
 # (benchmark/bench_cp_shared_kv_serving.py, docs/benchmarks.md) on the GLM-5-width model, one server
 # at a time on all BENCH_TP GPUs. One part and one mode per call, so each fits a call:
 #
-#   bash scripts/gpu/bench_serving_runs.sh off|on|both headline|ttft|tpot|pd [more benchmark arguments]
+#   bash scripts/gpu/bench_serving_runs.sh off|on|both headline|ttft|tpot|pd|capacity [more benchmark arguments]
 #
 #   headline   the documents workload, phases device and host (--physical-tokens-per-rank 163840)
 #   ttft       TTFT of an 8K chunk on 0 / 32K / 128K cached tokens, from device and from host
 #   tpot       TPOT at 4K / 16K / 64K / 128K context, batch 1 and 32 (with mode off, add
 #              --stock-cuda-graphs for the stock server with CUDA graphs too)
+#   capacity   (mode ignored: both servers) pools sized by memory alone, no HiCache: logical capacity
+#              off vs on against cp x physical and the scratch's documented share
 #   pd         the PD pair on fresh 8K prompts: prefill at --tp BENCH_TP on GPUs 0..BENCH_TP-1, a
 #              stock decode at --tp BENCH_TP sharing them (prefill --mem-fraction-static 0.4, decode
 #              0.85), a model sized for the prefill's 0.4, 32768 pool tokens per rank
@@ -18,7 +20,7 @@
 # (fake servers on loopback, no GPU; remote_env.sh not sourced). Results: <mode>_<part>.json (merge
 # them with --report-from), .md, .log and the plot under /tmp/bench_out (or OUT).
 set -uo pipefail
-mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd}"; shift 2
+mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity}"; shift 2
 [[ -n "${BENCH_DRY_RUN:-}" ]] || source scripts/gpu/remote_env.sh || exit 1
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
@@ -37,12 +39,13 @@ mkdir -p "$OUT" "$RUNS"
 case "$part" in
   headline) part_args=(--parts headline --physical-tokens-per-rank 163840) ;;
   ttft|tpot) part_args=(--parts "$part" --physical-tokens-per-rank 163840 --repeats 2) ;;
+  capacity) part_args=(--parts capacity) ;;
   pd)
     [[ -f $PD_MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$PD_MODEL" --glm5-width --tp "$TP" \
       --weights "$WEIGHTS" --mem-fraction-static 0.4 --physical-tokens-per-rank 65536 --no-check
     part_args=(--parts pd --pd-model-path "$PD_MODEL" --physical-tokens-per-rank 32768 --pd-prefill-gpus "$GPUS"
                --pd-decode-gpus "$GPUS" --pd-decode-tp "$TP") ;;
-  *) echo "part must be headline, ttft, tpot or pd" >&2; exit 2 ;;
+  *) echo "part must be headline, ttft, tpot, pd or capacity" >&2; exit 2 ;;
 esac
 name="${mode}_${part}"
 python3 benchmark/bench_cp_shared_kv_serving.py --model-path "$MODEL" --tp "$TP" --load-format dummy \

@@ -11,6 +11,10 @@ KV), ``/generate`` (streamed ``data:`` chunks or one JSON body, ``meta_info`` wi
 and ``cached_tokens_details``), ``/flush_cache`` and ``/metrics`` (``sglang:cached_tokens_total`` by
 ``cache_source``, ``sglang:prompt_tokens_total``, ``sglang:max_total_num_tokens``).
 
+Its device pool is ``--max-total-tokens`` rows per rank or, for a model directory whose config.json
+gives ``num_hidden_layers``, at most what a fixed KV budget (``FAKE_KV_BUDGET_BYTES``) holds, less the
+shared-KV gather scratch's reservation as the plugin's runtime makes it (``FAKE_SGLANG_NO_SCRATCH=1``
+skips the reservation: a planted capacity bug); it logs sglang's "KV Cache is allocated" line per rank.
 Its cache is ``PrefixCacheModel``: whole pages, a device tier and (with HiCache) a host tier, LRU
 leaf-first eviction, device pages written through to host. Latency is a fixed cost per token
 computed, per token loaded from host and per output token, so a hit is visibly cheaper. It binds
@@ -36,6 +40,8 @@ PER_COMPUTED_TOKEN_S = 2e-6
 PER_HOST_TOKEN_S = 2e-7
 PER_OUTPUT_TOKEN_S = 0.0005
 FAKE_TOKEN_ID = 7
+FAKE_KV_BUDGET_BYTES = 2 << 30  # per rank
+NO_SCRATCH_ENV = "FAKE_SGLANG_NO_SCRATCH"
 
 
 class PrefixCacheModel:
@@ -105,15 +111,40 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument("--hicache-ratio", type=float, default=2.0)
     p.add_argument("--disaggregation-mode", default="null")
+    p.add_argument("--model-path", default="")
+    p.add_argument("--kv-cache-dtype", default="auto")
     args, _ = p.parse_known_args(list(argv))
     return args
+
+
+def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> int:
+    """Rows per rank: the cap, or what the budget holds (see the module docstring)."""
+    import os
+    from pathlib import Path
+
+    config = Path(args.model_path) / "config.json"
+    layers = json.loads(config.read_text()).get("num_hidden_layers") if config.is_file() else None
+    if not layers:
+        return args.max_total_tokens
+    from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
+    from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+
+    dtype = "fp8" if args.kv_cache_dtype.startswith("fp8") else "bf16"
+    cell = layers * kv_bytes_per_token_per_layer(dtype)
+    pages = lambda budget: int(budget // cell) // PAGE_SIZE * PAGE_SIZE  # noqa: E731
+    stock = min(args.max_total_tokens, pages(FAKE_KV_BUDGET_BYTES))
+    if cp_size == 1 or os.environ.get(NO_SCRATCH_ENV) == "1":
+        return stock
+    reserve = scratch_bytes(cp_size * stock, kv_row_bytes(dtype), PAGE_SIZE)
+    return min(args.max_total_tokens, pages(FAKE_KV_BUDGET_BYTES - reserve))
 
 
 class FakeSglang:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         cp = args.tp if args.enable_nsa_prefill_cp_shared_kv else 1
-        self.max_total_num_tokens = args.max_total_tokens * cp
+        self.physical_tokens = physical_pool_tokens(args, cp)
+        self.max_total_num_tokens = self.physical_tokens * cp
         host = int(args.hicache_ratio * self.max_total_num_tokens) if args.enable_hierarchical_cache else 0
         self.cache = PrefixCacheModel(self.max_total_num_tokens, host)
         self.lock = threading.Lock()
@@ -227,6 +258,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server = ThreadingHTTPServer((LOOPBACK, args.port), make_handler(fake))
     server.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    for rank in range(args.tp):
+        print(f"[{stamp} TP{rank}] KV Cache is allocated. #tokens: {fake.physical_tokens}, KV size: 0.00 GB")
     print(f"fake sglang on {LOOPBACK}:{args.port}: max_total_num_tokens={fake.max_total_num_tokens}", flush=True)
     server.serve_forever()
     return 0

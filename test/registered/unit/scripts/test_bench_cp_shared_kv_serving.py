@@ -26,7 +26,7 @@ from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import PrefixCacheModel
 from sglang_cp_shared_kv.testing.e2e.server_process import ServerError
 from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
-register_cpu_ci(est_time=80, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
 
 PHYSICAL = 4096
 TP = 2
@@ -173,6 +173,47 @@ class TestServingBenchmarkRunner(CustomTestCase):
         for server in (eager, graphs):
             self.assertIsNotNone(server["tpot"][0]["tpot_ms"])
             self.assertNotIn("ttft", server)
+
+
+class TestServingBenchmarkCapacity(CustomTestCase):
+    """Part ``capacity`` against the fake server, which sizes pools from a fixed KV budget less the
+    scratch reservation the runtime makes; ``FAKE_SGLANG_NO_SCRATCH=1`` is a planted capacity bug
+    (a shared-KV pool as large as stock's, no room for the scratch) the verdict must catch."""
+
+    def run_capacity(self, no_scratch: bool):
+        import os
+        from unittest import mock
+
+        from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import NO_SCRATCH_ENV
+
+        bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        with tempfile.TemporaryDirectory() as tmp:
+            model = Path(tmp) / "model"
+            model.mkdir()
+            (model / "config.json").write_text(json.dumps({"num_hidden_layers": 78}))
+            env = {NO_SCRATCH_ENV: "1"} if no_scratch else {}
+            with mock.patch.dict(os.environ, env):
+                rc = bench.main(["--model-path", str(model), "--tp", "8", "--dry-run", "--parts", "capacity",
+                                 "--out-dir", str(Path(tmp) / "out"), "--startup-timeout", "60"])  # fmt: skip
+            results = json.loads((Path(tmp) / "out" / "results.json").read_text())
+            page = (Path(tmp) / "out" / "serving.md").read_text()
+        return rc, results["capacity"], page
+
+    def test_capacity_is_cp_times_physical_less_the_scratch_share(self):
+        rc, capacity, page = self.run_capacity(no_scratch=False)
+        self.assertEqual(rc, 0, capacity["failures"])
+        off, on = capacity["off"], capacity["on"]
+        self.assertEqual(on["logical_device_tokens_per_cp_group"], 8 * on["physical_device_tokens_per_rank"][0])
+        self.assertEqual(off["logical_device_tokens_per_cp_group"], off["physical_device_tokens_per_rank"][0])
+        ratio = on["logical_device_tokens_per_cp_group"] / off["logical_device_tokens_per_cp_group"]
+        self.assertAlmostEqual(ratio, 8 * 78 / (78 + 8), delta=0.15)  # about cp * L / (L + cp)
+        self.assertIn("both hold", page)
+
+    def test_a_pool_without_room_for_the_scratch_fails(self):
+        rc, capacity, page = self.run_capacity(no_scratch=True)
+        self.assertEqual(rc, 1)
+        self.assertTrue(any("less the gather scratch's share" in f for f in capacity["failures"]), capacity)
+        self.assertIn("## Failures", page)
 
 
 class TestServingBenchmarkMerge(CustomTestCase):
