@@ -60,44 +60,44 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
     > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"
 }
-bg() {  # bg smoke NAME ARGS...: in the background, or in turn with SMOKE_SERIAL
+spawn() {  # spawn smoke NAME ARGS...: in the background, or in turn with SMOKE_SERIAL
   if [[ -n "$SERIAL" ]]; then "$@"; else "$@" & fi
 }
 GRAMMAR="--grammar-backend none"
 case "${1:?correctness|confirm|plants|perf}" in
   correctness)
-    bg smoke ref_bf16 --shared-kv off --audit --burst 12 \
+    spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
-    bg smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
+    spawn smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
-    bg smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
+    spawn smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_back"
-    bg smoke ref_bf16_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR"
-    bg smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
+    spawn smoke ref_bf16_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR"
+    spawn smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
       --extra-server-args "$GRAMMAR"
     # fp8 against a stock reference that never loads back: stock 0.5.11's NSA host pool corrupts
     # fp8 KV on load-back (docs/gpu.md), which a HiCache reference would count against us.
-    bg smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
-    bg smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
+    spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+    spawn smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
-    bg smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
+    spawn smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule"
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
-    bg smoke ref_bf16 --shared-kv off --audit --burst 12 \
+    spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
-    bg smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
+    spawn smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
-    bg smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
-    bg smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
+    spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+    spawn smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
     wait ;;
   plants)
     # fp8: stock 0.5.11's NSA host pool corrupts fp8 KV on load-back (docs/gpu.md), so the fp8
     # shared-KV run is also judged against a stock reference that never loads back (radix only).
-    bg smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+    spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
     for bug in read-wrong-owner load-back-wrong-page; do
-      bg smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
+      spawn smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
         --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
     done
     wait
