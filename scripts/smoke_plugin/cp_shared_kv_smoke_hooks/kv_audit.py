@@ -218,12 +218,13 @@ def register_hooks(registry, audit_dir: str) -> None:
         audit_of(runtime).begin_forward(forward_batch)
 
     def after_store_mla_kv(result, runtime, original, layer, *args, **kwargs):
+        if layer.layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
+            return
+
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
         from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages
 
         pool, scratch = runtime.pool, runtime.scratch
-        if layer.layer_id - pool.start_layer >= audited_layers(len(pool.kv_buffer)):
-            return
         audit_of(runtime).check_layer(
             runtime,
             as_pages(pool.kv_buffer[layer.layer_id - pool.start_layer], pool.page_size).view(torch.uint8),
@@ -232,11 +233,12 @@ def register_hooks(registry, audit_dir: str) -> None:
         )
 
     def after_store_index_k(result, runtime, original, indexer, forward_batch, layer_id, *args, **kwargs):
+        if layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
+            return
+
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 
         pool, scratch = runtime.pool, runtime.scratch
-        if layer_id - pool.start_layer >= audited_layers(len(pool.kv_buffer)):
-            return
         audit_of(runtime).check_layer(
             runtime,
             pool.index_k_with_scale_buffer[layer_id - pool.start_layer],
