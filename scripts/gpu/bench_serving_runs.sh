@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs THERE (nvidia-h200-x2, -x4 or -x8), after every staged part is installed (docs/gpu.md,
-# "Serving"; "PD disaggregation" too for part pd): the serving benchmark
+# Runs on a machine with BENCH_TP GPUs and the project installed (README; mooncake too for part pd),
+# or staged (docs/gpu.md): the serving benchmark
 # (benchmark/bench_cp_shared_kv_serving.py, docs/benchmarks.md) on the GLM-5-width model, one server
 # at a time on all BENCH_TP GPUs. One part and one mode per call, so each fits a call:
 #
@@ -21,7 +21,10 @@
 # them with --report-from), .md, .log and the plot under /tmp/bench_out (or OUT).
 set -uo pipefail
 mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity}"; shift 2
-[[ -n "${BENCH_DRY_RUN:-}" ]] || source scripts/gpu/remote_env.sh || exit 1
+# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
+if [[ -z "${BENCH_DRY_RUN:-}" && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
+  source scripts/gpu/remote_env.sh || exit 1
+fi
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
 export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"
