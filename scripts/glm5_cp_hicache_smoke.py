@@ -57,6 +57,7 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     hicache_failures,
     log_failures,
     request_failures,
+    scratch_share_failures,
     ttft_summary,
 )
 
@@ -349,6 +350,45 @@ def print_summary(reports: List[RunReport], comparison: List[str]) -> None:
         print(f"note (greedy tokens, not judged: stock NSA kernels are not run-to-run deterministic): {note}")
 
 
+def kv_dtype_of(extra_server_args: str) -> str:
+    args = shlex.split(extra_server_args)
+    dtype = args[args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in args[:-1] else "bfloat16"
+    return "fp8" if dtype.startswith("fp8") else "bf16"
+
+
+def stock_figures_for(args, reports: List[RunReport]) -> Optional[Dict]:
+    """Capacity figures of the stock server with the same flags: this run's, else the reference's."""
+    for report in reports:
+        if report.mode == mode_name(False):
+            return report.figures
+    if args.reference_dir:
+        path = Path(args.reference_dir) / "report.json"
+        wait_for_report(path.parent, args.startup_timeout)
+        if path.exists():
+            for run in json.loads(path.read_text())["runs"]:
+                if run["mode"] == mode_name(False):
+                    return run["figures"]
+    return None
+
+
+def scratch_share_checks(args, reports: List[RunReport]) -> None:
+    """Shared KV's pool per rank = stock's less the gather scratch's share (where a stock run is known)."""
+    from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+
+    stock = stock_figures_for(args, reports)
+    config = Path(args.model_path) / "config.json"
+    if stock is None or not config.is_file():
+        return
+    num_layers = json.loads(config.read_text())["num_hidden_layers"]
+    kv_dtype = kv_dtype_of(args.extra_server_args)
+    for report in reports:
+        if report.mode == mode_name(True):
+            report.failures += scratch_share_failures(
+                report.figures, stock, args.physical_tokens_per_rank, args.tp,
+                num_layers * kv_bytes_per_token_per_layer(kv_dtype), kv_row_bytes(kv_dtype), NSA_CUDA_PAGE_SIZE,
+            )  # fmt: skip
+
+
 def _raise_on_sigterm(signum, frame):
     raise SystemExit(f"terminated by signal {signum}")
 
@@ -373,6 +413,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the server is stopped on SIGTERM too
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = [run_mode(args, config, plan, out_dir) for config in configs]
+    scratch_share_checks(args, reports)
     comparison = compare_runs(plan, reports[0], reports[1]) if len(reports) == 2 else []
     print_summary(reports, comparison)
     (out_dir / "report.json").write_text(

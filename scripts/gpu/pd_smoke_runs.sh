@@ -21,20 +21,53 @@
 # Results under $OUT (at most 8 files come back): probe.log, probe.json, pd_smoke.log, report.json,
 # pd_logs.tgz (both servers' logs of both pairs, the probe's engine logs).
 #
-# Usage: bash scripts/gpu/pd_smoke_runs.sh [probe|all|plant] [more glm5_pd_smoke.py arguments]
+# Usage: bash scripts/gpu/pd_smoke_runs.sh [probe|all|plant|dry-run] [more glm5_pd_smoke.py arguments]
+#   dry-run: the smoke prints both pairs' commands, environments (GPUs) and plan, launches nothing;
+#            no machine check, no probe (no GPU needed, remote_env.sh not sourced).
+#
+# Environment (all optional):
+#   PD_TP=2|4|8         prefill --tp (= CP size), on GPUs 0..PD_TP-1
+#   PD_MODEL=tiny|glm5-width   the tiny GLM-5 (default), or GLM-5's widths with as many layers as the
+#                       prefill's share of PD_TP H200s holds (make_tiny_glm5_config.py --glm5-width,
+#                       sized at --mem-fraction-static 0.4; PD_WEIGHTS bf16|fp8, default fp8); its KV
+#                       audits (transfer audit included) cover the first PD_AUDIT_LAYERS layers (default 2)
+#   PD_DECODE_GPUS, PD_DECODE_TP   the stock decode server. Default, tiny: --tp 1 on the prefill's last
+#                       GPU; glm5-width: --tp PD_TP on the prefill's GPUs. Sharing a GPU, the prefill takes
+#                       --mem-fraction-static 0.35 (glm5-width 0.4) of it and the decode, launched second,
+#                       0.75 (0.85): sglang counts the fraction of the whole GPU, less what is in use, so
+#                       the decode gets the difference. On 8 GPUs with PD_TP=4, PD_DECODE_GPUS=4,5,6,7
+#                       gives the decode GPUs of its own.
 set -uo pipefail
 start_s=$(date +%s)
+mode="${1:-all}"
 # A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
-if [[ -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then source scripts/gpu/remote_env.sh || exit 1; fi
+if [[ "$mode" != dry-run && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
+  source scripts/gpu/remote_env.sh || exit 1
+fi
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
 export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"
 export PATH="/tmp/site/bin:$PATH"
 OUT="${OUT:-/tmp/pd_out}"
 RUNS=/tmp/pd_runs
-MODEL=/tmp/tiny-glm5
+TP="${PD_TP:-2}"
+PREFILL_GPUS="$(seq -s, 0 $(( TP - 1 )))"
+case "${PD_MODEL:-tiny}" in
+  tiny)
+    MODEL="${PD_MODEL_DIR:-/tmp/tiny-glm5}"
+    DECODE_GPUS="${PD_DECODE_GPUS:-$(( TP - 1 ))}"; DECODE_TP="${PD_DECODE_TP:-1}"
+    MEM=(--prefill-mem-fraction-static 0.35 --decode-mem-fraction-static 0.75)
+    make_model=(--no-check) ;;
+  glm5-width)
+    MODEL="${PD_MODEL_DIR:-/tmp/glm5-width-pd-tp$TP}"
+    export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${PD_AUDIT_LAYERS:-2}"
+    DECODE_GPUS="${PD_DECODE_GPUS:-$PREFILL_GPUS}"; DECODE_TP="${PD_DECODE_TP:-$TP}"
+    MEM=(--prefill-mem-fraction-static 0.4 --decode-mem-fraction-static 0.85)
+    make_model=(--glm5-width --tp "$TP" --weights "${PD_WEIGHTS:-fp8}" --mem-fraction-static 0.4
+                --physical-tokens-per-rank 65536 --no-check) ;;
+  *) echo "PD_MODEL must be tiny or glm5-width" >&2; exit 2 ;;
+esac
 BUDGET_S="${PD_BUDGET_S:-530}"  # e.g. PD_BUDGET_S=330 for mode plant (one pair)
-mode="${1:-all}"
 shift || true
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS/smoke" "$RUNS/probe"
@@ -45,6 +78,14 @@ pack_logs() {
   [[ -f "$RUNS/smoke/report.json" ]] && cp "$RUNS/smoke/report.json" "$OUT/report.json"
 }
 
+if [[ "$mode" == dry-run ]]; then
+  [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" "${make_model[@]}" > /dev/null
+  python3 scripts/glm5_pd_smoke.py --model-path "$MODEL" --load-format dummy --audit --shared-kv both \
+    --prefill-tp "$TP" --prefill-gpus "$PREFILL_GPUS" --decode-tp "$DECODE_TP" --decode-gpu "$DECODE_GPUS" \
+    "${MEM[@]}" --out-dir "$RUNS/smoke" --extra-prefill-args "--grammar-backend none" \
+    --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" --dry-run "$@"
+  exit $?
+fi
 {
   echo "== machine"
   cache="$( (/sbin/ldconfig -p || ldconfig -p) 2>/dev/null)"
@@ -69,7 +110,7 @@ if (( probe_rc != 0 )) || [[ "$mode" == probe ]]; then
   exit "$probe_rc"
 fi
 
-[[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check > /dev/null
+[[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" "${make_model[@]}" > /dev/null
 smoke_s=$(( $(left) - 60 ))
 echo "pd smoke: $smoke_s s left for it"
 if [[ "$mode" == plant ]]; then
@@ -79,6 +120,7 @@ else
 fi
 timeout -s TERM -k 75 "$smoke_s" python3 scripts/glm5_pd_smoke.py --model-path "$MODEL" --load-format dummy \
   --audit "${pairs[@]}" --out-dir "$RUNS/smoke" --startup-timeout 300 --request-timeout 150 \
+  --prefill-tp "$TP" --prefill-gpus "$PREFILL_GPUS" --decode-tp "$DECODE_TP" --decode-gpu "$DECODE_GPUS" "${MEM[@]}" \
   --extra-prefill-args "--grammar-backend none" \
   --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" \
   --ignore-log-pattern "Can not initialize OpenAIServingResponses" "$@" > "$OUT/pd_smoke.log" 2>&1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs on a machine with two GPUs and the project installed (README), or staged (docs/gpu.md,
-# "Staging an offline machine"): the end-to-end smoke of `sglang serve` at --tp 2 with the tiny
-# GLM-5 (dummy weights). docs/gpu.md, "Serve smoke", says what each mode prints and what passes.
+# Runs on a machine with two GPUs (four or eight with SMOKE_TP 4 / 8) and the project installed
+# (README), or staged (docs/gpu.md, "Staging an offline machine"): the end-to-end smoke of
+# `sglang serve` at --tp 2 (SMOKE_TP: 4, 8) with the tiny GLM-5 (SMOKE_MODEL: GLM-5's widths),
+# dummy weights. docs/gpu.md, "Serve smoke", says what each mode prints and what passes.
 #
 #   correctness   reference servers (shared KV off) and shared-KV servers, all at once (each server
 #                 spans both GPUs; pools are capped by --max-total-tokens), with the KV audits on:
@@ -16,59 +17,91 @@
 #   confirm       the bf16 write_through/chunked/burst and fp8 runs with their references only.
 #
 # Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf   (results under $OUT)
+#
+# Environment (all optional):
+#   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
+#   SMOKE_MODEL=tiny|glm5-width   the tiny GLM-5 (default) or GLM-5's real widths with as many layers
+#                           as SMOKE_TP H200s hold (make_tiny_glm5_config.py --glm5-width, SMOKE_WEIGHTS
+#                           bf16|fp8, default fp8); a glm5-width server takes most of every GPU, so its
+#                           smokes run one at a time (SMOKE_SERIAL=1 is implied), and the KV audits cover
+#                           its first SMOKE_AUDIT_LAYERS layers (default 2; layer 0 is what judges)
+#   SMOKE_SERIAL=1          one smoke at a time, in the order listed (references first)
+#   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
+#   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
+#                           nothing (no GPU needed, remote_env.sh not sourced)
 set -uo pipefail
+TP="${SMOKE_TP:-2}"
+SERIAL="${SMOKE_SERIAL:-}"
 # A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
-if [[ -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then source scripts/gpu/remote_env.sh || exit 1; fi
+if [[ -z "${SMOKE_DRY_RUN:-}" && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
+  source scripts/gpu/remote_env.sh || exit 1
+fi
+
 export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/tmp/site/bin:$PATH"
 OUT="${OUT:-/tmp/smoke_out}"
-RUNS=/tmp/smoke_runs
-MODEL=/tmp/tiny-glm5
+RUNS="${SMOKE_RUNS_DIR:-/tmp/smoke_runs}"
 mkdir -p "$OUT" "$RUNS"
-[[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null
+case "${SMOKE_MODEL:-tiny}" in
+  tiny)
+    MODEL="${SMOKE_MODEL_DIR:-/tmp/tiny-glm5}"
+    [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null ;;
+  glm5-width)
+    MODEL="${SMOKE_MODEL_DIR:-/tmp/glm5-width-tp$TP}"
+    SERIAL=1
+    export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${SMOKE_AUDIT_LAYERS:-2}"
+    [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --glm5-width --tp "$TP" \
+      --weights "${SMOKE_WEIGHTS:-fp8}" --mem-fraction-static 0.85 --no-check ;;
+  *) echo "SMOKE_MODEL must be tiny or glm5-width" >&2; exit 2 ;;
+esac
 smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   local name=$1; shift
-  python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp 2 --load-format dummy \
+  if [[ -n "${SMOKE_ONLY:-}" && " $SMOKE_ONLY " != *" $name "* ]]; then return 0; fi
+  python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
-    --ignore-log-pattern "Can not initialize OpenAIServingResponses" "$@" > "$OUT/$name.log" 2>&1
+    --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} "$@" \
+    > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"
+}
+spawn() {  # spawn smoke NAME ARGS...: in the background, or in turn with SMOKE_SERIAL
+  if [[ -n "$SERIAL" ]]; then "$@"; else "$@" & fi
 }
 GRAMMAR="--grammar-backend none"
 case "${1:?correctness|confirm|plants|perf}" in
   correctness)
-    smoke ref_bf16 --shared-kv off --audit --burst 12 \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
-    smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
-    smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_back" &
-    smoke ref_bf16_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR" &
-    smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
-      --extra-server-args "$GRAMMAR" &
+    spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    spawn smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    spawn smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_back"
+    spawn smoke ref_bf16_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR"
+    spawn smoke on_bf16_radix --shared-kv on --no-hicache --audit --reference-dir "$RUNS/ref_bf16_radix" \
+      --extra-server-args "$GRAMMAR"
     # fp8 against a stock reference that never loads back: stock 0.5.11's NSA host pool corrupts
     # fp8 KV on load-back (docs/cp-hicache.md), which a HiCache reference would count against us.
-    smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
-    smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
-      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
-    smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule" &
+    spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+    spawn smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
+    spawn smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule"
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
-    smoke ref_bf16 --shared-kv off --audit --burst 12 \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
-    smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
-    smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
-    smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
-      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through" &
+    spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    spawn smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+    spawn smoke on_fp8 --shared-kv on --audit --reference-dir "$RUNS/ref_fp8_radix" \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
     wait ;;
   plants)
     # fp8: stock 0.5.11's NSA host pool corrupts fp8 KV on load-back (docs/cp-hicache.md), so the fp8
     # shared-KV run is also judged against a stock reference that never loads back (radix only).
-    smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3" &
+    spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
     for bug in read-wrong-owner load-back-wrong-page; do
-      smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
-        --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048" &
+      spawn smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
+        --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
     done
     wait
     python3 - "$RUNS" <<'PY' > "$OUT/fp8_vs_radix_reference.log" 2>&1
@@ -92,5 +125,5 @@ esac
 mkdir -p "$OUT/logs"
 for d in "$RUNS"/*/; do for f in "$d"server_*.log; do [[ -f $f ]] && cp "$f" "$OUT/logs/$(basename "$d").log"; done; done
 tar -C "$OUT" -czf "$OUT/server_logs.tgz" logs && rm -rf "$OUT/logs"
-rm -f "$OUT"/ref_*.log
+[[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -f "$OUT"/ref_*.log
 for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done

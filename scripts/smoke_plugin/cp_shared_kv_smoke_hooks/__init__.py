@@ -9,7 +9,9 @@ sets for those servers alone:
 * ``SMOKE_DUMMY_INIT_ENV=1``: unit-gain dummy weights (``dummy_weights``), so the KV cache matters.
 * ``SMOKE_LIFT_TP_RULE_ENV=1``: the *reference* server (shared KV off) runs NSA prefill CP at the
   smoke's ``--tp`` too (the product lifts sglang's ``tp_size == 8`` rule only with its flag on).
-* ``SMOKE_AUDIT_DIR_ENV=<dir>``: the KV audits (``kv_audit``), the smoke's oracle.
+* ``SMOKE_AUDIT_DIR_ENV=<dir>``: the KV audits (``kv_audit``), the smoke's oracle;
+  ``SMOKE_AUDIT_LAYERS_ENV=<n>`` limits both audits to the first ``n`` layers (layer 0 decides the
+  pool audit; dumps and per-layer gathers of every layer of a GLM-5-width model would not fit a run).
 * ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
 """
 
@@ -23,6 +25,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 SMOKE_DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
 SMOKE_LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
 SMOKE_AUDIT_DIR_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"
+SMOKE_AUDIT_LAYERS_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS"
 SMOKE_PLANT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_PLANT"
 
 logger = logging.getLogger(__name__)

@@ -55,6 +55,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def audited_layers(num_layers: int) -> int:
+    """How many leading layers the audits cover: all, or ``SMOKE_AUDIT_LAYERS_ENV`` if set. Every rank
+    reads the same variable, so every rank skips the same layers' read-audit collectives."""
+    from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_LAYERS_ENV
+
+    limit = os.environ.get(SMOKE_AUDIT_LAYERS_ENV)
+    return num_layers if not limit else max(1, min(num_layers, int(limit)))
+
+
 # ---------------------------------------------------------------- pool audit
 
 
@@ -80,9 +89,12 @@ def dump_finished_request(audit_dir: Path, cache, req) -> None:
     positions, rows = stored_rows_of(pool, locs)
     if pool.device != "cpu":
         torch.cuda.synchronize()
-    kv = torch.stack([buf[rows].flatten(1).view(torch.uint8) for buf in pool.kv_buffer], 1)
+    layers = audited_layers(len(pool.kv_buffer))
+    kv = torch.stack([buf[rows].flatten(1).view(torch.uint8) for buf in pool.kv_buffer[:layers]], 1)
     ps = pool.page_size
-    index = torch.stack([token_bytes(buf[rows // ps], rows % ps, ps, "index") for buf in pool.index_k_with_scale_buffer], 1)
+    index = torch.stack(
+        [token_bytes(buf[rows // ps], rows % ps, ps, "index") for buf in pool.index_k_with_scale_buffer[:layers]], 1
+    )
     out = audit_dir / "pool"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{req.rid}.rank{_rank()}.npz"
@@ -206,6 +218,9 @@ def register_hooks(registry, audit_dir: str) -> None:
         audit_of(runtime).begin_forward(forward_batch)
 
     def after_store_mla_kv(result, runtime, original, layer, *args, **kwargs):
+        if layer.layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
+            return
+
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
         from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages
 
@@ -219,6 +234,9 @@ def register_hooks(registry, audit_dir: str) -> None:
         )
 
     def after_store_index_k(result, runtime, original, indexer, forward_batch, layer_id, *args, **kwargs):
+        if layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
+            return
+
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 
         pool, scratch = runtime.pool, runtime.index_slot_for_read(layer_id)

@@ -67,6 +67,9 @@ class PDPairConfig:
     common_env: Dict[str, str] = field(default_factory=dict)
     prefill_only_env: Dict[str, str] = field(default_factory=dict)
     decode_only_env: Dict[str, str] = field(default_factory=dict)  # e.g. its own KV audit dir
+    # SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 on both servers: always with shared KV (None);
+    # a stock pair may set it too (True) when timed against the shared-KV pair on fresh prompts.
+    all_cp_ranks_transfer: Optional[bool] = None
 
     def prefill_command(self) -> List[str]:
         disaggregation = [
@@ -107,7 +110,7 @@ class PDPairConfig:
 
     def _both_env(self) -> Dict[str, str]:
         env = {**MULTICAST_OFF_ENV, HOST_IP_ENV: LOOPBACK, **self.common_env}
-        if self.shared_kv:
+        if self.shared_kv or self.all_cp_ranks_transfer:
             env[ALL_CP_RANKS_ENV] = "1"
         if self.mooncake_tcp:
             env[MOONCAKE_FORCE_TCP_ENV] = "true"

@@ -37,8 +37,12 @@ class ServeConfig:
     mem_fraction_static: Optional[float] = None
     load_format: Optional[str] = None
     extra_args: Sequence[str] = ()
+    # Stock servers only (shared KV off): keep sglang's CUDA-graph decode, the baseline a user runs.
+    cuda_graphs: bool = False
 
     def command(self) -> List[str]:
+        if self.cuda_graphs and self.shared_kv:
+            raise ValueError("cuda_graphs: the shared-KV runtime requires --disable-cuda-graph")
         cmd = [
             "sglang", "serve",
             "--model-path", self.model_path,
@@ -49,12 +53,13 @@ class ServeConfig:
             "--max-total-tokens", str(self.physical_tokens_per_rank),
             "--enable-metrics",
             "--log-level", "info",
+        ]  # fmt: skip
+        if not self.cuda_graphs:
             # The shared-KV runtime gathers peer pages per forward and cannot run in CUDA graphs
             # (its startup validation requires both flags); the reference run uses the same so the
             # two servers differ by the shared-KV flag only.
-            "--disable-cuda-graph",
-            "--disable-piecewise-cuda-graph",
-        ]  # fmt: skip
+            cmd.append("--disable-cuda-graph")
+        cmd.append("--disable-piecewise-cuda-graph")
         if self.hicache_ratio is not None:
             cmd += ["--enable-hierarchical-cache", "--hicache-ratio", f"{self.hicache_ratio:g}"]
         if self.shared_kv:

@@ -12,7 +12,7 @@ Between runs (shared KV off vs on), greedy outputs must be equal request by requ
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, round_pairs
 from sglang_cp_shared_kv.testing.e2e.server_log import CapacityLines, LogFinding
@@ -213,3 +213,54 @@ def ttft_summary(plan: RequestPlan, records: Sequence[RequestRecord]) -> List[Di
             }
         )
     return rows
+
+
+def shared_physical_bounds(
+    stock_physical_tokens: int,
+    cap_tokens: Optional[int],
+    cp_size: int,
+    kv_bytes_per_token: int,
+    kv_row_bytes: int,
+    page_size: int,
+) -> Tuple[int, int]:
+    """Pages per rank a shared-KV server may get beside a stock server with the same flags.
+
+    The runtime reserves ``scratch_bytes(cp_size * P0)`` of the KV budget before sglang sizes the
+    pool (docs/runtime.md, "Scratch budget"), ``P0`` being stock's pool from that budget (capped by
+    ``--max-total-tokens``), so the shared-KV pool is ``P0`` less the scratch's share, page-rounded:
+    ``kv_bytes_per_token`` is one token of every layer (KV row + indexer row). Where stock's pool
+    was capped, its budget is unknown and the pool may still reach the cap.
+    """
+    from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
+
+    share_tokens = scratch_bytes(cp_size * stock_physical_tokens, kv_row_bytes, page_size) / kv_bytes_per_token
+    # Stock's budget is P0 .. P0 + one page of tokens, so the pool is known to within one page.
+    low = int((stock_physical_tokens - share_tokens) // page_size) * page_size
+    capped = cap_tokens is not None and stock_physical_tokens >= cap_tokens
+    high = cap_tokens if capped else int((stock_physical_tokens + page_size - share_tokens) // page_size) * page_size
+    if cap_tokens is not None:
+        high = min(high, cap_tokens)
+    return max(low, 0), high
+
+
+def scratch_share_failures(
+    shared_figures: Dict[str, Any],
+    stock_figures: Dict[str, Any],
+    cap_tokens: Optional[int],
+    cp_size: int,
+    kv_bytes_per_token: int,
+    kv_row_bytes: int,
+    page_size: int,
+) -> List[str]:
+    """The shared-KV server's physical pool per rank is stock's less the scratch's documented share."""
+    shared = shared_figures.get("physical_device_tokens_per_rank") or []
+    stock = stock_figures.get("physical_device_tokens_per_rank") or []
+    if len(shared) != 1 or len(stock) != 1:
+        return [] if not shared or not stock else [f"pools differ between ranks: {shared} / {stock}"]
+    low, high = shared_physical_bounds(stock[0], cap_tokens, cp_size, kv_bytes_per_token, kv_row_bytes, page_size)
+    if not low <= shared[0] <= high:
+        return [
+            f"physical pool per rank is {shared[0]} tokens; stock's {stock[0]} less the gather scratch's "
+            f"share gives {low}..{high}"
+        ]
+    return []

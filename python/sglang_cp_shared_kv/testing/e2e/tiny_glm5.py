@@ -104,13 +104,15 @@ def _byte_to_unicode() -> Dict[int, str]:
     return mapping
 
 
-def special_tokens() -> List[str]:
-    reserved = VOCAB_SIZE - NUM_BYTE_TOKENS - len(SPECIAL_TOKENS)
+def special_tokens(vocab_size: int = VOCAB_SIZE) -> List[str]:
+    reserved = vocab_size - NUM_BYTE_TOKENS - len(SPECIAL_TOKENS)
     return SPECIAL_TOKENS + [f"<|reserved_{i}|>" for i in range(reserved)]
 
 
-def build_tiny_tokenizer():
-    """A ``tokenizers.Tokenizer``: byte-level BPE without merges, id b == byte b, then specials."""
+def build_tiny_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A ``tokenizers.Tokenizer``: byte-level BPE without merges, id b == byte b, then specials up to
+    ``vocab_size`` ids (the GLM-5-width model keeps the real vocabulary size, so its embedding and
+    LM head weigh what they weigh in production)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {symbol: byte for byte, symbol in _byte_to_unicode().items()}
@@ -118,27 +120,31 @@ def build_tiny_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in special_tokens()]
+        [AddedToken(token, special=True, normalized=False) for token in special_tokens(vocab_size)]
     )
-    assert tokenizer.get_vocab_size() == VOCAB_SIZE
+    assert tokenizer.get_vocab_size() == vocab_size
     assert tokenizer.token_to_id(EOS_TOKEN) == EOS_TOKEN_ID
     return tokenizer
 
 
 def write_tiny_glm5_model(out_dir: str | os.PathLike, num_hidden_layers: int = 4) -> Path:
     """Write config.json, generation_config.json and the tokenizer files into ``out_dir``."""
+    return write_model_dir(out_dir, tiny_glm5_config(num_hidden_layers))
+
+
+def write_model_dir(out_dir: str | os.PathLike, config: Dict[str, Any]) -> Path:
+    """A loadable model directory (no weights) for ``config``, with a byte-level tokenizer of its vocab."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_glm5_config(num_hidden_layers)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation_config = {"eos_token_id": EOS_TOKEN_ID, "bos_token_id": None, "pad_token_id": None}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
-    build_tiny_tokenizer().save(str(out / "tokenizer.json"))
+    build_tiny_tokenizer(config["vocab_size"]).save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "model_max_length": config["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")

@@ -162,6 +162,38 @@ class TestSmokeKvAudit(CustomTestCase):
         expected = pool.kv_buffer[1][PAGE + 7].flatten().view(torch.uint8).numpy()
         self.assertTrue(np.array_equal(merged.kv[7, 1], expected))
 
+    def test_audit_layer_limit_dumps_the_leading_layers_only(self):
+        """A GLM-5-width model's dumps of every layer would not fit a run; layer 0 is what judges."""
+        import os
+        from unittest import mock
+
+        from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_LAYERS_ENV, kv_audit
+        from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+
+        pool = make_nsa_pool(4 * PAGE, "bf16", 3, "cpu")
+        for buf in pool.kv_buffer:
+            buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+        n = PAGE + 3
+        req_to_token = torch.zeros((2, 4 * PAGE), dtype=torch.int32)
+        req_to_token[1, :n] = torch.arange(PAGE, PAGE + n)
+        cache = SimpleNamespace(
+            token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        )
+        req = SimpleNamespace(rid="r2", kv_committed_len=n, req_pool_idx=1, origin_input_ids=self.tokens[:n], output_ids=[])
+        for limit, layers in ((None, 3), ("1", 1), ("2", 2), ("9", 3)):
+            run = Path(self.tmp.name) / f"limit{limit}"
+            env = {SMOKE_AUDIT_LAYERS_ENV: limit} if limit else {}
+            with mock.patch.dict(os.environ, env), mock.patch.object(kv_audit, "_rank", return_value=0):
+                if not limit:
+                    os.environ.pop(SMOKE_AUDIT_LAYERS_ENV, None)
+                kv_audit.dump_finished_request(run, cache, req)
+            merged = kv_audit_compare.merge_request("r2", kv_audit_compare.load_dumps(run)["r2"])
+            self.assertEqual(merged.kv.shape[1], layers, limit)
+            self.assertEqual(merged.index.shape[1], layers, limit)
+            expected = pool.kv_buffer[0][PAGE + 2].flatten().view(torch.uint8).numpy()
+            self.assertTrue(np.array_equal(merged.kv[2, 0], expected))
+
     def test_a_dump_cut_off_by_shutdown_is_waited_for_and_never_loaded(self):
         # A server stopped while dumping leaves its ".<name>" file behind, possibly empty: the compare
         # must not read it (it once died on one with EOFError), and the runner must wait for dumps

@@ -111,9 +111,12 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
         Indexer._store_index_k_cache(IndexerStub(), batch, layer_id, key, act_quant=act_quant)
 
 
-def _rank(rank, world_size, dtype_name, audit_dir, plant, prefetch=False):
+def _rank(rank, world_size, dtype_name, audit_dir, plant, prefetch=False, audit_layers=None):
+    from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_LAYERS_ENV
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
+    if audit_layers is not None:
+        os.environ[SMOKE_AUDIT_LAYERS_ENV] = str(audit_layers)
     # With ``prefetch``: a second group and slot, the layer-ahead path on the chunked forward.
     prefetch_group = dist.new_group(list(range(world_size))) if prefetch else None
     runtimes = []
@@ -140,10 +143,10 @@ def _rank(rank, world_size, dtype_name, audit_dir, plant, prefetch=False):
 
 
 class TestSmokeReadAudit(CustomTestCase):
-    def _run(self, world_size, dtype_name="fp8", plant=False, prefetch=False):
+    def _run(self, world_size, dtype_name="fp8", plant=False, prefetch=False, audit_layers=None):
         with tempfile.TemporaryDirectory() as audit_dir:
             ranks = run_ranks(
-                _rank, world_size, (dtype_name, audit_dir, plant, prefetch), start_method="forkserver",
+                _rank, world_size, (dtype_name, audit_dir, plant, prefetch, audit_layers), start_method="forkserver",
                 preload=[runtime_check.__name__], timeout_s=TIMEOUT_S, deadline_s=TIMEOUT_S,
             )  # fmt: skip
         for r in ranks:
@@ -205,6 +208,18 @@ class TestSmokeReadAudit(CustomTestCase):
 
     def test_two_ranks_read_from_wrong_owner(self):
         self._assert_catches_wrong_owner(2, "fp8")
+
+    def test_layer_limit_audits_the_leading_layers_on_every_rank_alike(self):
+        """With SMOKE_AUDIT_LAYERS_ENV=1 only layer 0 is audited (a wide, deep model's per-layer
+        gathers of every layer would not fit a run); every rank skips the same collectives and a
+        wrong owner is still caught."""
+        rank0, _ = self._run(2, "fp8", audit_layers=1)
+        dummy = rank0["after_dummy"]
+        self.assertEqual(dummy["dummy_refs"], 2 * PAGE)  # one layer's references, not NUM_LAYERS'
+        self.assertEqual(dummy["kv_rows"] - rank0["after_story"]["kv_rows"], 1)
+        self.assertEqual(dummy["kv_wrong"] + dummy["index_wrong"], 0)
+        planted, _ = self._run(2, "fp8", plant=True, audit_layers=1)
+        self.assertGreater(planted["after_story"]["kv_wrong"], 0)
 
 
 if __name__ == "__main__":

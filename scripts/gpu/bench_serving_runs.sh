@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs on a machine with BENCH_TP GPUs and the project installed (README; mooncake too for part pd),
+# or staged (docs/gpu.md): the serving benchmark
+# (benchmark/bench_cp_shared_kv_serving.py, docs/benchmarks.md) on the GLM-5-width model, one server
+# at a time on all BENCH_TP GPUs. One part and one mode per call, so each fits a call:
+#
+#   bash scripts/gpu/bench_serving_runs.sh off|on|both headline|ttft|tpot|pd|capacity [more benchmark arguments]
+#
+#   headline   the documents workload, phases device and host (--physical-tokens-per-rank 163840)
+#   ttft       TTFT of an 8K chunk on 0 / 32K / 128K cached tokens, from device and from host
+#   tpot       TPOT at 4K / 16K / 64K / 128K context, batch 1 and 32 (with mode off, add
+#              --stock-cuda-graphs for the stock server with CUDA graphs too)
+#   capacity   (mode ignored: both servers) pools sized by memory alone, no HiCache: logical capacity
+#              off vs on against cp x physical and the scratch's documented share
+#   pd         the PD pair on fresh 8K prompts: prefill at --tp BENCH_TP on GPUs 0..BENCH_TP-1, a
+#              stock decode at --tp BENCH_TP sharing them (prefill --mem-fraction-static 0.4, decode
+#              0.85), a model sized for the prefill's 0.4, 32768 pool tokens per rank
+#
+# Environment: BENCH_TP (2, 4, 8; default 2), BENCH_WEIGHTS (fp8 | bf16; default fp8), BENCH_DRY_RUN=1
+# (fake servers on loopback, no GPU; remote_env.sh not sourced). Results: <mode>_<part>.json (merge
+# them with --report-from), .md, .log and the plot under /tmp/bench_out (or OUT).
+set -uo pipefail
+mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity}"; shift 2
+# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
+if [[ -z "${BENCH_DRY_RUN:-}" && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
+  source scripts/gpu/remote_env.sh || exit 1
+fi
+export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
+export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"
+export PATH="/tmp/site/bin:$PATH"
+OUT="${OUT:-/tmp/bench_out}"
+RUNS="${BENCH_RUNS_DIR:-/tmp/bench_runs}"
+TP="${BENCH_TP:-2}"
+WEIGHTS="${BENCH_WEIGHTS:-fp8}"
+GPUS="$(seq -s, 0 $(( TP - 1 )))"
+MODEL="${BENCH_MODEL_DIR:-/tmp/glm5-width-bench-tp$TP-$WEIGHTS}"
+PD_MODEL="${BENCH_PD_MODEL_DIR:-/tmp/glm5-width-pd-tp$TP-$WEIGHTS}"
+mkdir -p "$OUT" "$RUNS"
+[[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --glm5-width --tp "$TP" \
+  --weights "$WEIGHTS" --mem-fraction-static 0.85 --physical-tokens-per-rank 196608 --no-check
+case "$part" in
+  headline) part_args=(--parts headline --physical-tokens-per-rank 163840) ;;
+  ttft|tpot) part_args=(--parts "$part" --physical-tokens-per-rank 163840 --repeats 2) ;;
+  capacity) part_args=(--parts capacity) ;;
+  pd)
+    [[ -f $PD_MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$PD_MODEL" --glm5-width --tp "$TP" \
+      --weights "$WEIGHTS" --mem-fraction-static 0.4 --physical-tokens-per-rank 65536 --no-check
+    part_args=(--parts pd --pd-model-path "$PD_MODEL" --physical-tokens-per-rank 32768 --pd-prefill-gpus "$GPUS"
+               --pd-decode-gpus "$GPUS" --pd-decode-tp "$TP") ;;
+  *) echo "part must be headline, ttft, tpot, pd or capacity" >&2; exit 2 ;;
+esac
+name="${mode}_${part}"
+python3 benchmark/bench_cp_shared_kv_serving.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
+  --shared-kv "$mode" "${part_args[@]}" --mem-fraction-static 0.85 --startup-timeout 420 \
+  --extra-server-args "--grammar-backend none" --out-dir "$RUNS/$name" --doc-out "$OUT/$name.md" \
+  ${BENCH_DRY_RUN:+--dry-run} "$@" > "$OUT/$name.log" 2>&1
+rc=$?
+[[ -f "$RUNS/$name/results.json" ]] && cp "$RUNS/$name/results.json" "$OUT/$name.json"
+tar -C "$RUNS/$name" -czf "$OUT/${name}_server_logs.tgz" --wildcards '*.log' 2>/dev/null
+grep -E "^\[|^phase|FAIL|^DONE|^FAILED|^error" "$OUT/$name.log" | grep -vE "/[0-9]+ requests" | cut -c1-300
+grep -E "/[0-9]+ requests" "$OUT/$name.log" | tail -4
+echo "bench $name: exit $rc"
+exit $rc

@@ -1,0 +1,90 @@
+"""The smoke's capacity check: a shared-KV pool per rank is stock's less the gather scratch's share.
+
+sglang sizes a pool as whole pages of ``budget // bytes_per_token``; the runtime first holds back
+``scratch_bytes(cp * P0)`` (``P0``: stock's pool from the same budget). The test sizes pools that
+way for many budgets, cp sizes, depths and dtypes and checks the bounds hold them (to one page:
+stock's budget is known only to within a page of tokens), and that a pool two pages off either way
+(e.g. a reservation skipped or made twice) fails.
+
+Planted bug this caught (reverted): the share computed for ``P0`` tokens instead of ``cp * P0``
+(the scratch holds the logical capacity): the sized pools fell outside the bounds.
+"""
+
+import random
+import unittest
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
+from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+from sglang_cp_shared_kv.testing.e2e.smoke_report import capacity_failures, scratch_share_failures
+
+register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
+
+PAGE = 64
+
+
+def pages(tokens: float) -> int:
+    return int(tokens // PAGE) * PAGE
+
+
+def figures(physical: int, cp: int = 1):
+    return {"physical_device_tokens_per_rank": [physical], "logical_over_physical": float(cp)}
+
+
+class TestScratchShare(CustomTestCase):
+    def test_sized_pools_pass_and_wrong_ones_fail(self):
+        rng = random.Random(0)
+        for _ in range(300):
+            cp, layers, dtype = rng.choice([2, 4, 8]), rng.choice([4, 14, 24, 78]), rng.choice(["bf16", "fp8"])
+            cell = layers * kv_bytes_per_token_per_layer(dtype)
+            budget = rng.randrange(2 << 30, 60 << 30)
+            cap = rng.choice([None, pages(rng.randrange(1 << 14, 1 << 22))])
+            stock = pages(budget / cell) if cap is None else min(cap, pages(budget / cell))
+            reserve = scratch_bytes(cp * stock, kv_row_bytes(dtype), PAGE)
+            if reserve >= budget:
+                continue  # the runtime refuses to start (reserve_scratch_bytes)
+            shared = pages((budget - reserve) / cell)
+            shared = shared if cap is None else min(cap, shared)
+            check = lambda p: scratch_share_failures(  # noqa: E731
+                figures(p, cp), figures(stock), cap, cp, cell, kv_row_bytes(dtype), PAGE)
+            self.assertEqual(check(shared), [], (cp, layers, dtype, budget, cap))
+            if cap is None or stock < cap:  # stock's budget bound its pool: the check is tight
+                self.assertTrue(check(shared + 2 * PAGE), (cp, layers, dtype, budget, cap))
+                self.assertTrue(check(shared - 2 * PAGE), (cp, layers, dtype, budget, cap))
+            else:  # stock was capped, its budget unknown: the cap bounds the pool
+                self.assertTrue(check(cap + PAGE), (cp, layers, dtype, budget, cap))
+
+    def test_smoke_judges_its_shared_kv_run_against_its_stock_run(self):
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from sglang_cp_shared_kv.testing.e2e.smoke_report import RunReport
+        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+        smoke = load_script("scripts/glm5_cp_hicache_smoke.py")
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps({"num_hidden_layers": 14}))
+            args = smoke.parse_args(["--model-path", tmp, "--tp", "4", "--physical-tokens-per-rank", "65536",
+                                     "--extra-server-args", "--kv-cache-dtype fp8_e4m3"])  # fmt: skip
+            cell = 14 * kv_bytes_per_token_per_layer("fp8")
+            stock = 40000 // PAGE * PAGE  # below the cap: the budget bound it
+            share = scratch_bytes(4 * stock, kv_row_bytes("fp8"), PAGE) / cell
+            for shared, ok in ((pages(stock - share), True), (stock, False)):
+                reports = [RunReport(mode="shared-kv-off", command=[], log_path="", tp_size=4, figures=figures(stock)),
+                           RunReport(mode="shared-kv-on", command=[], log_path="", tp_size=4, figures=figures(shared, 4))]
+                smoke.scratch_share_checks(args, reports)
+                self.assertEqual(reports[1].failures == [], ok, reports[1].failures)
+                self.assertEqual(reports[0].failures, [])
+
+    def test_logical_capacity_is_exactly_cp_times_physical(self):
+        for cp in (2, 4, 8):
+            self.assertEqual(capacity_failures(True, cp, figures(16384, cp)), [])
+            self.assertTrue(capacity_failures(True, cp, figures(16384, cp - 1)))
+            self.assertTrue(capacity_failures(False, cp, figures(16384, cp)))
+
+
+if __name__ == "__main__":
+    unittest.main()

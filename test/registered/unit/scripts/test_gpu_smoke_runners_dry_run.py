@@ -1,0 +1,150 @@
+"""scripts/gpu/serve_smoke_runs.sh and pd_smoke_runs.sh at --tp 4 and 8, as dry runs on a CPU.
+
+With ``SMOKE_DRY_RUN=1`` / mode ``dry-run`` the runners do everything but launch: they build the
+model directory (tiny or GLM-5-width) and call each smoke with ``--dry-run``, which prints every
+server's environment and command line and the request plan. The test reads those lines back and
+checks what a four- or eight-GPU run depends on: every server at the requested ``--tp``, the
+shared-KV flag on exactly the ``on_*`` runs, sglang's tp rule lifted for the stock reference, the
+plan sized for ``cp x`` the per-rank pool, and in the PD pair the GPUs and memory fractions of the
+prefill and the decode server.
+
+Planted bugs this caught (each reverted): ``--tp 2`` left hard-coded in ``smoke()`` (every server
+at tp 2); the PD runner giving the decode ``$PREFILL_GPUS`` whatever ``PD_DECODE_GPUS`` said.
+"""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+import unittest
+from pathlib import Path
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.testing.e2e import glm5_width
+from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+
+register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
+
+SERVE_LINE = re.compile(r"^\[(?P<mode>[a-z-]+)\]\s+(?:(?P<side>prefill|decode):\s+)?(?P<rest>.*sglang serve .*)$")
+
+
+def run_runner(script: str, args, env_extra, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), "OUT": str(tmp / "out"), **env_extra}
+    return subprocess.run(["bash", script, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def servers_in(text: str):
+    """(mode, side, env dict, argv) of every server line a smoke's dry run printed."""
+    out = []
+    for line in text.splitlines():
+        m = SERVE_LINE.match(line)
+        if not m:
+            continue
+        words = shlex.split(m["rest"])
+        start = words.index("sglang")
+        env = dict(w.split("=", 1) for w in words[:start])
+        out.append((m["mode"], m["side"], env, words[start:]))
+    return out
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+class TestServeRunnerDryRun(CustomTestCase):
+    def check_serve(self, tp: int, only: str, model_env):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"SMOKE_DRY_RUN": "1", "SMOKE_TP": str(tp), "SMOKE_RUNS_DIR": str(tmp / "runs"),
+                   "SMOKE_MODEL_DIR": str(tmp / "model"), "SMOKE_ONLY": only, **model_env}  # fmt: skip
+            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["correctness"], env, tmp)
+            names = only.split()
+            for name in names:  # the runner's own status is its last grep's; each smoke's is printed
+                self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                text = (tmp / "out" / f"{name}.log").read_text()
+                (server,) = servers_in(text)
+                mode, _, env_vars, argv = server
+                shared = name.startswith("on_")
+                self.assertEqual(mode, "shared-kv-on" if shared else "shared-kv-off")
+                self.assertEqual(flag(argv, "--tp"), str(tp))
+                self.assertEqual("--enable-nsa-prefill-cp-shared-kv" in argv, shared)
+                self.assertEqual(flag(argv, "--model-path"), str(tmp / "model"))
+                self.assertEqual("--kv-cache-dtype" in argv, "fp8" in name)
+                self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"), "1")
+                # the plan is sized for both capacities: per-rank pool and cp x it
+                physical = int(flag(argv, "--max-total-tokens"))
+                self.assertIn(f"device D={physical} ", text)
+                self.assertIn(f"device D={tp * physical} ", text)
+            return json.loads((tmp / "model" / "config.json").read_text())
+
+    def test_tiny_model_at_tp4_and_tp8(self):
+        self.check_serve(4, "ref_bf16 on_fp8", {})
+        config = self.check_serve(8, "ref_fp8_radix on_bf16_wt_chunked", {})
+        self.assertEqual(config["hidden_size"], 1024)
+
+    def test_glm5_width_model_at_tp8(self):
+        config = self.check_serve(8, "on_bf16_wt_chunked", {"SMOKE_MODEL": "glm5-width"})
+        self.assertEqual(config["hidden_size"], 6144)
+        plan = glm5_width.layers_that_fit(8, "fp8", "bf16", 262144)
+        self.assertEqual(config["num_hidden_layers"], plan.num_layers)
+        self.assertEqual(config["quantization_config"]["quant_method"], "fp8")
+
+
+class TestPdRunnerDryRun(CustomTestCase):
+    def pairs(self, env_extra):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"PD_MODEL_DIR": str(tmp / "model"), **env_extra}
+            proc = run_runner("scripts/gpu/pd_smoke_runs.sh", ["dry-run"], env, tmp)
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+            servers = servers_in(proc.stdout)
+            self.assertEqual(len(servers), 4, proc.stdout[-3000:])  # two pairs, off then on
+            config = json.loads((tmp / "model" / "config.json").read_text())
+        return {(mode, side): (env, argv) for mode, side, env, argv in servers}, config
+
+    def check_pair(self, servers, tp, prefill_gpus, decode_gpus, decode_tp, fractions):
+        for shared in (False, True):
+            mode = "pd-shared-kv-on" if shared else "pd-shared-kv-off"
+            p_env, p_argv = servers[(mode, "prefill")]
+            d_env, d_argv = servers[(mode, "decode")]
+            self.assertEqual(flag(p_argv, "--tp"), str(tp))
+            self.assertEqual(p_env["CUDA_VISIBLE_DEVICES"], prefill_gpus)
+            self.assertEqual(d_env["CUDA_VISIBLE_DEVICES"], decode_gpus)
+            self.assertEqual(flag(d_argv, "--tp"), str(decode_tp))
+            self.assertEqual("--enable-nsa-prefill-cp-shared-kv" in p_argv, shared)
+            self.assertNotIn("--enable-nsa-prefill-cp-shared-kv", d_argv)
+            self.assertEqual(flag(p_argv, "--disaggregation-mode"), "prefill")
+            self.assertEqual(flag(d_argv, "--disaggregation-mode"), "decode")
+            self.assertEqual((float(flag(p_argv, "--mem-fraction-static")), float(flag(d_argv, "--mem-fraction-static"))),
+                             fractions)  # fmt: skip
+            # sglang's tp == 8 rule: lifted for the stock prefill below tp 8 only
+            lifted = p_env.get("SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE") == "1"
+            self.assertEqual(lifted, not shared and tp != 8)
+            for env in (p_env, d_env):
+                self.assertEqual(env.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") == "1", shared)
+            shared_gpus = set(prefill_gpus.split(",")) & set(decode_gpus.split(","))
+            if shared_gpus:  # the decode, launched second, must be given more than the prefill holds
+                self.assertGreater(fractions[1], fractions[0])
+
+    def test_tiny_pairs_at_tp4(self):
+        servers, _ = self.pairs({"PD_TP": "4"})  # four GPUs: the decode shares the prefill's last
+        self.check_pair(servers, 4, "0,1,2,3", "3", 1, (0.35, 0.75))
+        servers, _ = self.pairs({"PD_TP": "4", "PD_DECODE_GPUS": "4,5,6,7", "PD_DECODE_TP": "4"})
+        self.check_pair(servers, 4, "0,1,2,3", "4,5,6,7", 4, (0.35, 0.75))
+
+    def test_glm5_width_pair_at_tp8_shares_every_gpu(self):
+        servers, config = self.pairs({"PD_TP": "8", "PD_MODEL": "glm5-width"})
+        every = "0,1,2,3,4,5,6,7"
+        self.check_pair(servers, 8, every, every, 8, (0.4, 0.85))
+        self.assertEqual(config["hidden_size"], 6144)
+        plan = glm5_width.layers_that_fit(8, "fp8", "bf16", 65536, mem_fraction_static=0.4)
+        self.assertEqual(config["num_hidden_layers"], plan.num_layers)
+
+
+if __name__ == "__main__":
+    unittest.main()
