@@ -246,11 +246,16 @@ def attach_after_runtime(result, model_runner, *args, **kwargs):
     return None
 
 
-def register_hooks(registry) -> None:
+def register_forward_hooks(registry) -> None:
+    """The hooks a decode forward runs through (no model runner needed: the GPU check uses these)."""
     registry.register(f"{_BACKEND}.get_indexer_metadata", indexer_metadata_per_owner, HookType.AFTER)
     registry.register(
         f"{_BACKEND}._forward_flashmla_kv", forward_flashmla_kv_per_owner, HookType.AROUND
     )
+
+
+def register_hooks(registry) -> None:
+    register_forward_hooks(registry)
     registry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
         attach_after_runtime,

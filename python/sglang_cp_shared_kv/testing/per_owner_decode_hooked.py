@@ -159,7 +159,7 @@ def run_rank(rank: int, world_size: int, seq_lens, topk: int, device: str) -> di
             applied_hooks(
                 owner_filtered_writes.register_hooks,
                 peer_page_reads.register_hooks,
-                per_owner_decode.register_hooks,
+                per_owner_decode.register_forward_hooks,
             )
         )
         pool = make_nsa_pool((batch.physical_pages - 1) * PAGE, "fp8", 1, device)
