@@ -6,9 +6,10 @@ logical pool:
 
 1. Writes (``owner_filtered_writes``): every store of MLA latent KV or indexer K keeps only owned
    locs, as physical rows; other rows sink into the dummy page 0.
-2. Plan (``peer_page_reads``, once per forward): from the unfiltered batch, which pages every rank
-   reads and where they go in the gather scratch; the backend's index tables are rewritten to
-   scratch locs (``PeerPagePlan``).
+2. Plan (``peer_page_reads``, once per forward, on the host): from the unfiltered batch, which pages
+   every rank reads and where they go in the gather scratch; the backend's index tables are
+   rewritten to scratch locs (``PeerPagePlan``). Page ids come from a host mirror of
+   ``req_to_token`` (``ReqToPageMirror``), so planning never waits for the GPU.
 3. Per layer, right after the layer's store (which every rank runs for the whole batch): rows
    written by this forward are copied into the scratch locally, and one all-gather over the
    attention CP group brings the other referenced pages from their owners
@@ -27,12 +28,19 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
+    ReqToPageMirror,
+    mirror_check_enabled,
+    mirror_of,
+)
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     SCRATCH_LAYER,
     SCRATCH_LAYER_ID,
@@ -91,23 +99,41 @@ class CpSharedKVRuntime:
     # ---- plan ----
 
     def begin_forward(self, forward_batch) -> PeerPagePlan:
-        """Plan the pages of ``forward_batch`` (called from the backend's metadata init)."""
+        """Plan the pages of ``forward_batch`` (called from the backend's metadata init).
+
+        Host data only: lengths from ``seq_lens_cpu`` / ``extend_seq_lens_cpu``, rows from
+        ``ForwardBatch.init_new`` (``ROWS_ATTR``), page ids from the ``req_to_token`` mirror. No
+        device tensor is read, so launching the forward never waits for the GPU.
+        """
         mode = forward_batch.forward_mode
-        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
         if mode.is_decode_or_idle():
-            new_token_counts = [1] * len(seq_lens)
+            new_token_counts = np.ones_like(seq_lens)
         elif mode.is_extend() and not (mode.is_target_verify() or mode.is_draft_extend()):
-            new_token_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+            new_token_counts = np.asarray(forward_batch.extend_seq_lens_cpu, dtype=np.int64)
         else:
             raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
+        mirror = mirror_of(forward_batch.req_to_token_pool)
+        rows = getattr(forward_batch, ROWS_ATTR, None)
+        if mirror is None or rows is None:
+            raise RuntimeError(
+                f"{FLAG}: no host mirror of req_to_token for this forward (the plan reads no device "
+                f"tensor)"
+            )
+        # Batches padded for collectives point their extra requests at row 0 (sglang's padding row).
+        rows = np.concatenate((rows, np.zeros(len(seq_lens) - len(rows), dtype=np.int64)))
+        page_size = self.layout.page_size
+        pages_read = -(-seq_lens // page_size)
+        request_pages = [mirror.row_pages(r, p) for r, p in zip(rows.tolist(), pages_read.tolist())]
+        if mirror_check_enabled():
+            mirror.check(forward_batch.req_to_token_pool.req_to_token, rows.tolist(), seq_lens.tolist())
         self.plan = build_peer_page_plan(
             layout=self.layout,
-            req_to_token=forward_batch.req_to_token_pool.req_to_token,
-            req_pool_indices=forward_batch.req_pool_indices,
-            seq_lens=seq_lens,
-            new_token_counts=new_token_counts,
+            request_pages=request_pages,
+            old_page_counts=(-(-(seq_lens - new_token_counts) // page_size)).tolist(),
             num_logical_pages=self.num_logical_pages,
             scratch_num_pages=self.scratch_num_pages,
+            device=self.pool.device,
         )
         self.kv_layer_in_scratch = None
         self.index_layer_in_scratch = None
@@ -264,6 +290,8 @@ def attach_runtime(result, model_runner, *args, **kwargs):
         )
     scratch = create_gather_scratch(pool, layout.cp_size)
     CpSharedKVRuntime(pool, layout, scratch, get_attention_cp_group().device_group)
+    # The plan's page ids come from this host mirror, fed by every writer of req_to_token.
+    ReqToPageMirror.attach(model_runner.req_to_token_pool, pool.page_size)
     logger.info(
         "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens",
         layout.cp_rank,

@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,6 +32,8 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
@@ -72,7 +75,12 @@ class _Story:
         # Allocatable logical pages: cp_size .. cp_size*(physical_pages+1)-1 (pages below are dummy).
         self.free_pages = list(range(layout.cp_size, layout.cp_size * (physical_pages + 1)))
         rng.shuffle(self.free_pages)
-        self.req_to_token = torch.zeros((4, 512), dtype=torch.int32, device=device)
+        self.req_to_token_pool = SimpleNamespace(
+            req_to_token=torch.zeros((4, 512), dtype=torch.int32, device=device)
+        )
+        self.req_to_token = self.req_to_token_pool.req_to_token
+        # The plan's host mirror, fed from host data as the server's writers feed it.
+        self.mirror = ReqToPageMirror.attach(self.req_to_token_pool, PAGE_SIZE)
         self.seq_lens = [0, 0, 0, 0]  # row 0 is sglang's padding row
 
     def append(self, req: int, num_tokens: int) -> list:
@@ -81,16 +89,19 @@ class _Story:
         for position in range(self.seq_lens[req], self.seq_lens[req] + num_tokens):
             if position % PAGE_SIZE == 0:
                 page = self.free_pages.pop()
+                self.mirror.write(req, position // PAGE_SIZE, [page])
             else:
-                page = int(self.req_to_token[req, position - 1]) // PAGE_SIZE
-            loc = page * PAGE_SIZE + position % PAGE_SIZE
-            self.req_to_token[req, position] = loc
-            locs.append(loc)
+                page = int(self.mirror.pages[req, position // PAGE_SIZE])
+            locs.append(page * PAGE_SIZE + position % PAGE_SIZE)
+        start = self.seq_lens[req]
+        self.req_to_token[req, start : start + num_tokens] = torch.tensor(locs, dtype=torch.int32)
         self.seq_lens[req] += num_tokens
         return locs
 
     def share_prefix(self, dst: int, src: int, num_tokens: int) -> None:
         self.req_to_token[dst, :num_tokens] = self.req_to_token[src, :num_tokens]
+        pages = -(-num_tokens // PAGE_SIZE)
+        self.mirror.write(dst, 0, self.mirror.pages[src, :pages].copy())
         self.seq_lens[dst] = num_tokens
 
 
@@ -100,7 +111,8 @@ def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device):
         seq_lens_cpu=torch.tensor([story.seq_lens[r] if r else 1 for r in reqs]),
         extend_seq_lens_cpu=list(new_counts),
         req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=device),
-        req_to_token_pool=SimpleNamespace(req_to_token=story.req_to_token),
+        req_to_token_pool=story.req_to_token_pool,
+        **{ROWS_ATTR: np.array(reqs, dtype=np.int64)},
         out_cache_loc=torch.tensor(out_locs, dtype=torch.int64, device=device),
         token_to_kv_pool=pool,
     )
