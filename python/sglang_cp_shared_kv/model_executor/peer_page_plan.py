@@ -164,9 +164,12 @@ def _to_device(staged: np.ndarray, device) -> torch.Tensor:
     the copy has completed, so the next forward's plan can never overwrite this one's pending source.
     """
     host = torch.from_numpy(staged)
-    if torch.device(device).type == "cpu":
+    device = torch.device(device)
+    if device.type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _referenced_and_old_pages(
