@@ -19,6 +19,15 @@ the JIT ``fused_store_index_k_cache`` (the indexer's CUDA branch), Triton ``GetK
 are replaced by the torch stand-ins of ``testing/nsa_cpu_kernels.py`` and the indexer store takes
 sglang's non-CUDA branch (``act_quant`` + ``set_index_k_scale_buffer``).
 Prints ``ran``, ``rows compared`` and ``mismatches``; exits non-zero unless every case ran clean.
+
+``--sync-debug`` runs every forward's part on the shard (the peer-page plan and table remap, every
+layer's hooked stores and the hooked getters' reads) under ``torch.cuda.set_sync_debug_mode("warn")``
+and attributes each synchronizing CUDA call to our code, the check's own stand-ins or stock sglang
+(``testing/cuda_sync_counter.py``). The gloo transport's host bounce in ``peer_page_gather`` is the
+test transport (ranks sharing one GPU), not the NCCL path, and is exempted (counted separately).
+Prints ``syncs on our path = N``; with ``--sync-debug`` the run fails unless N is 0. The story covers
+fresh prefill, chunked prefill over a cached prefix (old, new and mixed pages, padded tokens) and
+padded decode; not HiCache load-back (no host pool here: the load-back wait is a no-op).
 """
 
 from __future__ import annotations
@@ -57,7 +66,8 @@ def _rank_main(rank, world_size, args):
             else:
                 with kernels():
                     result = _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant)
-            rows.append((cp_size, dtype_name, rank, result.rows_compared, result.mismatches))
+            rows.append((cp_size, dtype_name, rank, result.rows_compared, result.mismatches,
+                         result.syncs, result.sync_sites, result.exempted_bounces))  # fmt: skip
         dist.barrier()
     return rows
 
@@ -88,6 +98,7 @@ def _run(runtime_check, rank, cp_size, group, args, dtype_name, act_quant):
         seed=args.seed + cp_size,
         num_layers=args.layers,
         physical_pages=args.physical_pages,
+        sync_debug=args.sync_debug,
     )
 
 
@@ -100,6 +111,10 @@ def main() -> int:
     parser.add_argument("--physical-pages", type=int, default=8, help="pages per rank shard")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=int, default=500)
+    parser.add_argument(
+        "--sync-debug", action="store_true",
+        help="count synchronizing CUDA calls on our path during every forward (must be 0)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
     args.dtypes = args.dtypes.split(",")
@@ -140,7 +155,27 @@ def main() -> int:
     print(f"rows compared = {compared}")
     print(f"mismatches = {mismatches}")
     ok = ran == expected_cases and mismatches == 0 and compared > 0 and all(c == 0 for c in exit_codes)
+    if args.sync_debug:
+        ok = _report_syncs(rows) and ok
     return 0 if ok else 1
+
+
+def _report_syncs(rows) -> bool:
+    """Print the sync counts of every rank and case; True when our path made none."""
+    counted = [r for r in rows if r[5] is not None]
+    if not counted:
+        print("sync debug: no CUDA on this device, nothing counted (the CPU unit test "
+              "test_peer_page_plan_no_sync.py covers the plan); syncs on our path = n/a")  # fmt: skip
+        return True
+    totals = {owner: sum(r[5][owner] for r in counted) for owner in ("ours", "harness", "stock")}
+    sites = sorted({site for r in counted for site in r[6]})
+    for site in sites:
+        print(f"  sync at {site}")
+    print(f"gloo host bounces exempted (test transport, not on the NCCL path) = {sum(r[7] for r in counted)}")
+    print(f"syncs in stock sglang code = {totals['stock']}")
+    print(f"syncs in the check's own stand-ins = {totals['harness']}")
+    print(f"syncs on our path = {totals['ours']}")
+    return totals["ours"] == 0
 
 
 if __name__ == "__main__":

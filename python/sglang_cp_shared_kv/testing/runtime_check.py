@@ -18,9 +18,11 @@ unit test and ``scripts/gpu/check_cp_shared_kv_runtime.py``.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -35,8 +37,10 @@ from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
+from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
 
 PAGE_SIZE = 64
@@ -47,6 +51,11 @@ KV_DIMS = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 656)}
 class RankResult:
     rows_compared: int = 0
     mismatches: int = 0
+    # With sync_debug: synchronizing CUDA calls during the forwards, by owner (CudaSyncCounter), and
+    # where; the gloo bounces exempted (sync_debug.exempted).
+    syncs: Optional[dict] = None
+    sync_sites: List[str] = field(default_factory=list)
+    exempted_bounces: int = 0
 
     def compare(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
         """Row-wise bit comparison (dim 0 = rows)."""
@@ -165,8 +174,14 @@ def run_rank(
     seed: int = 0,
     num_layers: int = 2,
     physical_pages: int = 6,
+    sync_debug: bool = False,
 ) -> RankResult:
-    """Run the story on this rank (hooks must be applied); return what was compared."""
+    """Run the story on this rank (hooks must be applied); return what was compared.
+
+    ``sync_debug``: each forward's part on this rank's shard (the plan and table remap, every layer's
+    hooked stores, the hooked getters' reads) runs inside a ``CudaSyncCounter``; inputs are made
+    before it, the replica's stores and every comparison after it.
+    """
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
     # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
@@ -181,27 +196,36 @@ def run_rank(
     backend = SimpleNamespace(forward_metadata=None)
     indexer = IndexerStub()
 
+    counter = CudaSyncCounter()
+    exempted_before = sync_debug_exemptions.exempted
+
     def run_forward(mode, reqs, new_counts, out_locs):
         batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device)
         replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, replica, device)
         seq_lens = batch.seq_lens_cpu.tolist()
         logical_table = story.req_to_token[batch.req_pool_indices, : max(seq_lens)]
         backend.forward_metadata = nsa_metadata_for(logical_table)
-        peer_page_reads.remap_forward_metadata(None, backend, batch)
-        metadata = backend.forward_metadata
         num_tokens = len(out_locs)
-        for layer_id in range(num_layers):
-            layer = SimpleNamespace(layer_id=layer_id)
-            nope = torch.randn(num_tokens, 1, 512, generator=data).to(torch.bfloat16).to(device)
-            rope = torch.randn(num_tokens, 1, 64, generator=data).to(torch.bfloat16).to(device)
-            key = torch.randn(num_tokens, 128, generator=data).to(torch.bfloat16).to(device)
-            for pool_batch in (batch, replica_batch):
-                pool = pool_batch.token_to_kv_pool
-                pool.set_mla_kv_buffer(layer, pool_batch.out_cache_loc, nope, rope)
-                Indexer._store_index_k_cache(
-                    indexer, pool_batch, layer_id, key, act_quant=act_quant
-                )
-            _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, replica, result)
+        inputs = [
+            tuple(
+                torch.randn(*shape, generator=data).to(torch.bfloat16).to(device)
+                for shape in ((num_tokens, 1, 512), (num_tokens, 1, 64), (num_tokens, 128))
+            )
+            for _ in range(num_layers)
+        ]
+        # Padded requests (req_to_token row 0) read the dummy page, as in stock sglang: not compared.
+        rows = [row for row, req in enumerate(reqs) if req != 0]
+        reads = _Reads(rows, [seq_lens[row] for row in rows], logical_table)
+        shard_reads = []
+        with counter if sync_debug else contextlib.nullcontext():
+            peer_page_reads.remap_forward_metadata(None, backend, batch)
+            metadata = backend.forward_metadata
+            for layer_id, (nope, rope, key) in enumerate(inputs):
+                _store(batch, layer_id, nope, rope, key, indexer, act_quant)
+                shard_reads.append(reads.of_scratch(shard, layer_id, metadata))
+        for layer_id, (nope, rope, key) in enumerate(inputs):
+            _store(replica_batch, layer_id, nope, rope, key, indexer, act_quant)
+            reads.compare(shard, replica, layer_id, metadata, shard_reads[layer_id], result)
 
     # 1. Two fresh requests.
     run_forward(ForwardMode.EXTEND, [1, 2], [70, 128], story.append(1, 70) + story.append(2, 128))
@@ -215,35 +239,67 @@ def run_rank(
     run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
 
     _check_shard(layout, shard, replica, num_layers, result)
+    if sync_debug:
+        result.syncs = counter.counts() if counter.available else None
+        result.sync_sites = [f"{owner}: {site}" for owner, site in counter.sites]
+        result.exempted_bounces = sync_debug_exemptions.exempted - exempted_before
     return result
 
 
-def _check_reads(layer_id, reqs, seq_lens, logical_table, metadata, shard, replica, result):
-    # Padded requests (req_to_token row 0) read the dummy page, as in stock sglang: not compared.
-    rows = [row for row, req in enumerate(reqs) if req != 0]
-    real_lens = [seq_lens[row] for row in rows]
-    scratch_kv = shard.get_key_buffer(layer_id)
-    replica_kv = replica.get_key_buffer(layer_id)
-    for row, seq_len in zip(rows, real_lens):
-        scratch_locs = metadata.page_table_1[row, :seq_len].long()
-        result.compare(scratch_kv[scratch_locs], replica_kv[logical_table[row, :seq_len].long()])
+def _store(pool_batch, layer_id, nope, rope, key, indexer, act_quant) -> None:
+    """One layer's two stores, through sglang's own methods (hooked for the shard)."""
+    pool = pool_batch.token_to_kv_pool
+    pool.set_mla_kv_buffer(SimpleNamespace(layer_id=layer_id), pool_batch.out_cache_loc, nope, rope)
+    Indexer._store_index_k_cache(indexer, pool_batch, layer_id, key, act_quant=act_quant)
 
-    device = logical_table.device
-    seq_len_tensor = torch.tensor(real_lens, device=device)
-    rows_t = torch.tensor(rows, device=device)
-    scratch_pages = metadata.real_page_table[rows_t]
-    logical_pages = logical_table[rows_t, ::PAGE_SIZE] // PAGE_SIZE
-    totals = (sum(real_lens), max(real_lens))
-    # Prefill indexer read (ragged): the hooked getter and sglang's gather kernel.
-    k, s = shard.get_index_k_scale_buffer(layer_id, seq_len_tensor, scratch_pages, *totals)
-    k_ref, s_ref = replica.get_index_k_scale_buffer(layer_id, seq_len_tensor, logical_pages, *totals)
-    result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
-    # Decode indexer read (paged): the whole buffer from the hooked getter, addressed by page.
-    buffer = shard.get_index_k_with_scale_buffer(layer_id)
-    k, s = get_k_and_s_torch(shard, buffer, scratch_pages, seq_len_tensor, *totals)
-    buffer = replica.get_index_k_with_scale_buffer(layer_id)
-    k_ref, s_ref = get_k_and_s_torch(replica, buffer, logical_pages, seq_len_tensor, *totals)
-    result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
+
+class _Reads:
+    """What the kernels read in one forward, from the shard's hooked getters and from the replica.
+
+    ``of_scratch`` is the shard side (inside the sync check): the attention rows through the
+    remapped ``page_table_1``, the prefill indexer's ragged read (sglang's getter, remapped
+    ``real_page_table``) and the decode indexer's buffer (a clone: the next layer reuses the
+    scratch). ``compare`` emulates the paged decode read on both and compares everything.
+    """
+
+    def __init__(self, rows, real_lens, logical_table):
+        device = logical_table.device
+        self.rows, self.real_lens, self.logical_table = rows, real_lens, logical_table
+        self.seq_len_tensor = torch.tensor(real_lens, device=device)
+        self.rows_t = torch.tensor(rows, device=device)
+        self.totals = (sum(real_lens), max(real_lens))
+
+    def of_scratch(self, shard, layer_id, metadata):
+        scratch_kv = shard.get_key_buffer(layer_id)
+        kv = [
+            scratch_kv[metadata.page_table_1[row, :seq_len].long()]
+            for row, seq_len in zip(self.rows, self.real_lens)
+        ]
+        scratch_pages = metadata.real_page_table[self.rows_t]
+        ragged = shard.get_index_k_scale_buffer(
+            layer_id, self.seq_len_tensor, scratch_pages, *self.totals
+        )
+        paged_buffer = shard.get_index_k_with_scale_buffer(layer_id).clone()
+        return kv, ragged, paged_buffer
+
+    def compare(self, shard, replica, layer_id, metadata, shard_reads, result) -> None:
+        kv, (k, s), paged_buffer = shard_reads
+        replica_kv = replica.get_key_buffer(layer_id)
+        for row, seq_len, got in zip(self.rows, self.real_lens, kv):
+            result.compare(got, replica_kv[self.logical_table[row, :seq_len].long()])
+        scratch_pages = metadata.real_page_table[self.rows_t]
+        logical_pages = self.logical_table[self.rows_t, ::PAGE_SIZE] // PAGE_SIZE
+        k_ref, s_ref = replica.get_index_k_scale_buffer(
+            layer_id, self.seq_len_tensor, logical_pages, *self.totals
+        )
+        result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
+        # Decode indexer read (paged): the whole buffer from the hooked getter, addressed by page.
+        k, s = get_k_and_s_torch(shard, paged_buffer, scratch_pages, self.seq_len_tensor, *self.totals)
+        buffer = replica.get_index_k_with_scale_buffer(layer_id)
+        k_ref, s_ref = get_k_and_s_torch(
+            replica, buffer, logical_pages, self.seq_len_tensor, *self.totals
+        )
+        result.compare(torch.cat([k, s], dim=1), torch.cat([k_ref, s_ref], dim=1))
 
 
 def _check_shard(layout, shard, replica, num_layers, result) -> None:
