@@ -100,8 +100,9 @@ def build_peer_page_plan(
     if len(request_pages) != len(old_page_counts):
         raise ValueError("request_pages and old_page_counts differ in length")
     cp_size = layout.cp_size
-    referenced, gathered = _referenced_and_old_pages(request_pages, old_page_counts, cp_size)
-    fill = np.setdiff1d(referenced, gathered, assume_unique=True)
+    referenced, gathered, fill = _referenced_gathered_and_fill_pages(
+        request_pages, old_page_counts, cp_size
+    )
     counts = np.bincount(layout.owner_of_page(gathered), minlength=cp_size)
     if 1 + cp_size * int(counts.max()) + fill.shape[0] > scratch_num_pages:
         # Owners are unbalanced inside this batch. Gather everything instead: a rank owns at most
@@ -116,14 +117,16 @@ def build_peer_page_plan(
         )
 
     # Owner-major scratch positions of the gathered pages (gathered is sorted, so each owner's
-    # pages stay in ascending logical order).
-    owners = layout.owner_of_page(gathered)
+    # pages stay in ascending logical order). Ranks as uint8: NumPy's stable sort of 8-bit keys is a
+    # radix sort.
+    owners = layout.owner_of_page(gathered).astype(np.uint8)
     order = np.argsort(owners, kind="stable")
-    gathered, owners = gathered[order], owners[order]
+    gathered, owners = gathered[order], owners[order].astype(np.int64)
     first_of_owner = np.cumsum(counts) - counts
     slot = np.arange(gathered.shape[0]) - first_of_owner[owners]
     num_gathered, num_fill = gathered.shape[0], fill.shape[0]
-    send = layout.physical_page_of(gathered[first_of_owner[layout.cp_rank] :][: counts[layout.cp_rank]])
+    own = slice(first_of_owner[layout.cp_rank], first_of_owner[layout.cp_rank] + counts[layout.cp_rank])
+    send = layout.physical_page_of(gathered[own])
 
     # One staging array: [referenced page ids | their scratch pages | send list padded to n].
     # Gathered pages come first in both halves, so the fill pages are a suffix of each.
@@ -140,10 +143,11 @@ def build_peer_page_plan(
     lookup = torch.zeros(num_logical_pages, dtype=torch.int32, device=device)
     fill_lookup = torch.zeros_like(lookup)
     if num_referenced:
+        # scatter_ (like any integer-index write) never syncs; ids are distinct.
         scratch_pages = scratch_pages.to(torch.int32)
-        lookup[ids] = scratch_pages
+        lookup.scatter_(0, ids, scratch_pages)
         if num_fill:
-            fill_lookup[ids[num_gathered:]] = scratch_pages[num_gathered:]
+            fill_lookup.scatter_(0, ids[num_gathered:], scratch_pages[num_gathered:])
     return PeerPagePlan(
         layout=layout,
         lookup=lookup,
@@ -172,18 +176,32 @@ def _to_device(staged: np.ndarray, device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _referenced_and_old_pages(
+def _referenced_gathered_and_fill_pages(
     request_pages: Sequence[np.ndarray], old_page_counts: Sequence[int], cp_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique logical pages the batch reads, and the subset holding tokens of earlier forwards."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted unique logical pages the batch reads; those holding tokens of earlier forwards (some
+    read of them is old: gathered); the others (filled locally).
+
+    One sort of ``2 * page + (0 if old else 1)`` over every read: each page's first key says whether
+    any of its reads is old (NumPy's ``unique`` hashes, several times slower at these sizes).
+    """
     if not len(request_pages):
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
-    pages = np.concatenate(request_pages).astype(np.int64, copy=False)
-    old_parts = [row[:count] for row, count in zip(request_pages, old_page_counts) if count > 0]
-    old = np.concatenate(old_parts).astype(np.int64, copy=False) if old_parts else pages[:0]
+        return empty, empty, empty
+    keys = np.concatenate(request_pages).astype(np.int64) * 2 + 1
+    start = 0
+    for row, count in zip(request_pages, old_page_counts):
+        keys[start : start + min(count, len(row))] -= 1  # old reads sort first
+        start += len(row)
     # Logical pages on the dummy physical page 0 (ids below cp_size) are never allocated: padded
     # requests (req_to_token row 0) land there and read nothing real.
-    referenced = np.unique(pages[pages >= cp_size])
-    gathered = np.unique(old[old >= cp_size])
-    return referenced, gathered
+    keys = keys[keys >= 2 * cp_size]
+    keys.sort()
+    first = np.empty(keys.shape[0], dtype=bool)
+    if keys.shape[0]:
+        first[0] = True
+        np.not_equal(keys[1:] >> 1, keys[:-1] >> 1, out=first[1:])
+    keys = keys[first]
+    referenced = keys >> 1
+    old = (keys & 1) == 0
+    return referenced, referenced[old], referenced[~old]
