@@ -11,8 +11,11 @@ pages taken in the wrong order and load-back pages offset by one page (both seen
 scenario during development, then reverted).
 """
 
+import os
 import random
 import unittest
+from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -21,11 +24,18 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror, mirror_of
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
+    REQ_TO_PAGE_MIRROR_CHECK_ENV,
+    ReqToPageMirror,
+    mirror_of,
+)
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     TINY_NSA,
@@ -34,7 +44,11 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     settle_write_acks,
 )
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
+from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv.testing.page_mirror import mirrored
+from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
 from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
@@ -212,6 +226,50 @@ class TestMirrorFollowsSglangWriters(CustomTestCase):
         self.assertEqual(len(mirror.mismatches(pool.req_to_token, [1], [2 * PAGE])), 1)
         with self.assertRaisesRegex(RuntimeError, "host mirror of req_to_token differs"):
             mirror.check(pool.req_to_token, [1], [2 * PAGE])
+
+
+class TestPlanSideOfTheMirror(CustomTestCase):
+    def test_forward_batch_keeps_its_rows_on_the_host(self):
+        pool = ReqToTokenPool(4, 4 * PAGE, "cpu", False)
+        batch = SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=r) for r in (3, 1)])
+        result = SimpleNamespace(req_to_token_pool=pool)
+        req_to_page_mirror_writers.keep_batch_rows(result, None, batch)
+        self.assertFalse(hasattr(result, ROWS_ATTR))  # no mirror: the flag is off
+        ReqToPageMirror.attach(pool, PAGE)
+        req_to_page_mirror_writers.keep_batch_rows(result, None, batch)
+        self.assertEqual(getattr(result, ROWS_ATTR).tolist(), [3, 1])
+
+    def test_tree_caches_whose_writes_are_not_mirrored_are_refused(self):
+        writes = _plain_stack(RadixCache)
+        scheduler = SimpleNamespace(req_to_token_pool=writes.pool, tree_cache=writes.tree)
+        req_to_page_mirror_writers.refuse_untracked_tree_cache(None, scheduler)
+        scheduler.tree_cache = type("UnifiedRadixCache", (RadixCache,), {})(_params(writes))
+        with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv.*UnifiedRadixCache"):
+            req_to_page_mirror_writers.refuse_untracked_tree_cache(None, scheduler)
+
+    def test_debug_check_catches_a_stale_mirror_in_the_plan(self):
+        shard = make_nsa_pool(8 * PAGE, "bf16", 1, "cpu")
+        runtime = CpSharedKVRuntime(
+            shard, CpSharedKVLayout(2, 0, PAGE), create_gather_scratch(shard, 2), None
+        )
+        pool = ReqToTokenPool(2, 4 * PAGE, "cpu", False)
+        pool.req_to_token[1, : 2 * PAGE] = torch.arange(4 * PAGE, 6 * PAGE)
+        batch = mirrored(SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND, seq_lens_cpu=torch.tensor([2 * PAGE]),
+            extend_seq_lens_cpu=[PAGE], req_pool_indices=torch.tensor([1]), req_to_token_pool=pool,
+        ))  # fmt: skip
+        mirror_of(pool).pages[1, 1] = 7  # a write the mirror missed
+        runtime.begin_forward(batch)  # off by default: the plan trusts the mirror
+        with mock.patch.dict(os.environ, {REQ_TO_PAGE_MIRROR_CHECK_ENV: "1"}):
+            with self.assertRaisesRegex(RuntimeError, "row 1: 64 of 128 positions differ"):
+                runtime.begin_forward(batch)
+
+
+def _params(writes):
+    return CacheInitParams(
+        disable=False, req_to_token_pool=writes.pool, token_to_kv_pool_allocator=writes.allocator,
+        page_size=PAGE,
+    )  # fmt: skip
 
 
 class TestWriterHookTargets(CustomTestCase):
