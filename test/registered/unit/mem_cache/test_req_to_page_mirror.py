@@ -7,10 +7,11 @@ must equal ``req_to_token`` at every position, and every tree node's host page i
 
 Planted bugs, each caught here: the decode writer hook left out (``test_a_missed_writer_is_caught``);
 ``cache_unfinished_req``'s rewrite left out (the same test, the dedup case); the split of a node's
-pages taken in the wrong order and load-back pages offset by one page (both seen failing the HiCache
-scenario during development, then reverted).
+pages taken in the wrong order (the radix and HiCache scenarios and random runs failed) and load-back
+pages offset by one page (the HiCache scenario failed); both planted by hand, then reverted.
 """
 
+import collections
 import os
 import random
 import unittest
@@ -51,7 +52,7 @@ from sglang_cp_shared_kv.testing.page_mirror import mirrored
 from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
 from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
 PAGE = 64
 CP_SIZE = 2
@@ -226,6 +227,72 @@ class TestMirrorFollowsSglangWriters(CustomTestCase):
         self.assertEqual(len(mirror.mismatches(pool.req_to_token, [1], [2 * PAGE])), 1)
         with self.assertRaisesRegex(RuntimeError, "host mirror of req_to_token differs"):
             mirror.check(pool.req_to_token, [1], [2 * PAGE])
+
+
+class TestRandomServing(CustomTestCase):
+    """Seeded random serving on each cache: admissions (shared prefixes, chunked), decode steps,
+    finishes, and on HiCache device evictions and load-backs; the mirror checked after every step."""
+
+    OPS = 160
+
+    def _run(self, writes, seed, hicache=False):
+        rng = random.Random(seed)
+        documents = [_tokens(rng, rng.randrange(PAGE, 6 * PAGE)) for _ in range(4)]
+        room = lambda: writes.allocator.available_size() + writes.tree.evictable_size()  # noqa: E731
+        stats = collections.Counter()
+        for step in range(self.OPS):
+            chunked = [r for r in writes.running if r.is_chunked]
+            decoding = [r for r in writes.running if not r.is_chunked]
+            op = rng.random()
+            if chunked and op < 0.3:
+                req = chunked[0]
+                end = min(len(req.prefix_indices) + rng.randrange(1, 3 * PAGE), len(req.origin_input_ids))
+                if end - len(req.prefix_indices) + 2 * PAGE < room():
+                    writes.extend([req], [end])
+                    writes.after_extend(req)
+                    stats["chunk"] += 1
+            elif op < 0.55 and len(writes.running) < 6:
+                base = rng.choice(documents)
+                tokens = base[: rng.randrange(0, len(base) + 1)] + _tokens(rng, rng.randrange(2, 3 * PAGE))
+                req = writes.admit(tokens)
+                stats["load-back"] += int(getattr(req, "host_hit_length", 0) > 0)
+                end = len(tokens) if rng.random() < 0.5 else min(len(tokens), len(req.prefix_indices) + PAGE + 7)
+                if chunked or end - len(req.prefix_indices) + 2 * PAGE >= room():
+                    writes.tree.dec_lock_ref(req.last_node)  # declined (one chunked request at a time)
+                    continue
+                writes.extend([req], [end])
+                writes.after_extend(req)
+                stats["admit"] += 1
+                if hicache:
+                    writes.tree.ready_to_load_host_cache()
+                    writes.tree.loading_check()
+            elif op < 0.8 and decoding and len(decoding) * PAGE < room():
+                for _ in range(rng.randrange(1, PAGE)):
+                    writes.decode(decoding)
+                stats["decode"] += 1
+            elif decoding:
+                writes.finish(rng.choice(decoding))
+                stats["finish"] += 1
+            if hicache and rng.random() < 0.2:
+                settle_write_acks(writes.tree)
+                writes.tree.evict(EvictParams(num_tokens=rng.randrange(PAGE, 12 * PAGE)))
+                stats["evict"] += 1
+            self.assertEqual(writes.mismatches(), [], f"seed {seed} step {step}")
+        return stats
+
+    def test_radix_cache(self):
+        with applied_hooks(req_to_page_mirror_writers.register_hooks):
+            stats = self._run(_plain_stack(RadixCache), seed=1)
+        self.assertGreater(min(stats["chunk"], stats["admit"], stats["decode"], stats["finish"]), 0)
+
+    def test_chunk_cache(self):
+        with applied_hooks(req_to_page_mirror_writers.register_hooks):
+            self._run(_plain_stack(ChunkCache), seed=2)
+
+    def test_hicache(self):
+        with applied_hooks(req_to_page_mirror_writers.register_hooks):
+            stats = self._run(_hicache_stack(physical_pages=24), seed=3, hicache=True)
+        self.assertGreater(stats["load-back"], 0, stats)
 
 
 class TestPlanSideOfTheMirror(CustomTestCase):
