@@ -94,6 +94,8 @@ class CpSharedKVRuntime:
         # path fetches the buffer through ``get_index_k_with_scale_buffer``, which must then
         # return the physical buffer rather than the scratch.
         self.writing_physical = False
+        # True inside ModelRunner._dummy_run (warm-up), whose batch is not built by init_new.
+        self.in_dummy_run = False
         setattr(pool, _RUNTIME_ATTR, self)
 
     # ---- plan ----
@@ -115,6 +117,9 @@ class CpSharedKVRuntime:
             raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
         mirror = mirror_of(forward_batch.req_to_token_pool)
         rows = getattr(forward_batch, ROWS_ATTR, None)
+        if rows is None and self.in_dummy_run:
+            # ModelRunner._dummy_run's batch comes from DecodeInputBuffers: every request on row 0.
+            rows = np.zeros(0, dtype=np.int64)
         if mirror is None or rows is None:
             raise RuntimeError(
                 f"{FLAG}: no host mirror of req_to_token for this forward (the plan reads no device "
@@ -302,6 +307,18 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     return None
 
 
+def mark_dummy_run(original, model_runner, *args, **kwargs):
+    """AROUND ``ModelRunner._dummy_run``: its batch has no host rows; they are all row 0."""
+    runtime = runtime_of(model_runner.token_to_kv_pool)
+    if runtime is None:
+        return original(model_runner, *args, **kwargs)
+    runtime.in_dummy_run = True
+    try:
+        return original(model_runner, *args, **kwargs)
+    finally:
+        runtime.in_dummy_run = False
+
+
 def register_hooks(registry) -> None:
     mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
     registry.register(
@@ -311,4 +328,7 @@ def register_hooks(registry) -> None:
         "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
         attach_runtime,
         HookType.AFTER,
+    )
+    registry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", mark_dummy_run, HookType.AROUND
     )

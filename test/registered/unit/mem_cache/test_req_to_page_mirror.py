@@ -45,7 +45,10 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     settle_write_acks,
 )
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    CpSharedKVRuntime,
+    mark_dummy_run,
+)
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang_cp_shared_kv.testing.page_mirror import mirrored
@@ -330,6 +333,29 @@ class TestPlanSideOfTheMirror(CustomTestCase):
         with mock.patch.dict(os.environ, {REQ_TO_PAGE_MIRROR_CHECK_ENV: "1"}):
             with self.assertRaisesRegex(RuntimeError, "row 1: 64 of 128 positions differ"):
                 runtime.begin_forward(batch)
+
+
+    def test_warm_up_batches_plan_on_the_padding_row(self):
+        # ModelRunner._dummy_run builds its batch without init_new (no host rows); its requests all
+        # sit on row 0. Outside it, a batch without host rows is refused.
+        shard = make_nsa_pool(8 * PAGE, "bf16", 1, "cpu")
+        runtime = CpSharedKVRuntime(
+            shard, CpSharedKVLayout(2, 0, PAGE), create_gather_scratch(shard, 2), None
+        )
+        pool = ReqToTokenPool(2, 4 * PAGE, "cpu", False)
+        ReqToPageMirror.attach(pool, PAGE)
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, seq_lens_cpu=torch.tensor([1, 1]),
+            req_pool_indices=torch.zeros(2, dtype=torch.int64), req_to_token_pool=pool,
+        )  # fmt: skip
+        with self.assertRaisesRegex(RuntimeError, "no host mirror of req_to_token"):
+            runtime.begin_forward(batch)
+        model_runner = SimpleNamespace(token_to_kv_pool=shard)
+        plans = []
+        mark_dummy_run(lambda runner: plans.append(runtime.begin_forward(batch)), model_runner)
+        self.assertEqual(plans[0].gather_pages_per_rank, 0)
+        self.assertEqual(plans[0].scratch_pages_used, 1)
+        self.assertFalse(runtime.in_dummy_run)
 
 
 def _params(writes):
