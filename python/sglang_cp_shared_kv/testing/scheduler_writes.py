@@ -28,7 +28,6 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPref
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import value_pages
-from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import SimRequest
 
 
 @contextlib.contextmanager
@@ -48,7 +47,7 @@ class SchedulerWrites:
     def __init__(self, tree, req_to_token_pool, allocator, page_size: int = 64):
         self.tree, self.pool, self.allocator = tree, req_to_token_pool, allocator
         self.page_size = page_size
-        self.running: List[SimRequest] = []
+        self.running: list = []  # SimRequest
         self.next_rid = 0
 
     @property
@@ -57,8 +56,10 @@ class SchedulerWrites:
 
     # ---- scheduler steps ----
 
-    def admit(self, tokens: List[int]) -> SimRequest:
+    def admit(self, tokens: List[int]):
         """A new request: match (at most len - 1 tokens), lock, load back a host hit."""
+        from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import SimRequest
+
         req = SimRequest(self.next_rid, list(tokens), 0, self.pool)
         self.next_rid += 1
         match = self.tree.match_prefix(
@@ -84,7 +85,7 @@ class SchedulerWrites:
         req.cache_protected_len = len(req.prefix_indices)
         return req
 
-    def extend(self, reqs: List[SimRequest], fill_lens: List[int]) -> torch.Tensor:
+    def extend(self, reqs: list, fill_lens: List[int]) -> torch.Tensor:
         """One extend forward's allocation and ``req_to_token`` write (``alloc_for_extend``)."""
         prefix_lens = [len(r.prefix_indices) for r in reqs]
         extend_lens = [f - p for f, p in zip(fill_lens, prefix_lens)]
@@ -113,14 +114,14 @@ class SchedulerWrites:
                 self.running.append(req)
         return out_cache_loc
 
-    def after_extend(self, req: SimRequest) -> None:
+    def after_extend(self, req) -> None:
         """What the scheduler does with a request after its extend: cache the chunk or the prompt."""
         if req.is_chunked:
             self.tree.cache_unfinished_req(req, chunked=True)
         else:
             self.tree.cache_unfinished_req(req)
 
-    def decode(self, reqs: Optional[List[SimRequest]] = None, token: int = 7) -> torch.Tensor:
+    def decode(self, reqs: Optional[list] = None, token: int = 7) -> torch.Tensor:
         """One decode step's allocation and write (``alloc_for_decode``)."""
         reqs = [r for r in self.running if not r.is_chunked] if reqs is None else reqs
         seq_lens = torch.tensor([r.kv_allocated_len for r in reqs], dtype=torch.int64)
@@ -143,7 +144,7 @@ class SchedulerWrites:
             req.kv_committed_len += 1
         return locs
 
-    def finish(self, req: SimRequest) -> None:
+    def finish(self, req) -> None:
         self.tree.cache_finished_req(req)
         self.pool.free(req)
         self.running.remove(req)
@@ -152,21 +153,27 @@ class SchedulerWrites:
 
     def mismatches(self) -> List[str]:
         """Mirror rows vs ``req_to_token`` for every running request; node page ids vs values."""
-        mirror = mirror_of(self.pool)
-        problems = mirror.mismatches(
-            self.pool.req_to_token,
-            [r.req_pool_idx for r in self.running],
-            [r.kv_allocated_len for r in self.running],
-        )
-        root = getattr(self.tree, "root_node", None)
-        stack = list(root.children.values()) if root is not None else []
-        while stack:
-            node = stack.pop()
-            stack += node.children.values()
-            if node.value is None:
-                continue
-            pages = value_pages(node)
-            expected = (node.value[:: self.page_size] // self.page_size).tolist()
-            if pages is None or pages.tolist() != expected:
-                problems.append(f"node {node.id}: host pages {pages} for value pages {expected}")
-        return problems
+        return mirror_mismatches(self.tree, self.pool, self.running, self.page_size)
+
+
+def mirror_mismatches(tree, req_to_token_pool, running, page_size: int) -> List[str]:
+    """The mirror's exactness: every running request's mirrored pages against ``req_to_token`` (every
+    position below ``kv_allocated_len``), and every device node's host page ids against its value."""
+    mirror = mirror_of(req_to_token_pool)
+    problems = mirror.mismatches(
+        req_to_token_pool.req_to_token,
+        [r.req_pool_idx for r in running],
+        [r.kv_allocated_len for r in running],
+    )
+    root = getattr(tree, "root_node", None)
+    stack = list(root.children.values()) if root is not None else []
+    while stack:
+        node = stack.pop()
+        stack += node.children.values()
+        if node.value is None:
+            continue
+        pages = value_pages(node)
+        expected = (node.value[::page_size] // page_size).tolist()
+        if pages is None or pages.tolist() != expected:
+            problems.append(f"node {node.id}: host pages {pages} for value pages {expected}")
+    return problems
