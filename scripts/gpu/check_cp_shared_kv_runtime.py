@@ -29,6 +29,14 @@ are replaced by the torch stand-ins of ``testing/nsa_cpu_kernels.py`` and the in
 sglang's non-CUDA branch (``act_quant`` + ``set_index_k_scale_buffer``).
 Prints ``ran``, ``rows compared``, ``mismatches`` (clean cases) and ``plants caught``; exits
 non-zero unless every clean case ran with 0 mismatches and every plant run was caught.
+
+``--sync-debug`` runs every forward (the peer-page plan and table remap, every layer's hooked stores,
+the prefetch, the hooked getters' reads) under ``torch.cuda.set_sync_debug_mode("warn")`` and
+attributes each synchronizing CUDA call to our code, the check's own stand-ins and comparisons, or
+stock sglang (``testing/cuda_sync_counter.py``; the replica's stores are stock sglang). The gloo
+transport's host bounce in ``peer_page_gather`` is the test transport (ranks sharing one GPU), not
+the NCCL path, and is exempted (counted separately). Prints ``syncs on our path = N``; with
+``--sync-debug`` the run fails unless N is 0.
 """
 
 from __future__ import annotations
@@ -95,9 +103,10 @@ def _rank_main(rank, world_size, args):
             with context:
                 result = runtime_check.run_rank(
                     rank, cp_size, group, device=args.device, dtype_name=dtype_name,
-                    act_quant=act_quant, **options,
+                    act_quant=act_quant, sync_debug=args.sync_debug, **options,
                 )
-            rows.append((case, rank, result.rows_compared, result.mismatches, result.prefetch_forwards))
+            rows.append((case, rank, result.rows_compared, result.mismatches, result.prefetch_forwards,
+                         result.syncs, result.sync_sites, result.exempted_bounces))  # fmt: skip
         dist.barrier()
     return rows
 
@@ -133,6 +142,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=int, default=500)
     parser.add_argument("--plants", action="store_true", help="also run every planted bug")
+    parser.add_argument(
+        "--sync-debug", action="store_true",
+        help="count synchronizing CUDA calls on our path during every forward (must be 0)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
     args.dtypes = args.dtypes.split(",")
@@ -192,7 +205,26 @@ def main() -> int:
         and caught == plants
         and all(c == 0 for c in exit_codes)
     )
+    if args.sync_debug:
+        ok = _report_syncs(rows) and ok
     return 0 if ok else 1
+
+
+def _report_syncs(rows) -> bool:
+    """Print the sync counts over every rank and case; True when our path made none."""
+    counted = [r for r in rows if r[5] is not None]
+    if not counted:
+        print("sync debug: no CUDA on this device, nothing counted (the CPU unit test "
+              "test_peer_page_plan_no_sync.py covers the plan); syncs on our path = n/a")  # fmt: skip
+        return True
+    totals = {owner: sum(r[5][owner] for r in counted) for owner in ("ours", "harness", "stock")}
+    for site in sorted({site for r in counted for site in r[6]}):
+        print(f"  sync at {site}")
+    print(f"gloo host bounces exempted (test transport, not on the NCCL path) = {sum(r[7] for r in counted)}")
+    print(f"syncs in stock sglang code = {totals['stock']}")
+    print(f"syncs in the check's own stand-ins and comparisons = {totals['harness']}")
+    print(f"syncs on our path = {totals['ours']}")
+    return totals["ours"] == 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ list before it checks).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -53,6 +54,25 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+
+
+@dataclass(frozen=True)
+class PagesHandedOut:
+    """The new logical pages of the allocator's latest allocation, on the host (``last_allocation``).
+
+    ``locs`` is the device tensor that call returned (callers check identity to pair a record with
+    the locs they hold). For per-request calls (``alloc_extend``, ``alloc_decode``) request ``i`` got
+    ``new_pages_per_req[i]`` new pages at its page indices ``pages_before[i]`` onward, in
+    ``new_pages`` request by request; for ``alloc`` / ``alloc_with_owners`` both are ``None`` and
+    ``new_pages`` lists every page of ``locs`` in order. The host mirror of ``req_to_token``
+    (``req_to_page_mirror``) and the radix tree's value pages are fed from it, so no device tensor is
+    read back to learn where tokens went.
+    """
+
+    locs: torch.Tensor
+    new_pages: np.ndarray
+    pages_before: Optional[np.ndarray] = None
+    new_pages_per_req: Optional[np.ndarray] = None
 
 
 class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
@@ -154,7 +174,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         pages = self._take_round_robin(num_pages) if self._owner_fast_path else None
         if pages is None:
             pages = self._take_pages(np.arange(num_pages) % self.cp_size)
-        return self._locs_on_device(pages)
+        return self._record(self._locs_on_device(pages), pages)
 
     def _take_round_robin(self, num_pages: int) -> Optional[np.ndarray]:
         """``_take_pages(arange(num_pages) % cp)`` when every page gets its preferred owner (the owner
@@ -191,7 +211,8 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         free = [p.shape[0] for p in self.free_pages_by_owner]
         if any(d > f for d, f in zip(demand, free)):
             self.merge_and_sort_free()
-        return self._locs_on_device(self._pop_pages(owners, demand))
+        pages = self._pop_pages(owners, demand)
+        return self._record(self._locs_on_device(pages), pages)
 
     def page_shortfall_by_owner(self, page_owners) -> List[int]:
         """Pages each owner rank lacks for ``alloc_with_owners(page_owners)``; all zero if it fits.
@@ -244,7 +265,13 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         seq = np.asarray(seq_lens_cpu, dtype=np.int64)
         if not ((seq - 1) % self.page_size == 0).any():
             # The common step: every request continues inside its last page.
-            return last_loc.to(torch.int64) + 1
+            no_pages = np.zeros(len(seq), dtype=np.int64)
+            return self._record(
+                last_loc.to(torch.int64) + 1,
+                self._empty_pages(),
+                (seq - 1 + self.page_size - 1) // self.page_size,
+                no_pages,
+            )
         return self._alloc_tokens(seq - 1, seq, last_loc, len(seq))
 
     def _alloc_tokens(
@@ -276,6 +303,19 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             pages_before[req_of_page] + np.arange(num_new_pages) - first_new_slot[req_of_page]
         )
         new_pages = self._take_pages(page_index_in_req % self.cp_size)
+        locs = self._alloc_token_locs(
+            prefix_lens, seq_lens, last_loc, num_tokens, new_pages, pages_before, new_pages_per_req
+        )
+        return self._record(locs, new_pages, pages_before, new_pages_per_req)
+
+    def _alloc_token_locs(
+        self, prefix_lens, seq_lens, last_loc, num_tokens, new_pages, pages_before, new_pages_per_req
+    ) -> torch.Tensor:
+        """The device locs of ``_alloc_tokens`` once its new pages are taken."""
+        page_size = self.page_size
+        extend_lens = seq_lens - prefix_lens
+        num_new_pages = new_pages.shape[0]
+        first_new_slot = np.cumsum(new_pages_per_req) - new_pages_per_req
         if not np.count_nonzero(prefix_lens % page_size):
             # No request continues a held page (page-aligned prefixes: radix matches, whole-page
             # chunks): the locs are the new pages' rows, request by request, cut at each seq_len.
@@ -456,6 +496,13 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             f"{FLAG}: KV cache CPU offload (load_cpu_copy, used by PD-disaggregation decode) is not "
             "supported: a request's logical pages are sharded across the CP ranks"
         )
+
+    # The latest allocation's new pages on the host (``PagesHandedOut``); None before the first.
+    last_allocation: Optional[PagesHandedOut] = None
+
+    def _record(self, locs, new_pages, pages_before=None, new_pages_per_req=None) -> torch.Tensor:
+        self.last_allocation = PagesHandedOut(locs, new_pages, pages_before, new_pages_per_req)
+        return locs
 
     def _locs_on_device(self, pages: np.ndarray) -> torch.Tensor:
         """All locs of logical ``pages``, page by page, as an int64 tensor on ``device``."""

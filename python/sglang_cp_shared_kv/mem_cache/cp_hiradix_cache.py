@@ -61,6 +61,13 @@ from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAl
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
 from sglang_cp_shared_kv.mem_cache.cp_host_slot_ledger import CpHostSlotLedger
 from sglang_cp_shared_kv.mem_cache.eviction_candidates import EvictionCandidates
+from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
+    record_inserted_values,
+    set_value_pages,
+    split_value_pages,
+    tracks_value_pages,
+    value_pages,
+)
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
@@ -658,9 +665,14 @@ class CpHiRadixCache(HiRadixCache):
 
         self.cache_controller.load_reserved(metadata, device_indices, node_id=last_hit_node.id)
         self.ongoing_load_back[last_hit_node.id] = last_hit_node
+        # The allocator's host record of these locs gives the loaded values' page ids.
+        loaded_pages = self._host_pages_of(device_indices) if tracks_value_pages(self) else None
         offset = 0
         for n in nodes_to_load:
             n.value = device_indices[offset : offset + n.host_len].clone()
+            if loaded_pages is not None:
+                page = offset // self.page_size
+                set_value_pages(n, loaded_pages[page : page + n.host_len // self.page_size])
             offset += n.host_len
             self._record_store_event(n, medium=StorageMedium.GPU)
         self.evictable_size_ += host_hit_len
@@ -670,6 +682,12 @@ class CpHiRadixCache(HiRadixCache):
             self.metrics_collector.observe_load_back_duration(time.perf_counter() - start_time)
             self.metrics_collector.increment_load_back_num_tokens(host_hit_len)
         return device_indices
+
+    def _host_pages_of(self, device_indices: torch.Tensor) -> np.ndarray:
+        record = self.cache_controller.mem_pool_device_allocator.last_allocation
+        if record is None or record.locs is not device_indices:
+            raise RuntimeError(f"{FLAG}: load-back locs are not the allocator's latest allocation")
+        return record.new_pages
 
     def _alloc_load_locs(self, metadata: CpHiCacheNodeMetadata) -> Optional[torch.Tensor]:
         """Logical locs for a load-back that every rank got; evict device nodes and retry once if not.
@@ -745,6 +763,7 @@ class CpHiRadixCache(HiRadixCache):
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
         """Stock, but host state splits as ``cp_hicache`` + ``host_len``, not ``host_value``."""
         # child is split into new_node (first split_len tokens) -> child (the rest).
+        pages = value_pages(child) if tracks_value_pages(self) else None
         new_node = self._new_node(priority=child.priority)
         new_node.children = {key[split_len:].child_key(self.page_size): child}
         new_node.parent = child.parent
@@ -765,6 +784,7 @@ class CpHiRadixCache(HiRadixCache):
         child.parent = new_node
         child.key = child.key[split_len:]
         new_node.parent.children[key.child_key(self.page_size)] = new_node
+        split_value_pages(new_node, child, pages, split_len, self.page_size)
         return new_node
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -780,6 +800,7 @@ class CpHiRadixCache(HiRadixCache):
             return InsertResult(prefix_len=0)
 
         self._start_tree_op()
+        inserted_key = key
         node = self.root_node
         child_key = key.child_key(self.page_size)
         total_prefix_length = 0
@@ -820,6 +841,9 @@ class CpHiRadixCache(HiRadixCache):
             if self.cache_controller.write_policy != "write_back":
                 self._inc_hit_count(new_node, params.chunked)
             self._touch(new_node)
+        if tracks_value_pages(self):
+            # New and revived nodes took the inserted row's locs: their host page ids too.
+            record_inserted_values(self, inserted_key)
         return InsertResult(prefix_len=total_prefix_length)
 
     # ---- storage and observability ----

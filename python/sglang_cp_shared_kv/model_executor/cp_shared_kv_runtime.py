@@ -6,9 +6,10 @@ logical pool:
 
 1. Writes (``owner_filtered_writes``): every store of MLA latent KV or indexer K keeps only owned
    locs, as physical rows; other rows sink into the dummy page 0.
-2. Plan (``peer_page_reads``, once per forward): from the unfiltered batch, which pages every rank
-   reads and where they go in the gather scratch; the backend's index tables are rewritten to
-   scratch locs (``PeerPagePlan``).
+2. Plan (``peer_page_reads``, once per forward, on the host): from the unfiltered batch, which pages
+   every rank reads and where they go in the gather scratch; the backend's index tables are
+   rewritten to scratch locs (``PeerPagePlan``). Page ids come from a host mirror of
+   ``req_to_token`` (``ReqToPageMirror``), so planning never waits for the GPU.
 3. Per layer (``peer_page_prefetch``): the gathered pages of a prefill forward's layer ``l+1``
    come from their owners on a side stream while layer ``l`` computes, into the other of two
    scratch slots; decode and forwards that do not fit the second slot gather each layer right
@@ -29,12 +30,19 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
+    ReqToPageMirror,
+    mirror_check_enabled,
+    mirror_of,
+)
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     SCRATCH_LAYER,
     SCRATCH_LAYER_ID,
@@ -111,28 +119,51 @@ class CpSharedKVRuntime:
         # planned): its fused path fetches the buffer through ``get_index_k_with_scale_buffer``,
         # which must then return the physical buffer rather than the scratch.
         self.writing_physical = False
+        # True inside ModelRunner._dummy_run (warm-up), whose batch is not built by init_new.
+        self.in_dummy_run = False
         setattr(pool, _RUNTIME_ATTR, self)
 
     # ---- plan ----
 
     def begin_forward(self, forward_batch) -> PeerPagePlan:
-        """Plan the pages of ``forward_batch`` (called from the backend's metadata init)."""
+        """Plan the pages of ``forward_batch`` (called from the backend's metadata init).
+
+        Host data only: lengths from ``seq_lens_cpu`` / ``extend_seq_lens_cpu``, rows from
+        ``ForwardBatch.init_new`` (``ROWS_ATTR``), page ids from the ``req_to_token`` mirror. No
+        device tensor is read, so launching the forward never waits for the GPU.
+        """
         mode = forward_batch.forward_mode
-        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
         if mode.is_decode_or_idle():
-            new_token_counts = [1] * len(seq_lens)
+            new_token_counts = np.ones_like(seq_lens)
         elif mode.is_extend() and not (mode.is_target_verify() or mode.is_draft_extend()):
-            new_token_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+            new_token_counts = np.asarray(forward_batch.extend_seq_lens_cpu, dtype=np.int64)
         else:
             raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
+        mirror = mirror_of(forward_batch.req_to_token_pool)
+        rows = getattr(forward_batch, ROWS_ATTR, None)
+        if rows is None and self.in_dummy_run:
+            # ModelRunner._dummy_run's batch comes from DecodeInputBuffers: every request on row 0.
+            rows = np.zeros(0, dtype=np.int64)
+        if mirror is None or rows is None:
+            raise RuntimeError(
+                f"{FLAG}: no host mirror of req_to_token for this forward (the plan reads no device "
+                f"tensor)"
+            )
+        # Batches padded for collectives point their extra requests at row 0 (sglang's padding row).
+        rows = np.concatenate((rows, np.zeros(len(seq_lens) - len(rows), dtype=np.int64)))
+        page_size = self.layout.page_size
+        pages_read = -(-seq_lens // page_size)
+        request_pages = [mirror.row_pages(r, p) for r, p in zip(rows.tolist(), pages_read.tolist())]
+        if mirror_check_enabled():
+            mirror.check(forward_batch.req_to_token_pool.req_to_token, rows.tolist(), seq_lens.tolist())
         self.plan = build_peer_page_plan(
             layout=self.layout,
-            req_to_token=forward_batch.req_to_token_pool.req_to_token,
-            req_pool_indices=forward_batch.req_pool_indices,
-            seq_lens=seq_lens,
-            new_token_counts=new_token_counts,
+            request_pages=request_pages,
+            old_page_counts=(-(-(seq_lens - new_token_counts) // page_size)).tolist(),
             num_logical_pages=self.num_logical_pages,
             scratch_num_pages=self.scratch_num_pages,
+            device=self.pool.device,
         )
         self.pipeline.begin(self.plan, is_decode=mode.is_decode_or_idle())
         return self.plan
@@ -335,6 +366,8 @@ def attach_runtime(result, model_runner, *args, **kwargs):
         prefetch_group=prefetch_group,
         indexer_layer_ids=indexer_layer_ids,
     )
+    # The plan's page ids come from this host mirror, fed by every writer of req_to_token.
+    ReqToPageMirror.attach(model_runner.req_to_token_pool, pool.page_size)
     logger.info(
         "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens; layer-ahead "
         "prefetch %s; %s layers store indexer K",
@@ -348,6 +381,18 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     return None
 
 
+def mark_dummy_run(original, model_runner, *args, **kwargs):
+    """AROUND ``ModelRunner._dummy_run``: its batch has no host rows; they are all row 0."""
+    runtime = runtime_of(model_runner.token_to_kv_pool)
+    if runtime is None:
+        return original(model_runner, *args, **kwargs)
+    runtime.in_dummy_run = True
+    try:
+        return original(model_runner, *args, **kwargs)
+    finally:
+        runtime.in_dummy_run = False
+
+
 def register_hooks(registry) -> None:
     mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
     registry.register(
@@ -357,4 +402,7 @@ def register_hooks(registry) -> None:
         "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
         attach_runtime,
         HookType.AFTER,
+    )
+    registry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", mark_dummy_run, HookType.AROUND
     )

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan
+from sglang_cp_shared_kv.model_executor.sync_debug import sync_debug_exempt
 
 
 def gather_peer_pages(
@@ -34,9 +35,11 @@ def gather_peer_pages(
     torch.index_select(physical_pages, 0, plan.send_physical_pages, out=own)
     if region.is_cuda and dist.get_backend(group) == dist.Backend.GLOO:
         # gloo moves host memory; this happens when CP ranks share one GPU (scripts/gpu checks).
-        host = region.cpu()
-        dist.all_gather_into_tensor(host, host[cp_rank * n : (cp_rank + 1) * n], group=group)
-        region.copy_(host)
+        # The bounce syncs by design: exempt it (only it) from the checks' sync debugging.
+        with sync_debug_exempt():
+            host = region.cpu()
+            dist.all_gather_into_tensor(host, host[cp_rank * n : (cp_rank + 1) * n], group=group)
+            region.copy_(host)
         return
     dist.all_gather_into_tensor(region, own, group=group)
 

@@ -22,6 +22,12 @@ after the owner's write of this layer, so it arrives complete.
 Kernels keep addressing rows by (page, slot); tables are rewritten page by page through ``lookup``
 (logical page -> scratch page) with the slot kept, so they read the scratch exactly as they would
 read a replicated pool.
+
+The plan is computed on the host, from host page ids (the ``req_to_token`` mirror,
+``ReqToPageMirror``), in NumPy: which pages, which owner, how many per rank (``n`` sizes the
+collective, so it must be a host number). Only its result goes to the device: the referenced pages
+and their scratch pages as compact pairs, and this rank's send list, in one non-blocking copy from
+pinned memory, scattered into the lookup tables there. Nothing in it waits for the GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
@@ -76,97 +83,125 @@ def _through(page_map: torch.Tensor, logical_locs: torch.Tensor, page_size: int)
 def build_peer_page_plan(
     *,
     layout: CpSharedKVLayout,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: Sequence[int],
-    new_token_counts: Sequence[int],
+    request_pages: Sequence[np.ndarray],
+    old_page_counts: Sequence[int],
     num_logical_pages: int,
     scratch_num_pages: int,
+    device,
 ) -> PeerPagePlan:
-    """Plan one forward. Every rank calls this with the same batch and gets the same layout.
+    """Plan one forward on the host. Every rank calls this with the same batch and gets the same layout.
 
-    ``seq_lens[i]`` tokens of request ``req_pool_indices[i]`` are read; its last
-    ``new_token_counts[i]`` are written by this forward. ``num_logical_pages`` bounds the logical
-    page ids (size of the lookup); ``scratch_num_pages`` is the scratch size including page 0.
-    Runs eagerly (one host sync for the per-owner counts).
+    ``request_pages[i]``: logical page ids of request ``i``'s pages ``0 .. ceil(seq_len / page_size)-1``
+    (host, any int dtype). Its first ``old_page_counts[i]`` pages hold tokens of earlier forwards
+    (``ceil(prefix_len / page_size)``); the rest only tokens this forward writes.
+    ``num_logical_pages`` bounds the logical page ids (size of the lookup); ``scratch_num_pages`` is
+    the scratch size including page 0. No device tensor is read; the device gets one pinned copy.
     """
-    if len(seq_lens) != len(new_token_counts):
-        raise ValueError("seq_lens and new_token_counts differ in length")
+    if len(request_pages) != len(old_page_counts):
+        raise ValueError("request_pages and old_page_counts differ in length")
     cp_size = layout.cp_size
-    device = req_to_token.device
-    lookup = torch.zeros(num_logical_pages, dtype=torch.int32, device=device)
-    fill_lookup = torch.zeros_like(lookup)
-
-    referenced, gathered = _referenced_and_old_pages(
-        req_to_token, req_pool_indices, seq_lens, new_token_counts, layout
+    referenced, gathered, fill = _referenced_gathered_and_fill_pages(
+        request_pages, old_page_counts, cp_size
     )
-    fill = referenced[~torch.isin(referenced, gathered)]
-    counts = torch.bincount(layout.owner_of_page(gathered), minlength=cp_size).tolist()
-    if 1 + cp_size * max(counts) + fill.numel() > scratch_num_pages:
+    counts = np.bincount(layout.owner_of_page(gathered), minlength=cp_size)
+    if 1 + cp_size * int(counts.max()) + fill.shape[0] > scratch_num_pages:
         # Owners are unbalanced inside this batch. Gather everything instead: a rank owns at most
         # its physical page count, so cp_size * n then fits a scratch sized from logical capacity.
         gathered, fill = referenced, referenced[:0]
-        counts = torch.bincount(layout.owner_of_page(gathered), minlength=cp_size).tolist()
-    n = max(counts)
-    if 1 + cp_size * n + fill.numel() > scratch_num_pages:
+        counts = np.bincount(layout.owner_of_page(gathered), minlength=cp_size)
+    n = int(counts.max())
+    if 1 + cp_size * n + fill.shape[0] > scratch_num_pages:
         raise RuntimeError(
-            f"--enable-nsa-prefill-cp-shared-kv: a forward needs {1 + cp_size * n + fill.numel()} "
+            f"--enable-nsa-prefill-cp-shared-kv: a forward needs {1 + cp_size * n + fill.shape[0]} "
             f"scratch pages, the scratch has {scratch_num_pages}"
         )
 
     # Owner-major scratch positions of the gathered pages (gathered is sorted, so each owner's
-    # pages stay in ascending logical order).
-    owners = layout.owner_of_page(gathered)
-    order = torch.argsort(owners, stable=True)
-    gathered, owners = gathered[order], owners[order]
-    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
-    first_of_owner = torch.cumsum(counts_t, 0) - counts_t
-    slot = torch.arange(gathered.numel(), device=device) - first_of_owner[owners]
-    lookup[gathered] = (1 + owners * n + slot).to(torch.int32)
+    # pages stay in ascending logical order). Ranks as uint8: NumPy's stable sort of 8-bit keys is a
+    # radix sort.
+    owners = layout.owner_of_page(gathered).astype(np.uint8)
+    order = np.argsort(owners, kind="stable")
+    gathered, owners = gathered[order], owners[order].astype(np.int64)
+    first_of_owner = np.cumsum(counts) - counts
+    slot = np.arange(gathered.shape[0]) - first_of_owner[owners]
+    num_gathered, num_fill = gathered.shape[0], fill.shape[0]
+    own = slice(first_of_owner[layout.cp_rank], first_of_owner[layout.cp_rank] + counts[layout.cp_rank])
+    send = layout.physical_page_of(gathered[own])
 
-    fill_pages = 1 + cp_size * n + torch.arange(fill.numel(), device=device)
-    lookup[fill] = fill_pages.to(torch.int32)
-    fill_lookup[fill] = fill_pages.to(torch.int32)
+    # One staging array: [referenced page ids | their scratch pages | send list padded to n].
+    # Gathered pages come first in both halves, so the fill pages are a suffix of each.
+    num_referenced = num_gathered + num_fill
+    staged = np.zeros(2 * num_referenced + n, dtype=np.int64)
+    staged[:num_gathered] = gathered
+    staged[num_gathered:num_referenced] = fill
+    staged[num_referenced : num_referenced + num_gathered] = 1 + owners * n + slot
+    staged[num_referenced + num_gathered : 2 * num_referenced] = 1 + cp_size * n + np.arange(num_fill)
+    staged[2 * num_referenced : 2 * num_referenced + send.shape[0]] = send
+    on_device = _to_device(staged, device)
 
-    own_logical_pages = gathered[owners == layout.cp_rank]
-    send = torch.zeros(n, dtype=torch.int64, device=device)
-    send[: own_logical_pages.numel()] = layout.physical_page_of(own_logical_pages)
+    ids, scratch_pages = on_device[:num_referenced], on_device[num_referenced : 2 * num_referenced]
+    lookup = torch.zeros(num_logical_pages, dtype=torch.int32, device=device)
+    fill_lookup = torch.zeros_like(lookup)
+    if num_referenced:
+        # scatter_ (like any integer-index write) never syncs; ids are distinct.
+        scratch_pages = scratch_pages.to(torch.int32)
+        lookup.scatter_(0, ids, scratch_pages)
+        if num_fill:
+            fill_lookup.scatter_(0, ids[num_gathered:], scratch_pages[num_gathered:])
     return PeerPagePlan(
         layout=layout,
         lookup=lookup,
         fill_lookup=fill_lookup,
         gather_pages_per_rank=n,
-        send_physical_pages=send,
-        num_fill_pages=fill.numel(),
+        send_physical_pages=on_device[2 * num_referenced :],
+        num_fill_pages=num_fill,
     )
 
 
-def _referenced_and_old_pages(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: Sequence[int],
-    new_token_counts: Sequence[int],
-    layout: CpSharedKVLayout,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique logical pages the batch reads, and the subset holding tokens of earlier forwards."""
-    page_size, device = layout.page_size, req_to_token.device
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    max_len = max(seq_lens, default=0)
-    if max_len == 0:
-        return empty, empty
-    # The paged allocator keeps positions page-aligned: the tokens at positions
-    # [k*page_size, (k+1)*page_size) of a request share the page of position k*page_size.
-    first_locs = req_to_token[req_pool_indices[: len(seq_lens)].long(), :max_len:page_size]
-    pages = torch.div(first_locs.long(), page_size, rounding_mode="floor")
-    column = torch.arange(pages.shape[1], device=device)
-    pages_read = torch.tensor([-(-s // page_size) for s in seq_lens], device=device)
-    # Column k holds only new tokens iff k*page_size >= prefix_len.
-    first_new_column = torch.tensor(
-        [-(-(s - new) // page_size) for s, new in zip(seq_lens, new_token_counts)], device=device
-    )
-    read = column[None, :] < pages_read[:, None]
-    old = column[None, :] < first_new_column[:, None]
-    # Logical pages on the dummy physical page 0 are never allocated: padded requests
-    # (req_to_token row 0) land there and read nothing real.
-    real = layout.physical_page_of(pages) > 0
-    return torch.unique(pages[read & real]), torch.unique(pages[read & old & real])
+def _to_device(staged: np.ndarray, device) -> torch.Tensor:
+    """One host-to-device copy that never waits for the GPU.
+
+    The source is pinned (``pin_memory()`` takes a block from torch's caching host allocator), so the
+    copy is truly asynchronous. A fresh pinned block per forward, rather than one reused buffer, is
+    what makes that safe: the copy may run long after this returns (behind queued GPU work), and the
+    caching host allocator records the copy's stream on the block and hands it out again only once
+    the copy has completed, so the next forward's plan can never overwrite this one's pending source.
+    """
+    host = torch.from_numpy(staged)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _referenced_gathered_and_fill_pages(
+    request_pages: Sequence[np.ndarray], old_page_counts: Sequence[int], cp_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted unique logical pages the batch reads; those holding tokens of earlier forwards (some
+    read of them is old: gathered); the others (filled locally).
+
+    One sort of ``2 * page + (0 if old else 1)`` over every read: each page's first key says whether
+    any of its reads is old (NumPy's ``unique`` hashes, several times slower at these sizes).
+    """
+    if not len(request_pages):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    keys = np.concatenate(request_pages).astype(np.int64) * 2 + 1
+    start = 0
+    for row, count in zip(request_pages, old_page_counts):
+        keys[start : start + min(count, len(row))] -= 1  # old reads sort first
+        start += len(row)
+    # Logical pages on the dummy physical page 0 (ids below cp_size) are never allocated: padded
+    # requests (req_to_token row 0) land there and read nothing real.
+    keys = keys[keys >= 2 * cp_size]
+    keys.sort()
+    first = np.empty(keys.shape[0], dtype=bool)
+    if keys.shape[0]:
+        first[0] = True
+        np.not_equal(keys[1:] >> 1, keys[:-1] >> 1, out=first[1:])
+    keys = keys[first]
+    referenced = keys >> 1
+    old = (keys & 1) == 0
+    return referenced, referenced[old], referenced[~old]

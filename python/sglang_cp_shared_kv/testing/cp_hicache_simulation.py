@@ -43,7 +43,10 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     HiCacheStack,
     build_cp_hicache_stack,
 )
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import FINISHED_COLLECTIVE
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, launch
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -167,6 +170,10 @@ _PEER_FAILURE = "collective failed (a peer rank died or diverged)"
 
 
 def _rank(rank: int, cp_size: int, scenarios) -> dict:
+    # A process of its own (forked from the forkserver): the writer hooks apply process-wide.
+    HookRegistry.reset()
+    req_to_page_mirror_writers.register_hooks(HookRegistry)
+    HookRegistry.apply_hooks()
     outcome = {"results": [], "violation": None}
     try:
         for scenario in scenarios:
@@ -234,6 +241,9 @@ class _RankRun:
             max_running_requests=scenario.max_running_requests,
             max_context_len=max_request_tokens + NSA_PAGE_SIZE,
         )
+        # The host mirror of req_to_token the peer-page plan reads, fed by the writer hooks (applied
+        # in _rank); checked against the table after every step (invariant "req-to-token-mirror").
+        ReqToPageMirror.attach(stack.req_to_token_pool, NSA_PAGE_SIZE)
         if scenario.plant is not None:
             scenario.plant(stack, self.rank)
         return CpHiCacheWorkload(

@@ -19,6 +19,9 @@ Two kinds of checks (``docs/simulation.md`` lists them all):
   - Bytes: every device-resident token this rank owns (tree nodes, loaded-back ones included, and running
     requests) holds the pattern of its token in its KV row and indexer slot, and every backed-up position
     it owns holds it in its host slot.
+  - The peer-page plan's host mirror of ``req_to_token`` (fed by the writer hooks around sglang's own
+    ``alloc_for_extend`` / ``alloc_for_decode`` / ``cache_*_req``, which the workload calls): every
+    running request's mirrored pages equal the table, every device node's host page ids its value.
 
 The byte oracle: ``write_owned_kv`` stores, for each token, a pattern that depends only on the token id,
 the way the runtime's owner-filtered write stores KV: owned logical locs at their physical row, every
@@ -41,6 +44,9 @@ from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
 sgl_kernel_cpu_shim.install()
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of  # noqa: E402
+from sglang_cp_shared_kv.testing.scheduler_writes import mirror_mismatches  # noqa: E402
 
 if TYPE_CHECKING:
     from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
@@ -304,6 +310,7 @@ class RankInvariants:
             ("host-metadata", self._host_metadata),
             ("device-bytes", self._device_bytes),
             ("host-bytes", self._host_bytes),
+            ("req-to-token-mirror", self._req_to_token_mirror),
         )
         found = []
         for name, check in checks:
@@ -335,6 +342,16 @@ class RankInvariants:
                 f"{cache.protected_size_}, host {cache.host_logical_tokens}"
             )
         return [("baseline", "; ".join(problems))] if problems else []
+
+    def _req_to_token_mirror(self, nodes) -> Optional[str]:
+        """The peer-page plan's host mirror equals ``req_to_token`` for every running request, and
+        every device node's host page ids its value (``req_to_page_mirror``)."""
+        if mirror_of(self.stack.req_to_token_pool) is None:
+            return None
+        problems = mirror_mismatches(
+            self.cache, self.stack.req_to_token_pool, self.workload.running, self.page_size
+        )
+        return "; ".join(problems[:3]) if problems else None
 
     # ---- structure and accounting ----
 

@@ -8,10 +8,12 @@ points sglang's scheduler uses, on the real ``CpHiRadixCache`` and CP allocator:
 * **admit**: a prefill round of 1-3 requests, each like ``PrefillAdder.add_one_req``: ``match_prefix``,
   the logical budget (``available + evictable`` minus what the round already promised), the adder's
   lock, ``init_load_back`` (no quota, the adder's quota, or a shrunk one); then one
-  ``ready_to_load_host_cache``, request slots, ``evict_from_tree_cache`` + one batched ``alloc_extend``,
-  the KV write of the new tokens (``write_owned_kv``: each rank stores what it owns), and
-  ``cache_unfinished_req`` (chunked or not) or an immediate ``cache_finished_req``.
-* **continue_chunk**, **decode** (``alloc_decode``, several steps; retraction when out of room),
+  ``ready_to_load_host_cache``, then sglang's own ``alloc_for_extend`` (request slots,
+  ``evict_from_tree_cache``, one batched ``alloc_extend``, ``write_cache_indices``), the KV write of
+  the new tokens (``write_owned_kv``: each rank stores what it owns), and ``cache_unfinished_req``
+  (chunked or not) or an immediate ``cache_finished_req``.
+* **continue_chunk**, **decode** (sglang's ``alloc_for_decode``, several steps; retraction when out
+  of room),
   **finish** / **abort** (``cache_finished_req`` with / without insert), **match_waiting** (a match
   without admission, as the scheduler's prefix-aware priority does).
 * **check_events** (``check_hicache_events``: write and load acks), **evict_device** (``evict``),
@@ -33,8 +35,11 @@ row must hold (see ``cp_hicache_simulation_invariants``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
+from unittest import mock
 
 import torch
 
@@ -43,11 +48,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     InitLoadBackParams,
     MatchPrefixParams,
 )
-from sglang.srt.mem_cache.common import evict_from_tree_cache
+from sglang.srt.mem_cache import common
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import write_owned_kv
 from sglang_cp_shared_kv.testing.cp_hicache_stack import HiCacheStack
+from sglang_cp_shared_kv.testing.scheduler_writes import host_write_path
 
 # (operation, relative weight). Drain and flush are rare: they empty the cache.
 OPERATIONS: Tuple[Tuple[str, float], ...] = (
@@ -110,6 +116,14 @@ class SimRequest:
         """Logical locs the request holds outside the tree."""
         row = self._req_to_token_pool.req_to_token[self.req_pool_idx]
         return row[self.cache_protected_len : self.kv_allocated_len].to(torch.int64)
+
+
+@contextlib.contextmanager
+def _quiet_out_of_memory(tree):
+    """sglang logs an error and prints the whole tree before it raises out of memory; the workload
+    expects that outcome (and handles it), so neither is shown."""
+    with mock.patch.object(common.logger, "error"), mock.patch.object(tree, "pretty_print"):
+        yield
 
 
 class _FailNextCalls:
@@ -222,15 +236,15 @@ class CpHiCacheWorkload:
         about = "admit [" + "; ".join(notes) + "]"
         if not batch:
             return about
-        for req in batch:
-            self.stack.req_to_token_pool.alloc([req])
+        # Request slots come with the extend (sglang's alloc_for_extend takes them).
         # Chunked prefill: at most one request per round is cut, the last one admitted.
         fill_lens = [len(r.origin_input_ids) for r in batch[:-1]]
         fill_lens.append(self._chunk_end(batch[-1], len(batch[-1].prefix_indices)))
         if not self._prefill(batch, fill_lens):
             for req in batch:
                 self.cache.dec_lock_ref(req.last_node)
-                self.stack.req_to_token_pool.free(req)
+                if req.req_pool_idx is not None:
+                    self.stack.req_to_token_pool.free(req)
             self.stats["extend out of memory after admission"] += 1
             return about + ", extend allocation failed"
         self.running += batch
@@ -313,17 +327,26 @@ class CpHiCacheWorkload:
             num_tokens = len(batch) * self.page_size  # the scheduler's over-estimate
             if num_tokens >= self._logical_room():
                 return f"decode step {step}: " + self._retract(batch)
-            evict_from_tree_cache(self.cache, num_tokens)
-            row = self.stack.req_to_token_pool.req_to_token
-            seq_lens = torch.tensor([r.kv_allocated_len + 1 for r in batch], dtype=torch.int64)
-            last_loc = torch.stack([row[r.req_pool_idx, r.kv_allocated_len - 1] for r in batch])
-            locs = self.allocator.alloc_decode(seq_lens, seq_lens, last_loc.to(torch.int64))
-            if locs is None:
+            # sglang's alloc_for_decode: evict_from_tree_cache (the same over-estimate),
+            # alloc_decode, the write of each request's next position.
+            seq_lens = torch.tensor([r.kv_allocated_len for r in batch], dtype=torch.int64)
+            schedule_batch = SimpleNamespace(
+                reqs=batch, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+                req_pool_indices=torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64),
+                req_to_token_pool=self.stack.req_to_token_pool, tree_cache=self.cache,
+                token_to_kv_pool_allocator=self.allocator, maybe_evict_swa=lambda: None,
+                model_config=SimpleNamespace(is_encoder_decoder=False),
+            )  # fmt: skip
+            try:
+                with host_write_path(), _quiet_out_of_memory(self.cache):
+                    locs = common.alloc_for_decode(schedule_batch, token_per_req=1)
+            except RuntimeError as error:
+                if "out of memory" not in str(error):
+                    raise
                 self.stats["decode out of memory after eviction"] += 1
                 return f"decode step {step}: " + self._retract(batch)
             new_tokens = self._fresh_tokens(len(batch))
-            for req, loc, token in zip(batch, locs.tolist(), new_tokens):
-                row[req.req_pool_idx, req.kv_allocated_len] = loc
+            for req, token in zip(batch, new_tokens):
                 req.output_ids.append(token)
                 req.kv_allocated_len += 1
                 req.kv_committed_len += 1
@@ -352,27 +375,27 @@ class CpHiCacheWorkload:
 
     def _prefill(self, batch: List[SimRequest], fill_lens: List[int]) -> bool:
         """One prefill forward: allocate and write tokens ``[len(prefix_indices), fill_len)`` of each
-        request, through one ``alloc_extend`` for the batch, as ``alloc_for_extend`` does."""
+        request through sglang's own ``alloc_for_extend`` (request slots, ``evict_from_tree_cache``,
+        one ``alloc_extend`` for the batch, ``write_cache_indices``)."""
         prefix_lens = [len(r.prefix_indices) for r in batch]
         extend_lens = [f - p for f, p in zip(fill_lens, prefix_lens)]
-        rows = self.stack.req_to_token_pool.req_to_token
-        for req, prefix_len in zip(batch, prefix_lens):
-            rows[req.req_pool_idx, :prefix_len] = req.prefix_indices.to(torch.int32)
-        evict_from_tree_cache(self.cache, sum(extend_lens) + len(batch) * self.page_size)
-        prefix_t, fill_t = torch.tensor(prefix_lens), torch.tensor(fill_lens)
-        last_loc = torch.cat(
-            [r.prefix_indices[-1:] if len(r.prefix_indices) else torch.tensor([-1]) for r in batch]
-        )
-        locs = self.allocator.alloc_extend(
-            prefix_t, prefix_t, fill_t, fill_t, last_loc.to(torch.int64), sum(extend_lens)
-        )
-        if locs is None:
+        seq_lens = torch.tensor(fill_lens, dtype=torch.int64)
+        schedule_batch = SimpleNamespace(
+            reqs=batch, prefix_lens=prefix_lens, extend_lens=extend_lens,
+            extend_num_tokens=sum(extend_lens), seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+            device=self.stack.req_to_token_pool.device, req_to_token_pool=self.stack.req_to_token_pool,
+            tree_cache=self.cache, token_to_kv_pool_allocator=self.allocator,
+            maybe_evict_swa=lambda: None,
+        )  # fmt: skip
+        try:
+            with host_write_path(), _quiet_out_of_memory(self.cache):
+                locs, _, _ = common.alloc_for_extend(schedule_batch)
+        except RuntimeError as error:
+            if "out of memory" not in str(error):
+                raise
             return False
         tokens = []
-        for req, prefix_len, fill_len, req_locs in zip(
-            batch, prefix_lens, fill_lens, torch.split(locs, extend_lens)
-        ):
-            rows[req.req_pool_idx, prefix_len:fill_len] = req_locs.to(torch.int32)
+        for req, prefix_len, fill_len in zip(batch, prefix_lens, fill_lens):
             tokens += req.all_token_ids()[prefix_len:fill_len]
             req.fill_ids = req.origin_input_ids[:fill_len]
             req.kv_allocated_len = req.kv_committed_len = fill_len

@@ -28,11 +28,13 @@ show that the check catches it. Used by the gloo unit test and
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Optional
+from typing import List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,13 +44,17 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
     create_prefetch_slot,
 )
 from sglang_cp_shared_kv.model_executor.scratch_rows import BatchRowMaps
+from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
 
 PAGE_SIZE = 64
@@ -74,6 +80,11 @@ class RankResult:
     mismatches: int = 0
     prefetch_forwards: int = 0
     _pending: list = field(default_factory=list)
+    # With sync_debug: synchronizing CUDA calls during the forwards, by owner (CudaSyncCounter), and
+    # where; the gloo bounces exempted (sync_debug.exempted).
+    syncs: Optional[dict] = None
+    sync_sites: List[str] = field(default_factory=list)
+    exempted_bounces: int = 0
 
     def compare(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
         """Row-wise bit comparison (dim 0 = rows), queued on the device (see ``finish``)."""
@@ -205,7 +216,12 @@ class _Story:
         # Allocatable logical pages: cp_size .. cp_size*(physical_pages+1)-1 (pages below are dummy).
         self.free_pages = list(range(layout.cp_size, layout.cp_size * (physical_pages + 1)))
         rng.shuffle(self.free_pages)
-        self.req_to_token = torch.zeros((4, 512), dtype=torch.int32, device=device)
+        self.req_to_token_pool = SimpleNamespace(
+            req_to_token=torch.zeros((4, 512), dtype=torch.int32, device=device)
+        )
+        self.req_to_token = self.req_to_token_pool.req_to_token
+        # The plan's host mirror, fed from host data as the server's writers feed it.
+        self.mirror = ReqToPageMirror.attach(self.req_to_token_pool, PAGE_SIZE)
         self.seq_lens = [0, 0, 0, 0]  # row 0 is sglang's padding row
 
     def append(self, req: int, num_tokens: int) -> list:
@@ -214,16 +230,19 @@ class _Story:
         for position in range(self.seq_lens[req], self.seq_lens[req] + num_tokens):
             if position % PAGE_SIZE == 0:
                 page = self.free_pages.pop()
+                self.mirror.write(req, position // PAGE_SIZE, [page])
             else:
-                page = int(self.req_to_token[req, position - 1]) // PAGE_SIZE
-            loc = page * PAGE_SIZE + position % PAGE_SIZE
-            self.req_to_token[req, position] = loc
-            locs.append(loc)
+                page = int(self.mirror.pages[req, position // PAGE_SIZE])
+            locs.append(page * PAGE_SIZE + position % PAGE_SIZE)
+        start = self.seq_lens[req]
+        self.req_to_token[req, start : start + num_tokens] = torch.tensor(locs, dtype=torch.int32)
         self.seq_lens[req] += num_tokens
         return locs
 
     def share_prefix(self, dst: int, src: int, num_tokens: int) -> None:
         self.req_to_token[dst, :num_tokens] = self.req_to_token[src, :num_tokens]
+        pages = -(-num_tokens // PAGE_SIZE)
+        self.mirror.write(dst, 0, self.mirror.pages[src, :pages].copy())
         self.seq_lens[dst] = num_tokens
 
 
@@ -233,7 +252,8 @@ def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device):
         seq_lens_cpu=torch.tensor([story.seq_lens[r] if r else 1 for r in reqs]),
         extend_seq_lens_cpu=list(new_counts),
         req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=device),
-        req_to_token_pool=SimpleNamespace(req_to_token=story.req_to_token),
+        req_to_token_pool=story.req_to_token_pool,
+        **{ROWS_ATTR: np.array(reqs, dtype=np.int64)},
         out_cache_loc=torch.tensor(out_locs, dtype=torch.int64, device=device),
         token_to_kv_pool=pool,
     )
@@ -292,11 +312,17 @@ def run_rank(
     hicache: bool = False,
     plant: Optional[str] = None,
     read_delay_ms: float = 0,
+    sync_debug: bool = False,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
 
     ``prefetch_group``: a second group over the same ranks; turns on the layer-ahead prefetch with
     a second slot of ``prefetch_slot_tokens`` tokens (default: the logical capacity).
+
+    ``sync_debug``: the forwards' plan, table remap, every layer's stores and the reads run inside a
+    ``CudaSyncCounter``, which attributes each synchronizing CUDA call to its innermost package
+    frame: ``ours`` must stay 0; ``stock`` (sglang's own setters and kernels, the replica's
+    stores included) and ``harness`` (this check's stand-ins and comparisons) are reported.
     """
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
@@ -326,6 +352,9 @@ def run_rank(
     backend = SimpleNamespace(forward_metadata=None)
     indexer = IndexerStub()
 
+    counter = CudaSyncCounter()
+    exempted_before = sync_debug_exemptions.exempted
+
     def run_forward(mode, reqs, new_counts, out_locs, load_back_pages=(), delay_ms=0.0):
         batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device)
         replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, replica, device)
@@ -348,6 +377,10 @@ def run_rank(
             load_back = LayerWiseLoadBack(shard, pages, delay_ms=delay_ms)
             load_back.arm()
         backend.forward_metadata = nsa_metadata_for(logical_table)
+        with counter if sync_debug else contextlib.nullcontext():
+            _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms)
+
+    def _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
         result.prefetch_forwards += runtime.pipeline.prefetching
         metadata = backend.forward_metadata
@@ -391,6 +424,10 @@ def run_rank(
     run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
 
     _check_shard(layout, shard, replica, num_layers, result)
+    if sync_debug:
+        result.syncs = counter.counts() if counter.available else None
+        result.sync_sites = [f"{owner}: {site}" for owner, site in counter.sites]
+        result.exempted_bounces = sync_debug_exemptions.exempted - exempted_before
     return result.finish()
 
 

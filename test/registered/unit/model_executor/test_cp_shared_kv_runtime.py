@@ -7,10 +7,11 @@ from unittest import mock
 
 import torch
 
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
@@ -84,6 +85,7 @@ class TestAttachRuntime(CustomTestCase):
         return SimpleNamespace(
             token_to_kv_pool=pool,
             token_to_kv_pool_allocator=allocator,
+            req_to_token_pool=ReqToTokenPool(4, 8 * PAGE_SIZE, "cpu", False),
             server_args=_server_args(chunked_prefill_size=self.CHUNK, **overrides),
             model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             model=model,
@@ -129,8 +131,12 @@ class TestAttachRuntime(CustomTestCase):
         self.assertEqual(runtime.pipeline.prefetch_group, "prefetch-group")
         self.assertEqual(self.group_calls, [([0, 1], "world-cpu-group", "nccl")])
         self.assertEqual(runtime.pipeline.indexer_layer_ids, frozenset({0}))  # layer 1 skips
+        # The plan's host mirror of req_to_token: one page id per page of every row.
+        mirror = mirror_of(runner.req_to_token_pool)
+        self.assertEqual(mirror.pages.shape, (5, 8))
         self._attach(runner)
         self.assertIs(runtime_of(pool), runtime)
+        self.assertIs(mirror_of(runner.req_to_token_pool), mirror)
 
     def test_prefetch_off_with_a_zero_token_second_slot(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
@@ -147,6 +153,7 @@ class TestAttachRuntime(CustomTestCase):
         runner = self._model_runner(pool, object(), enable_nsa_prefill_cp_shared_kv=False)
         self._attach(runner)  # a stock allocator is fine: nothing of ours runs
         self.assertIsNone(runtime_of(pool))
+        self.assertIsNone(mirror_of(runner.req_to_token_pool))
 
     def test_refusals_name_the_flag(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")

@@ -25,6 +25,7 @@ from sglang_cp_shared_kv.testing.nsa_cpu_kernels import (
     set_k_and_s_torch,
 )
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
+from sglang_cp_shared_kv.testing.page_mirror import mirrored
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -142,13 +143,13 @@ class TestIndexKWrites(CustomTestCase):
                 # One fresh request over pages 2, 3, 4 (all new: no collective needed).
                 req_to_token[1, :192] = torch.arange(2 * 64, 5 * 64)
                 runtime.begin_forward(
-                    SimpleNamespace(
+                    mirrored(SimpleNamespace(
                         forward_mode=ForwardMode.EXTEND,
                         seq_lens_cpu=torch.tensor([192]),
                         extend_seq_lens_cpu=[192],
                         req_pool_indices=torch.tensor([1]),
                         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-                    )
+                    ))
                 )
                 owner_filtered_writes.store_index_k_cache(fused_like_store, None, batch, 1, key)
                 # ...and the scratch got the rows of the forward's own pages.

@@ -26,15 +26,20 @@ def _locs_of_pages(pages, page_size, num_tokens):
 
 
 def _plans(cp_size, page_size, req_to_token, reqs, seq_lens, new, scratch_num_pages, pages=64):
+    """Every rank's plan of a batch, fed the host page ids of ``req_to_token``'s rows (what the host
+    mirror holds: the page of every ``page_size``-th position up to ``seq_len``)."""
+    request_pages = [
+        (req_to_token[r, :s:page_size] // page_size).numpy() for r, s in zip(reqs, seq_lens)
+    ]
+    old_page_counts = [-(-(s - k) // page_size) for s, k in zip(seq_lens, new)]
     return [
         build_peer_page_plan(
             layout=CpSharedKVLayout(cp_size, rank, page_size),
-            req_to_token=req_to_token,
-            req_pool_indices=torch.tensor(reqs),
-            seq_lens=seq_lens,
-            new_token_counts=new,
+            request_pages=request_pages,
+            old_page_counts=old_page_counts,
             num_logical_pages=pages,
             scratch_num_pages=scratch_num_pages,
+            device="cpu",
         )
         for rank in range(cp_size)
     ]

@@ -18,6 +18,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scra
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
+from sglang_cp_shared_kv.testing.page_mirror import mirrored
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -38,7 +39,7 @@ def _runtime(dtype_name="bf16"):
 def _forward_batch(pool, mode=ForwardMode.EXTEND):
     req_to_token = torch.zeros((2, 256), dtype=torch.int32)
     req_to_token[1, :SEQ_LEN] = LOGICAL_LOCS
-    return SimpleNamespace(
+    return mirrored(SimpleNamespace(
         forward_mode=mode,
         seq_lens_cpu=torch.tensor([SEQ_LEN]),
         extend_seq_lens_cpu=[SEQ_LEN],
@@ -46,7 +47,7 @@ def _forward_batch(pool, mode=ForwardMode.EXTEND):
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         out_cache_loc=LOGICAL_LOCS.clone(),
         token_to_kv_pool=pool,
-    )
+    ))
 
 
 def _hooks():

@@ -82,6 +82,7 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang_cp_shared_kv.model_executor import peer_page_reads
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub
+    from sglang_cp_shared_kv.testing.page_mirror import mirrored
 
     cp_size = runtime.layout.cp_size
     req_to_token = torch.zeros((2, 4 * PAGE), dtype=torch.int32)
@@ -90,7 +91,7 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
     req_to_token[1, PAGE : 2 * PAGE] = (cp_size - 1) * PAGE + slots  # last rank's dummy page
     req_to_token[1, 2 * PAGE] = cp_size * PAGE  # the new token, on an allocatable page
     out_cache_loc = torch.tensor([cp_size * PAGE, 0], dtype=torch.int64)
-    batch = SimpleNamespace(
+    batch = mirrored(SimpleNamespace(
         forward_mode=ForwardMode.DECODE,
         seq_lens_cpu=torch.tensor([2 * PAGE + 1, 1]),
         extend_seq_lens_cpu=[1, 1],
@@ -98,7 +99,7 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         out_cache_loc=out_cache_loc,
         token_to_kv_pool=runtime.pool,
-    )
+    ))
     table = req_to_token[batch.req_pool_indices, : 2 * PAGE + 1]
     backend = SimpleNamespace(forward_metadata=runtime_check.nsa_metadata_for(table))
     peer_page_reads.remap_forward_metadata(None, backend, batch)
