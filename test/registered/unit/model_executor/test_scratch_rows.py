@@ -21,6 +21,7 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRu
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, create_gather_scratch
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
+from sglang_cp_shared_kv.testing.page_mirror import mirrored
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
@@ -45,12 +46,14 @@ def _planned_runtime(rank, dtype_name):
     req_to_token = torch.zeros((2, 512), dtype=torch.int32)
     req_to_token[1, :SEQ_LEN] = _locs()[:SEQ_LEN].int()
     runtime.begin_forward(
-        SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND,
-            seq_lens_cpu=torch.tensor([SEQ_LEN]),
-            extend_seq_lens_cpu=[SEQ_LEN],
-            req_pool_indices=torch.tensor([1]),
-            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        mirrored(
+            SimpleNamespace(
+                forward_mode=ForwardMode.EXTEND,
+                seq_lens_cpu=torch.tensor([SEQ_LEN]),
+                extend_seq_lens_cpu=[SEQ_LEN],
+                req_pool_indices=torch.tensor([1]),
+                req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+            )
         )
     )
     return runtime
@@ -147,14 +150,16 @@ class TestRowMapsOncePerForward(CustomTestCase):
         self.assertIsNot(runtime.row_maps(runtime.plan, locs.clone()), maps)  # another tensor
         old_plan = runtime.plan
         runtime.begin_forward(
-            SimpleNamespace(
-                forward_mode=ForwardMode.EXTEND,
-                seq_lens_cpu=torch.tensor([SEQ_LEN]),
-                extend_seq_lens_cpu=[SEQ_LEN],
-                req_pool_indices=torch.tensor([1]),
-                req_to_token_pool=SimpleNamespace(
-                    req_to_token=torch.zeros((2, 512), dtype=torch.int32)
-                ),
+            mirrored(
+                SimpleNamespace(
+                    forward_mode=ForwardMode.EXTEND,
+                    seq_lens_cpu=torch.tensor([SEQ_LEN]),
+                    extend_seq_lens_cpu=[SEQ_LEN],
+                    req_pool_indices=torch.tensor([1]),
+                    req_to_token_pool=SimpleNamespace(
+                        req_to_token=torch.zeros((2, 512), dtype=torch.int32)
+                    ),
+                )
             )
         )
         self.assertIsNot(runtime.plan, old_plan)
