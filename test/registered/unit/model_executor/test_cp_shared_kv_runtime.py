@@ -1,6 +1,7 @@
 """Runtime startup: what it refuses (with the flag named), how it attaches, which sglang names it hooks."""
 
 import pkgutil
+import os
 import unittest
 from types import SimpleNamespace
 from unittest import mock
@@ -13,6 +14,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
+from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
@@ -92,7 +94,9 @@ class TestAttachRuntime(CustomTestCase):
             is_draft_worker=False,
         )
 
-    def _attach(self, model_runner, cp_rank=1):
+    def _attach(self, model_runner, cp_rank=1, prefetch_slot="auto"):
+        """``attach_runtime`` as a TP worker runs it. ``prefetch_slot``: the slot-1 setting when the
+        test has not set one (the prefetch is opt-in; None leaves it unset, as a server runs)."""
         group = SimpleNamespace(device_group="cp-device-group", ranks=[0, 1])
         world = SimpleNamespace(cpu_group="world-cpu-group")
         self.group_calls = []
@@ -106,7 +110,12 @@ class TestAttachRuntime(CustomTestCase):
              mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group), \
              mock.patch("sglang.srt.distributed.parallel_state.get_world_group", return_value=world), \
              mock.patch.object(cp_shared_kv_runtime, "create_prefetch_group", create_prefetch_group), \
-             mock.patch("torch.distributed.get_backend", return_value="nccl"):
+             mock.patch("torch.distributed.get_backend", return_value="nccl"), \
+             mock.patch.dict("os.environ"):
+            if prefetch_slot is None:
+                os.environ.pop(_SLOT_ENV, None)
+            else:
+                os.environ.setdefault(_SLOT_ENV, prefetch_slot)
             attach_runtime(None, model_runner)
 
     def _allocator(self, pool, cp_rank=1):
@@ -137,6 +146,15 @@ class TestAttachRuntime(CustomTestCase):
         self._attach(runner)
         self.assertIs(runtime_of(pool), runtime)
         self.assertIs(mirror_of(runner.req_to_token_pool), mirror)
+
+    def test_prefetch_off_unless_asked_for(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        runner = self._model_runner(pool, self._allocator(pool))
+        self._attach(runner, prefetch_slot=None)
+        runtime = runtime_of(pool)
+        self.assertEqual(len(runtime.pipeline.slots), 1)
+        self.assertFalse(runtime.pipeline.can_prefetch)
+        self.assertEqual(self.group_calls, [])  # no second group on any rank
 
     def test_prefetch_off_with_a_zero_token_second_slot(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")

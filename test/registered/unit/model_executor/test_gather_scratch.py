@@ -66,6 +66,8 @@ class TestScratchSize(CustomTestCase):
     def test_second_slot_default_and_setting(self):
         with mock.patch.dict("os.environ", {}, clear=False) as env:
             env.pop(PREFETCH_SLOT_TOKENS_ENV, None)
+            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), 0)  # off by default
+            env[PREFETCH_SLOT_TOKENS_ENV] = "auto"
             # context + one chunk, +25% for owner padding; no chunking: two contexts.
             self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), (131072 + 8192) * 5 // 4)
             self.assertEqual(configured_prefetch_slot_tokens(1000, -1), 2500)
@@ -146,7 +148,7 @@ class TestReservationHook(CustomTestCase):
             return_value=configurator,
         ), mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=8), \
             mock.patch.dict("os.environ") as env:
-            env.pop(PREFETCH_SLOT_TOKENS_ENV, None)
+            env[PREFETCH_SLOT_TOKENS_ENV] = "auto"
             return reserve_scratch_before_pool_sizing(available, model_runner, 0)
 
     def test_returns_the_budget_minus_both_slots_of_the_unreserved_pool(self):
