@@ -45,18 +45,21 @@ def _planned_runtime(rank, dtype_name):
     runtime = CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
     req_to_token = torch.zeros((2, 512), dtype=torch.int32)
     req_to_token[1, :SEQ_LEN] = _locs()[:SEQ_LEN].int()
-    runtime.begin_forward(
-        mirrored(
-            SimpleNamespace(
-                forward_mode=ForwardMode.EXTEND,
-                seq_lens_cpu=torch.tensor([SEQ_LEN]),
-                extend_seq_lens_cpu=[SEQ_LEN],
-                req_pool_indices=torch.tensor([1]),
-                req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-            )
+    runtime.begin_forward(_extend_batch(req_to_token))
+    return runtime
+
+
+def _extend_batch(req_to_token):
+    """An EXTEND of request 1's ``SEQ_LEN`` new tokens over ``req_to_token``, with its host mirror."""
+    return mirrored(
+        SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            seq_lens_cpu=torch.tensor([SEQ_LEN]),
+            extend_seq_lens_cpu=[SEQ_LEN],
+            req_pool_indices=torch.tensor([1]),
+            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         )
     )
-    return runtime
 
 
 def _real_pages(runtime):
@@ -149,19 +152,7 @@ class TestRowMapsOncePerForward(CustomTestCase):
         self.assertIs(runtime.row_maps(runtime.plan, locs), maps)
         self.assertIsNot(runtime.row_maps(runtime.plan, locs.clone()), maps)  # another tensor
         old_plan = runtime.plan
-        runtime.begin_forward(
-            mirrored(
-                SimpleNamespace(
-                    forward_mode=ForwardMode.EXTEND,
-                    seq_lens_cpu=torch.tensor([SEQ_LEN]),
-                    extend_seq_lens_cpu=[SEQ_LEN],
-                    req_pool_indices=torch.tensor([1]),
-                    req_to_token_pool=SimpleNamespace(
-                        req_to_token=torch.zeros((2, 512), dtype=torch.int32)
-                    ),
-                )
-            )
-        )
+        runtime.begin_forward(_extend_batch(torch.zeros((2, 512), dtype=torch.int32)))
         self.assertIsNot(runtime.plan, old_plan)
         self.assertIsNot(runtime.row_maps(runtime.plan, locs), maps)  # a new forward rebuilds
 
