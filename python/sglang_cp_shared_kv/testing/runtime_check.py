@@ -176,7 +176,20 @@ def apply_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
 
         pipeline.gather_into = into_the_other_slot
     elif plant == "prefetch_without_waiting_for_reads":
-        pipeline.side_waits_for_compute = lambda: None
+        # Only the prefetches issued at a layer's first store skip the wait. The forward's first
+        # prefetch (``begin``) keeps it: that wait is also the one ordering the side stream after
+        # the plan's upload on the compute stream, and a pack issued before its send list lands
+        # reads a recycled block as page ids (an index_select device assert, not a mismatch).
+        enter_layer, side_waits = pipeline.enter_layer, pipeline.side_waits_for_compute
+
+        def enter_layer_without_waiting(layer_id):
+            pipeline.side_waits_for_compute = lambda: None
+            try:
+                enter_layer(layer_id)
+            finally:
+                pipeline.side_waits_for_compute = side_waits
+
+        pipeline.enter_layer = enter_layer_without_waiting
     elif plant == "mixed_page_from_prefetch":
         row_maps = runtime.row_maps
 
