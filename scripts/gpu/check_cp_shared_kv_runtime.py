@@ -192,6 +192,12 @@ def main() -> int:
         else:
             caught += case_ok and case_mismatches > 0
     plants = len(cases) - len(clean)
+    # A rank reports its rows only when all its cases ran, so a rank that fails loses every case's
+    # rows and its error shows on each case above; its traceback says where it failed.
+    for outcome in outcomes:
+        if outcome.error is not None:
+            tail = "\n".join(outcome.traceback.strip().splitlines()[-12:])
+            print(f"rank {outcome.rank} failed: {outcome.error!r}; traceback (last lines):\n{tail}")
     print(f"rank exit codes: {exit_codes}; {time.time() - start:.1f} s")
     print(f"ran = {ran}/{len(clean)}")
     print(f"rows compared = {compared}")

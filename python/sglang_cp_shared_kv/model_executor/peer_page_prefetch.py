@@ -205,6 +205,9 @@ class LayerPipeline:
             counter.wait_until(layer_index)
 
     def _prefetch_after_compute(self, layer_id: int) -> None:
+        # This wait also orders the side stream after everything the compute stream has queued for
+        # this forward, the plan's non-blocking upload included: the first prefetch (``begin``) reads
+        # ``send_physical_pages`` right after it was queued.
         self.side_waits_for_compute()
         index = self.slot_index(layer_id)
         parts = (KV,) + ((INDEX,) if self._stores_index_k(layer_id) else ())
