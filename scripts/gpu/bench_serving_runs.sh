@@ -21,14 +21,7 @@
 # them with --report-from), .md, .log and the plot under /tmp/bench_out (or OUT).
 set -uo pipefail
 mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity}"; shift 2
-# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
-if [[ -z "${BENCH_DRY_RUN:-}" && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
-  source scripts/gpu/remote_env.sh || exit 1
-fi
-export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
-export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"
-export PATH="/tmp/site/bin:$PATH"
+SKIP_STAGED_ENV="${BENCH_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/bench_out}"
 RUNS="${BENCH_RUNS_DIR:-/tmp/bench_runs}"
 TP="${BENCH_TP:-2}"

@@ -40,14 +40,8 @@
 set -uo pipefail
 start_s=$(date +%s)
 mode="${1:-all}"
-# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
-if [[ "$mode" != dry-run && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
-  source scripts/gpu/remote_env.sh || exit 1
-fi
-export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
-export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"
-export PATH="/tmp/site/bin:$PATH"
+skip=""; [[ "$mode" == dry-run ]] && skip=1
+SKIP_STAGED_ENV="$skip" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/pd_out}"
 RUNS=/tmp/pd_runs
 TP="${PD_TP:-2}"

@@ -32,13 +32,7 @@
 set -uo pipefail
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
-# A staged machine (remote_install.sh) needs the staged packages first on the path; an installed one does not.
-if [[ -z "${SMOKE_DRY_RUN:-}" && -f "${GPU_STAGE_SITE:-/tmp/site}/.staged_parts" ]]; then
-  source scripts/gpu/remote_env.sh || exit 1
-fi
-
-export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PATH="/tmp/site/bin:$PATH"
+SKIP_STAGED_ENV="${SMOKE_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/smoke_out}"
 RUNS="${SMOKE_RUNS_DIR:-/tmp/smoke_runs}"
 mkdir -p "$OUT" "$RUNS"
