@@ -10,8 +10,9 @@ before it lands, i.e. a recycled block, as page ids, and ``index_select`` assert
 Here the upload is made late on purpose: its block is filled with 2**40 first (host-synchronised),
 then the compute stream sleeps ``--upload-delay-ms`` before the copy. Cases, in this order, on
 cp_size=2 fp8 prefetch: ``clean`` (0 mismatches expected), ``plant`` (the plant as it is now: the
-per-layer waits dropped; mismatches > 0, no assert), ``old_plant`` (every wait dropped: the device
-assert expected; it ends the ranks, so it runs last). Each rank prints one line per case as it ends.
+per-layer waits dropped; mismatches > 0, no assert), ``old_plant`` (every wait dropped: the first
+pack may read the send list before it lands: more mismatches than ``plant``, or the device assert,
+which ends the ranks, so it runs last). Each rank prints one line per case as it ends.
 
     source scripts/gpu/remote_env.sh && python scripts/gpu/repro_plan_upload_race.py
 """
