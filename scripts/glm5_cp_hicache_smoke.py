@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
-from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
     RequestPlan,
     build_plan,
@@ -96,7 +96,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="KV audits (the oracle): pool dumps of every finished request; read audit under shared KV")
     p.add_argument("--reference-dir", default=None,
                    help="out dir of a reference run (shared KV off, --audit): compare this run's pool dumps with it")
-    p.add_argument("--plant", default=None, choices=["read-wrong-owner", "load-back-wrong-page"],
+    p.add_argument("--plant", default=None, choices=["read-wrong-owner", "load-back-wrong-page", "decode-wrong-page"],
                    help="plant a bug in the shared-KV servers (to show the oracle catches it)")
     p.add_argument("--burst", type=int, default=0,
                    help="after the plan, N concurrent requests sharing a prefix, of different lengths")
@@ -297,6 +297,10 @@ def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) ->
         totals = kv_audit_compare.read_audit_totals(run_dir)
         report.figures["read_audit"] = totals
         report.failures += kv_audit_compare.read_audit_failures(totals)
+        decode_totals = decode_read_audit.totals(run_dir)
+        if decode_totals["ranks"]:
+            report.figures["decode_read_audit"] = decode_totals
+        report.failures += decode_read_audit.failures(decode_totals)
     reference = None
     if args.reference_dir:
         reference = audit_dir(Path(args.reference_dir), False)

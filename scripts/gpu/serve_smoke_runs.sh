@@ -10,7 +10,8 @@
 #                 cache only (against a radix-only reference); fp8 write_through; bf16 without the
 #                 overlap scheduler. Each shared-KV run compares its pool dumps with its
 #                 reference's and checks its read audit.
-#   plants        shared-KV bf16 runs with a planted bug; each must FAIL (the oracle catches it).
+#   plants        shared-KV runs with a planted bug (bf16; fp8 for the per-owner decode plant); each
+#                 must FAIL (the oracle catches it).
 #   perf          shared KV off, then on, alone on the machine, audits off: TTFT of 16K-token prefixes
 #                 from host vs recomputed, TPOT at 4K / 16K / 64K tokens of context.
 #
@@ -97,6 +98,10 @@ case "${1:?correctness|confirm|plants|perf}" in
       spawn smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
         --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
     done
+    # fp8: decode runs per owner there (flashmla_kv); the decode read audit must catch a wrong page.
+    spawn smoke plant_decode-wrong-page --shared-kv on --audit --plant decode-wrong-page \
+      --reference-dir "$RUNS/ref_fp8_radix" \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
     wait
     python3 - "$RUNS" <<'PY' > "$OUT/fp8_vs_radix_reference.log" 2>&1
 import json, sys

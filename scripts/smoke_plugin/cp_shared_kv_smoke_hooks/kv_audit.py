@@ -256,3 +256,7 @@ def register_hooks(registry, audit_dir: str) -> None:
     registry.register(f"{_RUNTIME}.begin_forward", after_begin_forward, HookType.AFTER)
     registry.register(f"{_RUNTIME}.store_mla_kv", after_store_mla_kv, HookType.AFTER)
     registry.register(f"{_RUNTIME}.store_index_k", after_store_index_k, HookType.AFTER)
+    # Per-owner decode reads no scratch: its own audit checks the rows each rank attends to.
+    from cp_shared_kv_smoke_hooks import decode_read_audit
+
+    decode_read_audit.register_hooks(registry, root)

@@ -8,6 +8,9 @@
 * ``pd-send-wrong-page``: on cp rank 1 of a PD prefill server, each KV chunk of two or more pages
   lands one page off, rotated, in the decode server's pages (a page-pairing bug; the indexer K
   still goes where it belongs).
+* ``decode-wrong-page``: on cp rank 1, each per-owner decode forward's owned-page table is rotated
+  by one column, so the rank scores and attends to the wrong physical page of each request (an
+  owner-table bug; caught by the decode read audit).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from sglang.srt.plugins.hook_registry import HookType
 
 logger = logging.getLogger(__name__)
 
-PLANTS = ("read-wrong-owner", "load-back-wrong-page", "pd-send-wrong-page")
+PLANTS = ("read-wrong-owner", "load-back-wrong-page", "pd-send-wrong-page", "decode-wrong-page")
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
 _PD_MANAGER = "sglang_cp_shared_kv.disaggregation.mooncake.conn.CpSharedKVMooncakeKVManager"
+_PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
 
 
 def read_from_wrong_owner(plan, runtime, forward_batch):
@@ -66,6 +70,12 @@ def send_one_page_off(original, manager, session_id, prefill_kv_indices, dst_kv_
     return original(manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *rest)
 
 
+def decode_tables_one_page_off(tables, layout, *args, **kwargs):
+    if layout.cp_rank != 1:
+        return None
+    return dataclasses.replace(tables, physical_page_table=torch.roll(tables.physical_page_table, 1, dims=1))
+
+
 def register_hooks(registry, plant: str) -> None:
     if plant == "read-wrong-owner":
         registry.register(f"{_RUNTIME}.begin_forward", read_from_wrong_owner, HookType.AFTER)
@@ -73,6 +83,8 @@ def register_hooks(registry, plant: str) -> None:
         registry.register(f"{_CONTROLLER}.load_reserved", load_one_page_off, HookType.AFTER)
     elif plant == "pd-send-wrong-page":
         registry.register(f"{_PD_MANAGER}.send_kvcache", send_one_page_off, HookType.AROUND)
+    elif plant == "decode-wrong-page":
+        registry.register(f"{_PER_OWNER}.build_owner_decode_tables", decode_tables_one_page_off, HookType.AFTER)
     else:
         raise ValueError(f"unknown planted bug {plant!r}; one of {PLANTS}")
     logger.warning("cp-shared-kv smoke: planted bug %s is active", plant)

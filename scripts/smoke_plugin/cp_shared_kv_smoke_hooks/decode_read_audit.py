@@ -1,0 +1,140 @@
+"""The smoke's read audit of per-owner decode: every row a rank attends to is its own row of the
+token the global top-k selected.
+
+In a per-owner decode forward no page is gathered, so the scratch read audit (``kv_audit``) has
+nothing to look at. What can go wrong instead is the mapping from a selected token to a pool row:
+the rank's owned-page table, the positions and rows of its score columns, the owner a candidate is
+attributed to. This audit recomputes, for every top-k layer, what each rank must attend to from
+the backend's own token table (``page_table_1``: request position -> logical loc) with the layout's
+arithmetic alone (logical page ``q`` on rank ``q % cp`` as physical page ``q // cp``), and compares
+it with the indices the rank hands the attention kernel:
+
+* ``wrong_rows``: entries whose row differs from the expected one (-1 where another rank owns the
+  token, or where the selection is padding);
+* ``wrong_owner``: selected tokens attributed to a rank that does not own them;
+* ``missing``: real requests whose selection holds fewer than ``min(seq_len, topk)`` tokens (a
+  rank's candidates lost); requests on the dummy pages (sglang's padding rows) are counted apart.
+
+Counts go to ``<dir>/decode_read_audit.rank<r>.json``; rows of another owner are logged as ERROR.
+Smoke servers only: it reads the selection back to the host once per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sglang.srt.plugins.hook_registry import HookType
+
+logger = logging.getLogger(__name__)
+
+_PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
+COUNT_KEYS = ("forwards", "layers", "selected", "attended_rows", "wrong_rows", "wrong_owner", "missing", "padding_requests")
+
+
+def expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank):
+    """(rows, owners) [B, k]: the pool row rank ``cp_rank`` must attend to for each selected
+    position (-1 where it owns none) and the owning rank of each selected token (-1 for padding
+    and for tokens on the dummy pages, which no rank owns)."""
+    ps, cp = layout.page_size, layout.cp_size
+    valid = (positions >= 0) & (positions < seq_lens.unsqueeze(1))
+    locs = page_table_1.long().gather(1, positions.clamp(min=0).long())
+    page = locs // ps
+    owners = torch.where(valid & (page >= cp), page % cp, -1)
+    rows = torch.where(owners == cp_rank, (page // cp) * ps + locs % ps, -1)
+    return rows, owners
+
+
+class DecodeReadAudit:
+    def __init__(self, audit_dir: Path, rank: int):
+        self.path = Path(audit_dir) / f"decode_read_audit.rank{rank}.json"
+        self.counts = dict.fromkeys(COUNT_KEYS, 0)
+        self.forward = None
+
+    def begin_forward(self, layout, page_table_1, seq_lens) -> None:
+        self.forward = (layout, page_table_1, seq_lens)
+        self.counts["forwards"] += 1
+
+    def check(self, selection, indices, cp_rank: int) -> None:
+        if self.forward is None:
+            return
+        layout, page_table_1, seq_lens = self.forward
+        seq_lens = seq_lens.long()
+        rows, owners = expected_attention_indices(layout, page_table_1, seq_lens, selection.positions, cp_rank)
+        selected = selection.positions >= 0
+        padding = page_table_1[:, 0].long() // layout.page_size < layout.cp_size
+        want = torch.clamp(seq_lens, max=selection.positions.shape[1])
+        wrong_rows = indices.long() != rows
+        wrong_owner = selected & (selection.owner.long() != owners)
+        c = self.counts
+        c["layers"] += 1
+        c["selected"] += int(selected.sum())
+        c["attended_rows"] += int((indices >= 0).sum())
+        c["wrong_rows"] += int(wrong_rows.sum())
+        c["wrong_owner"] += int(wrong_owner.sum())
+        c["missing"] += int(torch.where(padding, 0, (want - selected.sum(dim=1)).clamp(min=0)).sum())
+        c["padding_requests"] += int(padding.sum())
+        if bool(wrong_rows.any()):
+            b, j = (int(x) for x in torch.nonzero(wrong_rows)[0])
+            logger.error(
+                "cp-shared-kv smoke decode read audit: rank %d attends %d of %d entries at the wrong "
+                "row (first: request %d, position %d, row %d, expected %d, owner %d)", cp_rank,
+                int(wrong_rows.sum()), wrong_rows.numel(), b, int(selection.positions[b, j]),
+                int(indices[b, j]), int(rows[b, j]), int(owners[b, j]),
+            )
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(c))
+        os.replace(tmp, self.path)
+
+
+def register_hooks(registry, audit_dir: Path) -> None:
+    audits = {}
+
+    def audit() -> DecodeReadAudit:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return audits.setdefault(rank, DecodeReadAudit(audit_dir, rank))
+
+    def after_begin_forward(taken, state, backend, forward_batch, *args, **kwargs):
+        if taken:
+            metadata = backend.forward_metadata
+            audit().begin_forward(state.runtime.layout, metadata.page_table_1, metadata.cache_seqlens_int32)
+        return None
+
+    def after_owned_attention_indices(indices, selection, candidates, cp_rank, *args, **kwargs):
+        audit().check(selection, indices, cp_rank)
+        return None
+
+    registry.register(f"{_PER_OWNER}.PerOwnerDecode.begin_forward", after_begin_forward, HookType.AFTER)
+    registry.register(f"{_PER_OWNER}.owned_attention_indices", after_owned_attention_indices, HookType.AFTER)
+
+
+def totals(run_dir: Path) -> dict:
+    out = dict.fromkeys(COUNT_KEYS, 0)
+    out["ranks"] = 0
+    for path in sorted(Path(run_dir).glob("decode_read_audit.rank*.json")):
+        for key, value in json.loads(path.read_text()).items():
+            out[key] = out.get(key, 0) + value
+        out["ranks"] += 1
+    return out
+
+
+def failures(t: dict) -> list:
+    """Judged only where per-owner decode ran (the files exist): a wrong row, owner or lost token fails."""
+    if not t.get("ranks"):
+        return []
+    found = []
+    if not t.get("layers"):
+        found.append("decode read audit: no per-owner decode layer was checked")
+    for key, what in (
+        ("wrong_rows", "attention entries at a row other than the selected token's owner row"),
+        ("wrong_owner", "selected tokens attributed to a rank that does not own them"),
+        ("missing", "selected tokens missing from real requests' top-k"),
+    ):
+        if t.get(key):
+            found.append(f"decode read audit: {t[key]} {what}")
+    return found

@@ -1,0 +1,124 @@
+"""The smoke's decode read audit: per-owner decode attending to the wrong row, owner or set is counted.
+
+Every rank's per-owner top-k is run in one process (``per_owner_decode_cases``: real owner tables,
+candidates, global selection and attention indices over a random page-sharded batch with a padded
+request) and each rank's indices are audited against the backend's token table. Clean, nothing is
+counted wrong; each planted bug is counted: the smoke's own ``decode-wrong-page`` plant (rank 1's
+owned-page table rotated by a column), one rank's candidates lost, and a selection attributed to
+the next rank. Planted in the audit itself, each of these made the test fail (then reverted):
+``expected_attention_indices`` using ``page % cp`` as the physical page; ``missing`` counted
+over padding rows too.
+"""
+
+import sys
+import tempfile
+import unittest
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.model_executor.decode_topk_merge import PAD_KEY
+from sglang_cp_shared_kv.testing import per_owner_decode_cases as cases
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
+from cp_shared_kv_smoke_hooks import decode_read_audit, planted_bugs  # noqa: E402
+
+register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
+
+PAGE, TOPK = 64, 96
+SEQ_LENS = [700, 64, 40, 1, 300]
+PADDED = [False, False, False, True, False]
+
+
+def _audit_counts(cp_size, seed=3, plant=None, topk=TOPK):
+    g = torch.Generator().manual_seed(seed)
+    batch = cases.random_batch(g, cp_size, PAGE, SEQ_LENS, PADDED)
+    logits = torch.randn(len(SEQ_LENS), batch.page_table.shape[1] * PAGE, generator=g)
+    build = cases.build_owner_decode_tables
+
+    def build_with_plant(layout, page_table, seq_lens):
+        tables = build(layout, page_table, seq_lens)
+        if plant == "decode-wrong-page":
+            return planted_bugs.decode_tables_one_page_off(tables, layout, page_table, seq_lens) or tables
+        return tables
+
+    with mock.patch.object(cases, "build_owner_decode_tables", build_with_plant):
+        ranks = cases.per_owner_topk(batch, cases.emulated_local_logits(batch, logits), topk)
+    if plant == "lost-candidates":  # rank 0's candidates never reach the merge
+        keys = torch.stack([r.candidates.keys for r in ranks])
+        keys[0] = PAD_KEY
+        selection = cases.select_global(keys)
+        ranks = [
+            replace(r, selection=selection, attention_indices=cases.owned_attention_indices(selection, r.candidates, i))
+            for i, r in enumerate(ranks)
+        ]
+    with tempfile.TemporaryDirectory() as tmp:
+        total = dict.fromkeys(decode_read_audit.COUNT_KEYS, 0)
+        for rank, result in enumerate(ranks):
+            audit = decode_read_audit.DecodeReadAudit(Path(tmp), rank)
+            audit.begin_forward(batch.layout(rank), batch.token_locs(), batch.seq_lens.to(torch.int32))
+            selection = result.selection
+            if plant == "wrong-owner":
+                owner = torch.where(selection.owner >= 0, (selection.owner + 1) % cp_size, -1)
+                selection = replace(selection, owner=owner)
+            audit.check(selection, result.attention_indices, rank)
+            for key, value in audit.counts.items():
+                total[key] += value
+        total["ranks"] = cp_size
+        return total
+
+
+class TestDecodeReadAudit(CustomTestCase):
+    def test_clean_per_owner_decode_passes(self):
+        for cp_size, topk in ((2, TOPK), (3, TOPK), (3, 1024)):
+            with self.subTest(cp_size=cp_size, topk=topk):
+                t = _audit_counts(cp_size, topk=topk)
+                self.assertEqual(decode_read_audit.failures(t), [])
+                # every real request's min(seq_len, k) tokens are attended once across the ranks
+                expected = sum(min(n, topk) for n, pad in zip(SEQ_LENS, PADDED) if not pad)
+                self.assertEqual(t["attended_rows"], expected)
+                self.assertEqual(t["selected"], expected * cp_size)
+                self.assertEqual(t["padding_requests"], cp_size)
+
+    def test_planted_wrong_page_is_caught(self):
+        t = _audit_counts(2, plant="decode-wrong-page")
+        self.assertGreater(t["wrong_rows"], 0)
+        self.assertTrue(any("wrong_rows" in f or "row other than" in f for f in decode_read_audit.failures(t)))
+
+    def test_lost_candidates_are_caught(self):
+        # k above every request's length: each token is selected, so a lost one shows as missing
+        # (with shorter k the other owners' next tokens fill the selection; the merge check catches that)
+        t = _audit_counts(3, plant="lost-candidates", topk=1024)
+        self.assertGreater(t["missing"], 0)
+        self.assertTrue(decode_read_audit.failures(t))
+
+    def test_wrong_owner_is_caught(self):
+        t = _audit_counts(2, plant="wrong-owner")
+        self.assertGreater(t["wrong_owner"], 0)
+        self.assertTrue(decode_read_audit.failures(t))
+
+    def test_silent_without_per_owner_decode(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            t = decode_read_audit.totals(Path(tmp))
+        self.assertEqual(t["ranks"], 0)
+        self.assertEqual(decode_read_audit.failures(t), [])  # gather decode: nothing to judge
+
+    def test_hook_targets_resolve(self):
+        import pkgutil
+
+        registered = []
+        registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
+        decode_read_audit.register_hooks(registry, Path("."))
+        planted_bugs.register_hooks(registry, "decode-wrong-page")
+        for target in registered:
+            owner, name = target.rsplit(".", 1)
+            self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)), target)
+
+
+if __name__ == "__main__":
+    unittest.main()
