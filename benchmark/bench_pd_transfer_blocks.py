@@ -25,8 +25,10 @@ sglang sets it up (``scripts/gpu/mooncake_tcp_probe.py``), write the bytes one r
 in the block layouts of the pair: ``stock`` (CP rank 0 alone sends the request, 2 blocks per
 layer: what a stock prefill sends without ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``),
 ``ranges`` (every rank a contiguous range of pages, 2 blocks per layer and rank: stock with that
-variable), ``shared-kv`` (every rank its owned pages, one block per page: ours today) and
-``shared-kv-runs`` (owned pages in runs of ``--run-pages``). Same byte count in every layout; the
+variable), ``shared-kv-round-robin`` (every rank its owned pages under the allocator's default
+placement, one block per page, every layer in one call: the shared-KV sender before owner runs) and
+``shared-kv`` (owned pages in runs of ``--run-pages``, at most ``MAX_BLOCKS_PER_TRANSFER_CALL``
+blocks per call: the shared-KV sender of a PD prefill server). Same byte count in every layout; the
 receiver checks every byte of every repeat (and that nothing else was written). Prints ms (median
 of ``--repeats``, from the first sender's start to the last sender's end) and GB/s:
 
@@ -56,7 +58,7 @@ PAGE = 64
 GLM5_LAYERS = 78
 KV_ROW_BYTES = {"fp8": 656, "bf16": 1152}  # one token of one layer (MLA latent + rope)
 INDEXER_ROW_BYTES = 132  # NSA indexer K of one token of one layer: 128 fp8 + one fp32 scale
-LAYOUTS = ("stock", "ranges", "shared-kv", "shared-kv-runs")
+LAYOUTS = ("stock", "ranges", "shared-kv-round-robin", "shared-kv")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,9 +102,10 @@ def owned_positions(layout: str, pages: int, cp_size: int, rank: int, run_pages:
     """Runs of consecutive page positions ``rank`` sends, for a fresh request on fresh pools.
 
     ``stock``: rank 0 all of them; ``ranges``: a contiguous range per rank (stock's
-    ``filter_kv_indices_for_cp_rank`` split); ``shared-kv``: positions ``j`` with ``j % cp_size ==
-    rank`` (the allocator's placement), each its own run; ``shared-kv-runs``: positions ``j`` with
-    ``(j // run_pages) % cp_size == rank``, in runs of ``run_pages``."""
+    ``filter_kv_indices_for_cp_rank`` split); ``shared-kv-round-robin``: positions ``j`` with
+    ``j % cp_size == rank`` (the allocator's default placement), each its own run; ``shared-kv``:
+    positions ``j`` with ``(j // run_pages) % cp_size == rank`` (a PD prefill server's placement),
+    in runs of ``run_pages``."""
     if layout == "stock":
         return [list(range(pages))] if rank == 0 and pages else []
     if layout == "ranges":
@@ -110,8 +113,8 @@ def owned_positions(layout: str, pages: int, cp_size: int, rank: int, run_pages:
         start = rank * base + min(rank, rem)
         size = base + (1 if rank < rem else 0)
         return [list(range(start, start + size))] if size else []
-    run = 1 if layout == "shared-kv" else run_pages
-    if layout not in ("shared-kv", "shared-kv-runs") or run < 1:
+    run = 1 if layout == "shared-kv-round-robin" else run_pages
+    if layout not in ("shared-kv-round-robin", "shared-kv") or run < 1:
         raise ValueError(f"unknown layout {layout!r} (run_pages {run_pages})")
     runs = []
     for first in range(rank * run, pages, cp_size * run):
@@ -123,7 +126,9 @@ def rank_blocks(shape: RequestShape, layout: str, cp_size: int, rank: int, run_p
     """``(kv_blocks, indexer_blocks)``, each a list of ``(src_offset, dst_offset, length)`` in the order
     sglang submits them (layer by layer, runs in page order): the source is the rank's own pages
     packed in page order (contiguous physical pages of a fresh pool), the destination the request's
-    decode regions (``RequestShape``), decode pages contiguous."""
+    decode regions (``RequestShape``), decode pages contiguous. For ``shared-kv`` the request must be
+    a multiple of ``cp_size * run_pages`` pages (otherwise the allocator's balance moves a few pages
+    to other owners)."""
     runs = owned_positions(layout, shape.pages, cp_size, rank, run_pages)
     owned = sum(len(r) for r in runs)
     kv, indexer = [], []
@@ -153,6 +158,23 @@ def senders_of(layout: str, cp_size: int) -> List[int]:
     return [0] if layout == "stock" else list(range(cp_size))
 
 
+def engine_calls(layout: str, kv, indexer) -> List[List[Tuple[int, int, int]]]:
+    """The engine calls a sender makes for the request: the KV batch, then the indexer batch (last
+    chunk); the shared-KV sender of a PD prefill server splits each (``transfer_blocks``)."""
+    if layout != "shared-kv":
+        return [blocks for blocks in (kv, indexer) if blocks]
+    _import_plugin()
+    from sglang_cp_shared_kv.disaggregation.transfer_blocks import bounded_calls
+
+    return [call for blocks in (kv, indexer) for call in bounded_calls(blocks)]
+
+
+def _import_plugin() -> None:
+    """The plugin from this checkout when it is not installed (a staged GPU machine)."""
+    if str(REPO / "python") not in sys.path:
+        sys.path.insert(0, str(REPO / "python"))
+
+
 def layout_summary(shape: RequestShape, layout: str, cp_size: int, run_pages: int) -> Dict:
     per_rank = []
     for rank in senders_of(layout, cp_size):
@@ -163,6 +185,7 @@ def layout_summary(shape: RequestShape, layout: str, cp_size: int, run_pages: in
                 "kv_blocks_per_layer": len(kv) // shape.layers,
                 "indexer_blocks_per_layer": len(indexer) // shape.layers,
                 "blocks": len(kv) + len(indexer),
+                "calls": len(engine_calls(layout, kv, indexer)),
                 "bytes": sum(n for _, _, n in kv + indexer),
             }
         )
@@ -178,11 +201,15 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
     """Blocks each prefill rank's real transfer path submits for one fresh request.
 
     ``pair``: ``stock`` (replicated KV, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER unset: CP rank 0
-    sends), ``stock-all-cp`` (replicated KV, the variable set), ``shared-kv`` (ours). Prefill pages
+    sends), ``stock-all-cp`` (replicated KV, the variable set), ``shared-kv-round-robin`` (ours with
+    the allocator's default placement, page ``j`` on owner ``j % cp_size``), ``shared-kv`` (ours as
+    a PD prefill server runs it: owner runs of ``transfer_blocks.owner_run_pages`` pages, and calls
+    of at most ``MAX_BLOCKS_PER_TRANSFER_CALL`` blocks). Prefill pages
     come from the real allocators of a fresh pool (stock's for stock, ours for shared KV); decode
     pages from stock's allocator of a fresh pool (``contiguous``) or drawn at random (``scattered``).
-    Returns per rank ``{"kv": [pages per block, ...], "indexer": [...]}`` for layer 0 of the KV and
-    indexer buffers (every layer gets the same blocks), with the rank's total block count."""
+    Returns per rank ``{"kv": [pages per block, ...], "indexer": [...], "calls": [blocks per engine
+    call, ...]}`` for layer 0 of the KV and indexer buffers (every layer gets the same blocks; the
+    pools here have one layer, so a call's count is per layer and scales with the layer count)."""
     import numpy as np
     import torch
 
@@ -198,9 +225,17 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
         dst = rng.choice(np.arange(1, decode_capacity + 1), pages, replace=False)
     else:
         raise ValueError(decode_pages)
-    shared_kv = pair == "shared-kv"
+    shared_kv = pair.startswith("shared-kv")
     if shared_kv:
-        locs = _shared_kv_allocator_locs(cp_size, physical, prompt_tokens)
+        from types import SimpleNamespace
+
+        from sglang_cp_shared_kv.disaggregation.transfer_blocks import owner_run_pages
+
+        run = 1
+        if pair == "shared-kv":
+            run = owner_run_pages(SimpleNamespace(disaggregation_mode="prefill", chunked_prefill_size=chunk_tokens),
+                                  cp_size, PAGE)  # fmt: skip
+        locs = _shared_kv_allocator_locs(cp_size, physical, prompt_tokens, run)
     else:
         locs = _stock_allocator_locs(cp_size * physical, prompt_tokens)
     chunk_ends = list(range(chunk_tokens, prompt_tokens, chunk_tokens)) + [prompt_tokens]
@@ -212,6 +247,19 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
             cp_size=cp_size, cp_rank=rank, pool=pool, decode=decode, shared_kv=shared_kv,
             all_cp_ranks=pair != "stock",
         )  # fmt: skip
+        calls = []
+        real_call = prefill.engine.batch_transfer_sync
+
+        kv_region = pool.get_contiguous_buf_infos()[:2]
+        state_region = pool.get_state_buf_infos()[:2]
+
+        def recording_call(session_id, buffers, peer_buffer_addresses, lengths, _real=real_call, _calls=calls):
+            # KV and indexer batches only (the aux metadata call is one per request and stock's)
+            if any(p[0] <= buffers[0] < p[0] + n[0] for p, n in (kv_region, state_region)):
+                _calls.append(len(buffers))
+            return _real(session_id, buffers, peer_buffer_addresses, lengths)
+
+        prefill.engine.batch_transfer_sync = recording_call
         pd.connect_decode(prefill, decode, 1, dst, aux_index=1)
         pd.send_request(prefill, room=1, logical_locs=torch.as_tensor(locs), chunk_ends=chunk_ends,
                         first_output_id=7, aux_index=1)  # fmt: skip
@@ -219,7 +267,7 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
             raise RuntimeError(f"rank {rank}: {prefill.engine.errors}")
         kv_ptrs, kv_lens, kv_items = pool.get_contiguous_buf_infos()
         st_ptrs, st_lens, st_items = pool.get_state_buf_infos()
-        blocks = {"kv": [], "indexer": []}
+        blocks = {"kv": [], "indexer": [], "calls": calls}
         for src, _, n in prefill.engine.copies:
             if kv_ptrs[0] <= src < kv_ptrs[0] + kv_lens[0]:
                 blocks["kv"].append(n // kv_items[0])
@@ -241,19 +289,33 @@ def _stock_allocator_locs(capacity_pages: int, tokens: int):
 
     pool = _SizeOnly(capacity_pages * PAGE)
     alloc = PagedTokenToKVPoolAllocator(capacity_pages * PAGE, PAGE, torch.bfloat16, "cpu", pool, False)
-    return _extend(alloc, tokens).numpy()
+    # alloc_extend runs a Triton kernel (no CPU driver); for a first request on a fresh pool it takes
+    # the head of the free list, in order, exactly as alloc does.
+    locs = alloc.alloc(-(-tokens // PAGE) * PAGE)
+    if locs is None:
+        raise RuntimeError("allocator out of pages")
+    return locs[:tokens].numpy()
 
 
-def _shared_kv_allocator_locs(cp_size: int, physical_pages: int, tokens: int):
+def _shared_kv_allocator_locs(cp_size: int, physical_pages: int, tokens: int, owner_run_pages: int = 1):
     import torch
 
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 
     pool = _SizeOnly(physical_pages * PAGE)
     alloc = CPSharedPagedTokenToKVPoolAllocator(
-        cp_size * pool.size, PAGE, torch.bfloat16, "cpu", pool, False, cp_size, 0
+        cp_size * pool.size, PAGE, torch.bfloat16, "cpu", pool, False, cp_size, 0, owner_run_pages
     )
     return _extend(alloc, tokens).numpy()
+
+
+def _largest_call(calls_one_layer: List[int], layers: int, capped: bool) -> int:
+    """Blocks of the largest engine call with ``layers`` layers: stock submits every layer's blocks of
+    a batch in one call (the recorded pools have one layer); ours caps each call."""
+    from sglang_cp_shared_kv.disaggregation.transfer_blocks import MAX_BLOCKS_PER_TRANSFER_CALL
+
+    largest = max(calls_one_layer, default=0) * layers
+    return min(largest, MAX_BLOCKS_PER_TRANSFER_CALL) if capped else largest
 
 
 class _SizeOnly:
@@ -279,7 +341,7 @@ def run_count(args) -> Dict:
     for tokens in args.prompt_tokens:
         for cp_size in args.cp_sizes:
             for decode_pages in ("contiguous", "scattered"):
-                for pair in ("stock", "stock-all-cp", "shared-kv"):
+                for pair in ("stock", "stock-all-cp", "shared-kv-round-robin", "shared-kv"):
                     per_rank = count_real_blocks(cp_size, tokens, pair, decode_pages, args.chunk_tokens)
                     rows.append({"tokens": tokens, "cp": cp_size, "decode_pages": decode_pages, "pair": pair,
                                  "ranks": per_rank})  # fmt: skip
@@ -289,7 +351,7 @@ def run_count(args) -> Dict:
         f"indexer page {PAGE * INDEXER_ROW_BYTES} B; chunks of {args.chunk_tokens} tokens"
     )
     head = ("tokens", "cp", "decode pages", "pair", "sending ranks", "KV blk/layer", "idx blk/layer",
-            "pages/blk (KV)", "blocks/request", "fp8 MB/rank", "fp8 KV B/blk", "bf16 KV B/blk")  # fmt: skip
+            "pages/blk (KV)", "blocks/request", "largest call", "fp8 MB/rank", "fp8 KV B/blk", "bf16 KV B/blk")  # fmt: skip
     print(" | ".join(head))
     for row in rows:
         senders = [r for r in row["ranks"] if r["kv"] or r["indexer"]]
@@ -300,12 +362,14 @@ def run_count(args) -> Dict:
             sending_ranks=len(senders), kv_blocks_per_layer=len(worst["kv"]),
             indexer_blocks_per_layer=len(worst["indexer"]),
             blocks_per_request_per_rank=GLM5_LAYERS * (len(worst["kv"]) + len(worst["indexer"])),
+            largest_call_blocks=_largest_call(worst["calls"], GLM5_LAYERS, row["pair"].startswith("shared-kv")),
             fp8_mb_per_rank=round(mb, 1),
         )  # fmt: skip
         mean_pages = kv_pages / max(1, len(worst["kv"]))
         print(" | ".join(str(v) for v in (
             row["tokens"], row["cp"], row["decode_pages"], row["pair"], len(senders), len(worst["kv"]),
-            len(worst["indexer"]), f"{mean_pages:.1f}", row["blocks_per_request_per_rank"], f"{mb:.1f}",
+            len(worst["indexer"]), f"{mean_pages:.1f}", row["blocks_per_request_per_rank"],
+            row["largest_call_blocks"], f"{mb:.1f}",
             int(mean_pages * PAGE * KV_ROW_BYTES["fp8"]), int(mean_pages * PAGE * KV_ROW_BYTES["bf16"]),
         )))  # fmt: skip
     return {"rows": [{k: v for k, v in row.items() if k != "ranks"} for row in rows]}
@@ -372,7 +436,7 @@ def sender_main(rank, cases, shape, cp_size, run_pages, device_of_case, log_path
                 src[s : s + n] = image[d : d + n]
             src = _to(device_of_case[case["name"]][0], src)
             srcs[case["name"]] = src
-            plans[case["name"]] = (kv, indexer)
+            plans[case["name"]] = engine_calls(layout, kv, indexer)
         if srcs:
             ret = engine.batch_register_memory([t.data_ptr() for t in srcs.values()], [t.numel() for t in srcs.values()])
             if ret != 0:
@@ -385,16 +449,17 @@ def sender_main(rank, cases, shape, cp_size, run_pages, device_of_case, log_path
                 return
             name, session, dst_ptr = msg["case"], msg["session"], msg["dst_ptr"]
             src = srcs[name]
-            kv, indexer = plans[name]
+            calls = plans[name]
             barriers[msg["senders"]].wait(timeout=120)
             start = time.monotonic()
             rets = []
-            for blocks in (kv, indexer):  # sglang: the KV batch, then (last chunk) the indexer batch
-                if blocks:
-                    rets.append(engine.batch_transfer_sync_write(
-                        session, [src.data_ptr() + s for s, _, _ in blocks], [dst_ptr + d for _, d, _ in blocks],
-                        [n for _, _, n in blocks],
-                    ))  # fmt: skip
+            for blocks in calls:
+                rets.append(engine.batch_transfer_sync_write(
+                    session, [src.data_ptr() + s for s, _, _ in blocks], [dst_ptr + d for _, d, _ in blocks],
+                    [n for _, _, n in blocks],
+                ))  # fmt: skip
+                if rets[-1] != 0:
+                    break  # as the sender: the request failed
             end = time.monotonic()
             out_q.put({"rank": rank, "case": name, "start": start, "end": end, "rets": rets})
     except BaseException as e:  # noqa: BLE001  (reported to the parent)
@@ -465,9 +530,9 @@ def run_measure(args) -> Dict:
           f"cp {args.cp}")  # fmt: skip
     for layout, s in summaries.items():
         r = s["per_rank"][0]
-        print(f"  layout {layout:<15} senders {s['senders']}, per sender {r['blocks']} blocks "
-              f"({r['kv_blocks_per_layer']} KV + {r['indexer_blocks_per_layer']} indexer per layer), "
-              f"{r['bytes'] / 1e6:.1f} MB")  # fmt: skip
+        print(f"  layout {layout:<22} senders {s['senders']}, per sender {r['blocks']} blocks "
+              f"({r['kv_blocks_per_layer']} KV + {r['indexer_blocks_per_layer']} indexer per layer) in "
+              f"{r['calls']} engine calls, {r['bytes'] / 1e6:.1f} MB")  # fmt: skip
     result = {"shape": shape.__dict__, "cp": args.cp, "run_pages": args.run_pages, "layouts": summaries,
               "env": {k: v for k, v in os.environ.items() if k.startswith("MC_")}, "cases": [], "errors": []}  # fmt: skip
     if args.dry_run:
@@ -538,7 +603,7 @@ def run_measure(args) -> Dict:
                    "wrong_bytes": sum(c["wrong_bytes"] for c in checks),
                    "stray_bytes": sum(c["stray_bytes"] for c in checks)}  # fmt: skip
             result["cases"].append(row)
-            print(f"  {row['case']:<30} {row['senders']} sender(s) x {row['blocks_per_sender']:>6} blocks: "
+            print(f"  {row['case']:<37} {row['senders']} sender(s) x {row['blocks_per_sender']:>6} blocks: "
                   f"{row['ms_median']:8.1f} ms median ({row['ms_min']:.1f} min), {row['gb_per_s']:.2f} GB/s, "
                   f"wrong bytes {row['wrong_bytes']}, stray bytes {row['stray_bytes']}", flush=True)  # fmt: skip
     except RuntimeError as e:
@@ -581,8 +646,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     m.add_argument("--cp", type=int, default=2)
     m.add_argument("--layers", type=int, default=GLM5_LAYERS)
     m.add_argument("--dtype", choices=sorted(KV_ROW_BYTES), default="fp8")
-    m.add_argument("--layouts", default="stock,ranges,shared-kv,shared-kv-runs")
-    m.add_argument("--run-pages", type=int, default=8, help="pages per run of shared-kv-runs")
+    m.add_argument("--layouts", default=",".join(LAYOUTS))
+    m.add_argument("--run-pages", type=int, default=None,
+                   help="pages per owner run of shared-kv (default: what a PD prefill server with "
+                        "--chunked-prefill-size 8192 uses, transfer_blocks.owner_run_pages)")
     m.add_argument("--devices", default="cuda:0>cuda:0,cpu>cpu", help="comma-separated SRC>DST (cpu or cuda:N)")
     m.add_argument("--repeats", type=int, default=5)
     m.add_argument("--small", action="store_true", help="4 layers, 2048 tokens, 2 repeats (a quick CPU run)")
@@ -594,6 +661,14 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     args = p.parse_args(argv)
     if args.mode == "measure" and args.small:
         args.layers, args.prompt_tokens, args.repeats = 4, 2048, 2
+    if args.mode == "measure" and args.run_pages is None:
+        _import_plugin()
+        from types import SimpleNamespace
+
+        from sglang_cp_shared_kv.disaggregation.transfer_blocks import owner_run_pages
+
+        args.run_pages = owner_run_pages(SimpleNamespace(disaggregation_mode="prefill", chunked_prefill_size=8192),
+                                         args.cp, PAGE)  # fmt: skip
     return args
 
 
