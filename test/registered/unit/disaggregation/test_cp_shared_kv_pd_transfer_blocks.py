@@ -4,8 +4,10 @@ every byte at the decode.
 Through the real transfer path (``testing/fake_pd_transfer.py``: ``send_kv_chunk``, the stock sender
 bookkeeping and transfer worker, stock ``group_concurrent_contiguous``, our subclasses) and the real
 allocators. Planted bugs, each seen failing (then reverted): the allocator ignoring
-``owner_run_pages`` (placement ``j % cp_size``) fails ``test_pd_prefill_sends_runs_of_pages`` and
-``test_allocator_places_runs_of_pages``; ``_transfer_data`` submitting the whole batch in one call
+``owner_run_pages`` (placement ``j % cp_size``) fails ``test_pd_prefill_sends_runs_of_pages``,
+``test_allocator_places_runs_of_pages``, ``test_benchmark_layouts_match_the_real_path`` and
+``test_runs_with_contiguous_decode_pages_need_one_call_per_batch``; ``_transfer_data`` submitting
+the whole batch in one call
 fails ``test_calls_fit_a_bounded_engine_queue`` (the fake engine rejects the call, as mooncake's TCP
 queue does, and the request fails); ``owner_run_pages`` returning 16 whatever the chunk fails
 ``test_owner_run_pages_rule``."""
