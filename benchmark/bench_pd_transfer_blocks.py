@@ -646,7 +646,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     m.add_argument("--cp", type=int, default=2)
     m.add_argument("--layers", type=int, default=GLM5_LAYERS)
     m.add_argument("--dtype", choices=sorted(KV_ROW_BYTES), default="fp8")
-    m.add_argument("--layouts", default=",".join(LAYOUTS))
+    m.add_argument("--layouts", default="stock,ranges,shared-kv",
+                   help=f"comma-separated, of {', '.join(LAYOUTS)} (shared-kv-round-robin fails with "
+                        "mooncake's default TCP limits: raise MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and "
+                        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER to time it)")
     m.add_argument("--run-pages", type=int, default=None,
                    help="pages per owner run of shared-kv (default: what a PD prefill server with "
                         "--chunked-prefill-size 8192 uses, transfer_blocks.owner_run_pages)")

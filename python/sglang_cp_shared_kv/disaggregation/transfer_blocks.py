@@ -15,9 +15,10 @@ wherever the request's pages change owner:
   Any placement is correct (every rank stores the owned rows of the whole all-gathered chunk); the
   run is capped by the chunk so that one chunk's pages still spread over every rank.
 * **Calls of bounded size.** Mooncake's TCP transport queues at most
-  ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (default 1024) requests per peer plus as many waiting
-  for admission (``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``, 1 s); a batch submitted faster than its
-  lanes drain gets the rest rejected and the whole call fails. The sender therefore submits at
+  ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (default 1024) requests per peer of one engine, plus as
+  many again waiting up to 1 s for admission (``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``,
+  ``MC_TCP_ADMISSION_TIMEOUT_MS``); a batch submitted faster than its lanes drain gets the rest
+  rejected ("TCP lane queue-full rejection") and the whole call fails. The sender therefore submits at
   most ``MAX_BLOCKS_PER_TRANSFER_CALL`` blocks per call: the transfer threads of one rank
   (``SGLANG_DISAGGREGATION_QUEUE_SIZE``, 4 by default) then never exceed the default queue together.
 """

@@ -36,7 +36,7 @@ from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAl
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
 PAGE = pd.PAGE
 REPO = Path(__file__).resolve().parents[4]
