@@ -20,11 +20,16 @@ Placement: free pages are kept per owner rank. Taking ``n`` pages happens in two
    allocated from stays within one page on every rank; frees can open the gap, later allocations
    close it first.
 2. Assignment (``_assign_owners``): a new page at page index ``j`` of its request prefers owner
-   ``j % cp_size`` (the page-level twin of the round-robin CP token split). Pages get their preferred
+   ``(j // owner_run_pages) % cp_size``; with the default ``owner_run_pages = 1`` that is
+   ``j % cp_size``, the page-level twin of the round-robin CP token split. Pages get their preferred
    owner while its quota lasts; the rest fill the leftover quotas round-robin. So a request allocated
    in one extend, or grown by decode, on a balanced pool has page ``j`` on owner ``j % cp_size``, and
-   every run of its pages (a radix node) is within one page per owner. With concurrent requests and
-   arbitrary chunking this is best effort: the quotas of step 1 win.
+   every run of its pages (a radix node) is within one page per owner (within ``owner_run_pages``
+   with longer runs). With concurrent requests and arbitrary chunking this is best effort: the quotas
+   of step 1 win. A PD prefill server uses runs of several pages, so that each rank's share of a
+   request reaches the decode server in few large transfer blocks (``disaggregation/transfer_blocks.py``);
+   where a page lives never matters for correctness (every rank stores its owned rows of the whole
+   all-gathered chunk).
 
 ``alloc_with_owners`` skips both steps: HiCache load-back names the owner of every page (the rank
 whose host pool holds it), so the pages restored keep the balance they had when backed up.
@@ -96,7 +101,12 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         need_sort: bool,
         cp_size: int,
         cp_rank: int,
+        owner_run_pages: int = 1,
     ):
+        if isinstance(owner_run_pages, bool) or not isinstance(owner_run_pages, int) or owner_run_pages < 1:
+            raise ValueError(f"{FLAG}: owner_run_pages must be an int >= 1, got {owner_run_pages!r}")
+        # Consecutive pages of a request preferred on one owner (module docstring, step 2).
+        self.owner_run_pages = owner_run_pages
         self.layout = CpSharedKVLayout(cp_size, cp_rank, page_size)
         self.cp_size = cp_size
         self.cp_rank = cp_rank
@@ -302,7 +312,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         page_index_in_req = (
             pages_before[req_of_page] + np.arange(num_new_pages) - first_new_slot[req_of_page]
         )
-        new_pages = self._take_pages(page_index_in_req % self.cp_size)
+        new_pages = self._take_pages((page_index_in_req // self.owner_run_pages) % self.cp_size)
         locs = self._alloc_token_locs(
             prefix_lens, seq_lens, last_loc, num_tokens, new_pages, pages_before, new_pages_per_req
         )

@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
 
+from sglang_cp_shared_kv.disaggregation.transfer_blocks import owner_run_pages
 from sglang_cp_shared_kv.mem_cache.allocator import FLAG, CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled
 
@@ -75,13 +76,15 @@ def install_logical_capacity(runner, cp_size: int, cp_rank: int) -> None:
         need_sort=runner.token_to_kv_pool_allocator.need_sort,
         cp_size=cp_size,
         cp_rank=cp_rank,
+        owner_run_pages=owner_run_pages(runner.server_args, cp_size, runner.page_size),
     )
     runner.max_total_num_tokens = logical_tokens
     logger.info(
         "CP shared KV capacity: %d physical tokens per rank, %d logical tokens per CP group "
-        "(cp_size=%d, page_size=%d)",
+        "(cp_size=%d, page_size=%d, pages per owner run %d)",
         physical_tokens,
         logical_tokens,
         cp_size,
         runner.page_size,
+        runner.token_to_kv_pool_allocator.owner_run_pages,
     )

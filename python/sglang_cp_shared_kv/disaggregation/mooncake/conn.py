@@ -24,6 +24,8 @@ stock path hands the transfer worker) is logical. Here:
   the same positions (``page_pairing.owned_page_pairs``), then run the stock transfer. A rank
   owning nothing of a chunk transfers nothing for it; on the last chunk it still sends aux and its
   Success status, so the decode instance counts ``cp_size`` arrivals and never waits forever.
+* The blocks of one batch reach the engine in calls of at most ``MAX_BLOCKS_PER_TRANSFER_CALL``
+  (``_transfer_data``; why: ``transfer_blocks.py``).
 * A request whose pages cannot be paired fails alone: ``send_kvcache`` returns -1 (stock's failed
   chunk), ``maybe_send_extra`` has ``send_aux`` report the failure (stock's failed last chunk); the
   transfer thread lives on.
@@ -45,6 +47,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_cp_shared_kv.disaggregation.page_pairing import owned_page_pairs, position_aligned
+from sglang_cp_shared_kv.disaggregation.transfer_blocks import MAX_BLOCKS_PER_TRANSFER_CALL, bounded_calls
 from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, cp_shared_kv_enabled
@@ -124,6 +127,18 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
                 self.cp_shared_kv_layout.cp_rank,
                 self.cp_shared_kv_layout.cp_size,
             )
+
+    def _transfer_data(self, mooncake_session_id, transfer_blocks):
+        """Stock's one engine call per batch, split into calls of at most
+        ``MAX_BLOCKS_PER_TRANSFER_CALL`` blocks, in order; the first failing call's status is returned
+        and the rest are not sent (stock then fails the request, as for a failed single call)."""
+        if self.cp_shared_kv_layout is None:
+            return super()._transfer_data(mooncake_session_id, transfer_blocks)
+        for call in bounded_calls(transfer_blocks, MAX_BLOCKS_PER_TRANSFER_CALL):
+            status = super()._transfer_data(mooncake_session_id, call)
+            if status != 0:
+                return status
+        return 0
 
     def send_kvcache(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor):
         """KV pages of one chunk: ``prefill_kv_indices`` are the chunk's logical pages, ``dst_kv_indices``
