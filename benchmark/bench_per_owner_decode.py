@@ -24,7 +24,8 @@ included), after ``--warmup`` runs. Pass/fail: none; a table, per-owner / gather
     source scripts/gpu/remote_env.sh && python benchmark/bench_per_owner_decode.py     # H200, ~2 min
     python benchmark/bench_per_owner_decode.py --device cpu                            # dry run
 
-``--device cpu`` is a dry run of the plumbing: torch references of the kernels, tiny contexts
+Needs ``deep_gemm``, ``sgl_kernel``'s FlashMLA and fused top-k on the device (``deep_gemm`` is staged
+with ``build_stage.sh --serve``). ``--device cpu`` is a dry run of the plumbing: torch references of the kernels, tiny contexts
 (``--contexts-k`` defaults to 1,2 there, top-k 128); its numbers mean nothing.
 """
 
