@@ -40,7 +40,6 @@ import importlib
 import inspect
 import logging
 import math
-import os
 from typing import Optional
 
 import torch
@@ -53,6 +52,11 @@ from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
     process_group_collectives,
 )
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
+from sglang_cp_shared_kv.model_executor.decode_mode import (  # noqa: F401  (DECODE_MODE_ENV re-exported)
+    DECODE_GATHER,
+    DECODE_MODE_ENV,
+    configured_decode_mode,
+)
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     all_gather_candidates,
     compact_owned_indices,
@@ -72,24 +76,6 @@ _NSA_BACKEND_MODULE = "sglang.srt.layers.attention.nsa_backend"
 _STATE_ATTR = "_cp_per_owner_decode"
 # NSA decode impls served per owner -> base of the LSE their kernel returns (see module docstring).
 SERVED_DECODE_IMPLS = {"flashmla_kv": math.e, "flashmla_sparse": 2.0, "fa3": math.e}
-
-DECODE_MODE_ENV = "SGLANG_CP_SHARED_KV_DECODE"
-DECODE_PER_OWNER, DECODE_GATHER = "per_owner", "gather"
-DECODE_MODES = (DECODE_PER_OWNER, DECODE_GATHER)
-
-
-def configured_decode_mode() -> str:
-    """``DECODE_MODE_ENV``: ``per_owner`` (default, where the decode impl is served) or ``gather``
-    (every decode forward gathers the pages, as prefill does). Read once at startup; every rank
-    inherits the same environment."""
-    raw = os.environ.get(DECODE_MODE_ENV)
-    if raw is None:
-        return DECODE_PER_OWNER
-    mode = raw.strip().lower()
-    if mode not in DECODE_MODES:
-        raise ValueError(f"{DECODE_MODE_ENV} must be one of {', '.join(DECODE_MODES)}; got {raw!r}")
-    return mode
-
 
 @dataclasses.dataclass
 class OwnerForward:
@@ -111,7 +97,7 @@ class OwnerForward:
 class PerOwnerDecode:
     """Per-owner decode state of one runtime; constructing it attaches it to the runtime's pool."""
 
-    def __init__(self, runtime, decode_impl: str = "flashmla_kv", schedule_fn=None):
+    def __init__(self, runtime, schedule_fn=None, decode_impl: str = "flashmla_kv"):
         if decode_impl not in SERVED_DECODE_IMPLS:
             raise ValueError(f"per-owner decode does not serve NSA decode impl {decode_impl!r}")
         self.runtime = runtime
@@ -322,7 +308,7 @@ def attach(runtime, decode_impl: Optional[str]) -> Optional[PerOwnerDecode]:
     if reason is not None:
         logger.info("CP shared KV: decode uses the page gather: %s", reason)
         return None
-    state = PerOwnerDecode(runtime, decode_impl, schedule_fn=_deep_gemm_schedule())
+    state = PerOwnerDecode(runtime, schedule_fn=_deep_gemm_schedule(), decode_impl=decode_impl)
     logger.info(
         "CP shared KV: decode per owner with %s (local top-k + LSE merge, no page gather)",
         decode_impl,

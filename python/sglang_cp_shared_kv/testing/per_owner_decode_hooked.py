@@ -440,7 +440,8 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
                         indexer, forward_batch, layer_id, case.q_index[step][layer_id],
                         case.weights[step][layer_id][:, :, None], metadata,
                     )
-                empty_partials += int((indices < 0).all(dim=1).sum())
+                # real requests of which this rank attends no row (padded ones: every rank)
+                empty_partials += int(((indices < 0).all(dim=1) & case.real).sum())
                 layer = SimpleNamespace(
                     layer_id=layer_id, tp_q_head_num=HEADS, head_dim=576, v_head_dim=512,
                     scaling=SM_SCALE, logit_cap=0.0, is_cross_attention=False,

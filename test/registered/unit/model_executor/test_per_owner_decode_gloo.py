@@ -69,8 +69,8 @@ class TestPerOwnerDecodeGloo(CustomTestCase):
         out = results[0]["out"]
         self.assertEqual(len(out), sc.steps)
         self.assertEqual(tuple(out[0][0].shape), (sc.batch_size, hooked.HEADS, 512))
-        # the batch holds (token, rank) pairs with nothing owned: the empty-partial case ran
-        self.assertTrue(all(r["empty_partials"] > 0 for r in results))
+        # a rank owned none of a real request's selected rows: the empty-partial case ran
+        self.assertGreater(sum(r["empty_partials"] for r in results), 0)
 
     def test_every_rank_gets_the_replicated_output_for_every_impl(self):
         scenarios = [scenario(impl) for impl, _ in IMPLS]
