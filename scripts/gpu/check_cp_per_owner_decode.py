@@ -108,8 +108,6 @@ class Kernels:
 
 
 def _reference_attention():
-    import torch
-
     from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 
     def flashmla_kv(q, rows, indices, sm_scale, seq_lens):

@@ -77,6 +77,7 @@ _STATE_ATTR = "_cp_per_owner_decode"
 # NSA decode impls served per owner -> base of the LSE their kernel returns (see module docstring).
 SERVED_DECODE_IMPLS = {"flashmla_kv": math.e, "flashmla_sparse": 2.0, "fa3": math.e}
 
+
 @dataclasses.dataclass
 class OwnerForward:
     """What one decode forward needs on this rank (built once, read by every layer)."""
