@@ -5,8 +5,9 @@ builds anything. Two tiers of hooks:
 
 * Server-argument hooks are always registered: they add ``--enable-nsa-prefill-cp-shared-kv`` and
   validate it. With the flag off they only add the (default False) flag.
-* Runtime hooks (capacity, allocator, CP HiRadixCache, owner-filtered writes, peer-page reads, the
-  host mirror of ``req_to_token``, load-back quota, PD prefill transfer classes) are registered
+* Runtime hooks (capacity, allocator, CP HiRadixCache, owner-filtered writes, peer-page reads,
+  per-owner decode, the host mirror of ``req_to_token``, load-back quota, PD prefill transfer
+  classes) are registered
   only in processes started after the flag was validated on: the validation sets ``CP_SHARED_KV_ENV`` in the launching process, and
   spawned scheduler processes inherit it. With the flag off no runtime hook exists, so the serving
   path is stock sglang.
@@ -49,6 +50,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         cp_shared_kv_runtime,
         owner_filtered_writes,
         peer_page_reads,
+        per_owner_decode,
     )
 
     cp_shared_kv_capacity.register_hooks(registry)
@@ -61,5 +63,10 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     req_to_page_mirror_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)
     peer_page_reads.register_hooks(registry)
+    # Decode per owner where the decode impl is served (SGLANG_CP_SHARED_KV_DECODE=gather: off).
+    # Its attach is an AFTER hook of ModelRunner.init_attention_backend registered after the
+    # runtime's (cp_shared_kv_runtime above): AFTER hooks run in registration order, so the runtime
+    # exists when it runs.
+    per_owner_decode.register_hooks(registry)
     disaggregation_utils.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

@@ -31,6 +31,7 @@ import logging
 import os
 
 from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.model_executor.decode_mode import configured_decode_mode
 
 logger = logging.getLogger(__name__)
 
@@ -392,6 +393,10 @@ def runtime_problems(server_args) -> list[str]:
         reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-pdmux")
     if server_args.enable_torch_compile:
         reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-torch-compile")
+    try:
+        configured_decode_mode()  # read once more where per-owner decode attaches
+    except ValueError as error:
+        reasons.append(str(error))
     if (
         server_args.kv_cache_dtype.startswith("fp8")
         and server_args.nsa_prefill_backend in ("flashmla_sparse", "flashmla_auto")

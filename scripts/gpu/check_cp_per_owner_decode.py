@@ -1,37 +1,46 @@
 """Check per-owner NSA decode (owner top-k + LSE merge) against a replicated pool, with the real kernels.
 
-CP ranks are emulated in one process: one replicated pool (fp8 656-byte KV rows, 132-byte indexer
-rows, 64-token pages) is built, and each rank's physical shard is cut from it by the layout
-(``CpSharedKVLayout``: logical page q on rank q % cp as physical page q // cp). Then, per cp size:
+CP ranks are emulated in one process: one replicated pool (KV rows as the decode impl reads them:
+fp8 656-byte rows for ``flashmla_kv``, bf16 576-wide rows for ``flashmla_sparse`` and ``fa3``;
+132-byte indexer rows, 64-token pages) is built, and each rank's physical shard is cut from it by
+the layout (``CpSharedKVLayout``: logical page q on rank q % cp as physical page q // cp). Then, per
+cp size and decode impl (``--decode-impls``):
 
 * replicated: indexer logits over the logical block table, top-k (our rule; and sglang's own
   ``fast_topk_v2`` where it imports, compared up to ties), sparse attention over the replicated pool;
 * per owner, for every rank: the rank's physical block table, indexer logits over its shard only,
   local candidates, the global selection from all ranks' candidates (the all-gather is a stack
-  here), attention over the selected rows the rank owns (-1 elsewhere) with the LSE kept; the
-  partials merged by the scaled sum (and the all-gather form).
+  here), attention over the selected rows the rank owns (-1 elsewhere; fa3: compacted to the front,
+  their count as ``cache_seqlens``) with the LSE kept; the partials merged by the scaled sum (and
+  the all-gather form). The kernel's LSE, read in the base per-owner decode declares for the impl
+  (``per_owner_decode.SERVED_DECODE_IMPLS``), must equal the torch reference's natural-log LSE.
 
-``--hooked-cp-sizes`` (default 2,4) then runs one decode layer through sglang's own decode methods
-with our hooks applied (``testing/per_owner_decode_hooked.py``: metadata hook, owner-filtered decode
-store, ``get_indexer_metadata`` + ``Indexer._get_topk_paged``, ``get_key_buffer``,
-``_forward_flashmla_kv``), one gloo rank per process sharing the device, against the replicated pool.
+``--hooked-cp-sizes`` (default 2,4) then runs decode steps through sglang's own decode methods with
+our hooks applied (``testing/per_owner_decode_hooked.py``: metadata hook, per layer
+``get_indexer_metadata`` + ``Indexer._get_topk_paged`` or a ``skip_topk`` layer reusing the
+indices, ``forward_decode`` with its owner-filtered store, ``get_key_buffer`` and the impl's kernel
+call), three layers, two steps, a padded request, one gloo rank per process sharing the device,
+against the replicated pool.
 
 Compared, for every real request (padded requests must give no NaN): selected positions equal the
 replicated selection (exactly, and up to ties at the k-th score); the rows the ranks attend to,
 mapped back to logical locs, are the replicated selection's locs, each once; merged outputs within
 bf16 tolerance of the replicated kernel's output (relative L2 error per request).
 
-Kernels: ``deep_gemm.fp8_paged_mqa_logits`` (indexer), ``sgl_kernel.flash_mla.flash_mla_with_kvcache``
-with ``indices`` (attention, natural-log LSE), ``sgl_kernel.fast_topk_v2`` (sglang's top-k). Each is
-used when it imports on CUDA and otherwise replaced by its torch reference
-(``testing/nsa_decode_reference.py``), with the reason printed. ``--device cpu`` uses the references.
+Kernels: ``deep_gemm.fp8_paged_mqa_logits`` (indexer); attention ``sgl_kernel.flash_mla.flash_mla_with_kvcache``
+with ``indices`` (``flashmla_kv``), ``sgl_kernel.flash_mla.flash_mla_sparse_fwd`` (``flashmla_sparse``),
+sglang's fa3 ``flash_attn_with_kvcache`` (``fa3``); ``sgl_kernel.fast_topk_v2`` (sglang's top-k).
+deep_gemm and FlashMLA are used when they import on CUDA and otherwise replaced by their torch
+reference (``testing/nsa_decode_reference.py``), with the reason printed; fa3 cases are SKIPPED,
+with the reason printed, when fa3 does not run (its kernel library is not always installed).
+``--device cpu`` uses the references.
 
 ``--plant`` plants one bug; the check must then FAIL:
   drop-partial   the last rank's partial is left out of the merge
-  lse-base       the kernel's natural-log LSE is taken as base 2
+  lse-base       the kernel's LSE is taken in the other base (natural <-> 2)
   wrong-owner    each request's best selected token is attributed to the next rank
 
-GPU (after the staging in docs/gpu.md):
+GPU (after the staging in docs/gpu.md; about 2 minutes, most of it process start-up):
     source scripts/gpu/remote_env.sh && python scripts/gpu/check_cp_per_owner_decode.py
 CPU:
     python scripts/gpu/check_cp_per_owner_decode.py --device cpu
@@ -47,6 +56,9 @@ import sys
 import time
 
 PLANTS = ("none", "drop-partial", "lse-base", "wrong-owner")
+DECODE_IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
+KV_DTYPE_OF_IMPL = {"flashmla_kv": "fp8", "flashmla_sparse": "bf16", "fa3": "bf16"}
+LSE_TOL = 2e-2  # natural-log LSE of a kernel vs the float32 reference (bf16 inputs)
 HEADS = 64
 INDEX_HEADS = 32
 PAGE = 64
@@ -71,6 +83,12 @@ def parse_args(argv=None):
         help="also run one decode layer through sglang's own decode methods with our hooks, as "
         "gloo ranks (processes) sharing the device; '' skips it",
     )
+    parser.add_argument(
+        "--decode-impls",
+        default=",".join(DECODE_IMPLS),
+        type=lambda s: [x for x in s.split(",") if x],
+        help="NSA decode impls to check (flashmla_kv: fp8 KV; flashmla_sparse, fa3: bf16 KV)",
+    )
     parser.add_argument("--plant", choices=PLANTS, default="none")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -80,29 +98,65 @@ def parse_args(argv=None):
 
 
 class Kernels:
-    """The indexer, attention and (optional, None) sglang top-k callables, and what each one is."""
+    """The indexer, per-impl attention (None: not run here) and (optional, None) sglang top-k
+    callables, and what each one is. ``attention[impl](q, rows, indices, sm_scale, seq_lens)`` ->
+    (out [B, H, 512], LSE [B, H] in the kernel's base); ``rows`` as the impl's pool stores them."""
 
-    def __init__(self, logits, attention, sglang_topk, names: dict):
-        self.logits, self.attention, self.sglang_topk, self.names = logits, attention, sglang_topk, names
+    def __init__(self, logits, attention: dict, sglang_topk, names: dict, skipped: dict):
+        self.logits, self.attention, self.sglang_topk = logits, attention, sglang_topk
+        self.names, self.skipped = names, skipped
 
 
-def pick_kernels(device: str) -> Kernels:
+def _reference_attention():
     from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 
-    names = {}
+    def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
+        out, lse = ref.sparse_mla_decode_reference(q, ref.kv_rows_as_float(rows), indices, sm_scale)
+        return out.to(q.dtype), lse
+
+    def flashmla_sparse(q, rows, indices, sm_scale, seq_lens):
+        out, _, lse = ref.flash_mla_sparse_fwd_reference(q, rows[:, None], indices[:, None], sm_scale)
+        return out, lse
+
+    def fa3(q, rows, indices, sm_scale, seq_lens):
+        return _fa3_call(ref.fa3_paged_decode_reference, q, rows, indices, sm_scale)
+
+    return {"flashmla_kv": flashmla_kv, "flashmla_sparse": flashmla_sparse, "fa3": fa3}
+
+
+def _fa3_call(kernel, q, rows, indices, sm_scale):
+    """fa3 as ``_forward_fa3`` calls it (page size 1), over the valid indices compacted to the front
+    (their count as ``cache_seqlens``), as per-owner decode passes them."""
+    import torch
+
+    from sglang_cp_shared_kv.model_executor.decode_topk_merge import compact_owned_indices
+
+    table, counts = compact_owned_indices(indices.to(torch.int32))
+    batch = q.shape[0]
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    out, lse, *_ = kernel(
+        q=q[:, :, 512:], k_cache=rows[:, 512:].view(-1, 1, 1, 64), v_cache=rows[:, :512].view(-1, 1, 1, 512),
+        qv=q[:, :, :512], page_table=table, cache_seqlens=counts, cu_seqlens_q=cu,
+        cu_seqlens_k_new=torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)),
+        max_seqlen_q=1, softmax_scale=sm_scale, causal=True, return_softmax_lse=True,
+    )
+    return out, lse.t()
+
+
+def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
+    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+
+    names, skipped = {}, {}
 
     def ref_logits(q_fp8, weights, pages, block_table, seq_lens):
         return ref.paged_mqa_logits_reference(q_fp8, weights, pages, block_table, seq_lens, PAGE)
 
-    def ref_attention(q, rows, indices, sm_scale, seq_lens):
-        out, lse = ref.sparse_mla_decode_reference(q, ref.kv_rows_as_float(rows), indices, sm_scale)
-        return out.to(q.dtype), lse
-
-    logits, attention, sglang_topk = ref_logits, ref_attention, None
+    logits, attention, sglang_topk = ref_logits, _reference_attention(), None
+    attention = {impl: attention[impl] for impl in decode_impls}
     if device != "cuda":
-        names = {"indexer": "torch reference (cpu)", "attention": "torch reference (cpu)",
+        names = {"indexer": "torch reference (cpu)", "attention": "torch references (cpu)",
                  "sglang top-k": "skipped (cpu)"}
-        return Kernels(logits, attention, None, names)
+        return Kernels(logits, attention, None, names, skipped)
     try:
         import deep_gemm
 
@@ -124,9 +178,9 @@ def pick_kernels(device: str) -> Kernels:
     except Exception as error:  # noqa: BLE001  (any import failure: report and fall back)
         names["indexer"] = f"torch reference (deep_gemm not importable: {error!r})"
     try:
-        from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+        from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
-        def attention(q, rows, indices, sm_scale, seq_lens):
+        def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
             import torch
 
             batch = q.shape[0]
@@ -146,9 +200,36 @@ def pick_kernels(device: str) -> Kernels:
             )
             return out[:, 0], lse[:, :, 0]
 
-        names["attention"] = "sgl_kernel.flash_mla.flash_mla_with_kvcache (sparse, fp8 KV)"
+        def flashmla_sparse(q, rows, indices, sm_scale, seq_lens):
+            import torch
+
+            out, _, lse = flash_mla_sparse_fwd(
+                q=q.contiguous(), kv=rows[:, None].contiguous(),
+                indices=indices[:, None].to(torch.int32).contiguous(), sm_scale=sm_scale, d_v=512,
+            )
+            return out, lse
+
+        for impl, fn in (("flashmla_kv", flashmla_kv), ("flashmla_sparse", flashmla_sparse)):
+            if impl in attention:
+                attention[impl] = fn
+        names["attention (flashmla)"] = "sgl_kernel.flash_mla (flash_mla_with_kvcache, flash_mla_sparse_fwd)"
     except Exception as error:  # noqa: BLE001
-        names["attention"] = f"torch reference (flash_mla not importable: {error!r})"
+        names["attention (flashmla)"] = f"torch reference (flash_mla not importable: {error!r})"
+    if "fa3" in attention:
+        from sglang_cp_shared_kv.testing.per_owner_decode_hooked import real_fa3_problem
+
+        problem = real_fa3_problem(device)
+        if problem is None:
+            from sglang.srt.layers.attention import nsa_backend
+
+            attention["fa3"] = lambda q, rows, indices, sm_scale, seq_lens: _fa3_call(
+                nsa_backend.flash_attn_with_kvcache, q, rows, indices, sm_scale
+            )
+            names["attention (fa3)"] = "sglang nsa_backend.flash_attn_with_kvcache (fa3)"
+        else:
+            del attention["fa3"]
+            skipped["fa3"] = f"fa3 does not run here: {problem}"
+            names["attention (fa3)"] = f"SKIPPED ({problem})"
     try:
         from sgl_kernel import fast_topk_v2
 
@@ -158,7 +239,7 @@ def pick_kernels(device: str) -> Kernels:
         names["sglang top-k"] = "sgl_kernel.fast_topk_v2"
     except Exception as error:  # noqa: BLE001
         names["sglang top-k"] = f"skipped (not importable: {error!r})"
-    return Kernels(logits, attention, sglang_topk, names)
+    return Kernels(logits, attention, sglang_topk, names, skipped)
 
 
 def torch_int32():
@@ -170,9 +251,10 @@ def torch_int32():
 # ---- one cp size ----
 
 
-def build_pool(generator, batch, device):
-    """Replicated pool: fp8 KV rows [rows, 656] and indexer pages [pages, 64 * 132], with exact
-    score ties planted (indexer rows copied between pages of one request)."""
+def build_pool(generator, batch, device, kv_dtype="fp8"):
+    """Replicated pool: KV rows (fp8 [rows, 656] uint8 or bf16 [rows, 576]) and indexer pages
+    [pages, 64 * 132], with exact score ties planted (indexer rows copied between pages of one
+    request)."""
     import torch
 
     from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
@@ -192,13 +274,16 @@ def build_pool(generator, batch, device):
         k_bytes[locs[b, dst]] = k_bytes[locs[b, src]]
         index_scale[locs[b, dst]] = index_scale[locs[b, src]]
     return (
-        ref.fp8_kv_rows(kv.to(device)),
+        ref.fp8_kv_rows(kv.to(device)) if kv_dtype == "fp8" else kv.to(device),
         ref.index_pages(index_k.to(device), index_scale.to(device), PAGE),
     )
 
 
-def run_case(args, cp_size: int, kernels: Kernels) -> dict:
+def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_kv") -> dict:
     import torch
+
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import SERVED_DECODE_IMPLS
+    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 
     from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
     from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
@@ -213,7 +298,9 @@ def run_case(args, cp_size: int, kernels: Kernels) -> dict:
     seq_lens = list(args.seq_lens) + [1]
     real = torch.tensor([True] * len(args.seq_lens) + [False], device=device)
     batch = random_batch(g, cp_size, PAGE, seq_lens, [False] * len(args.seq_lens) + [True], device)
-    kv_rows, index_pool = build_pool(g, batch, device)
+    kv_dtype = KV_DTYPE_OF_IMPL[decode_impl]
+    attention = kernels.attention[decode_impl]
+    kv_rows, index_pool = build_pool(g, batch, device, kv_dtype)
     b = len(seq_lens)
     q_index = torch.randn(b, INDEX_HEADS, 128, generator=g).to(device).to(torch.float8_e4m3fn)
     weights = (torch.rand(b, INDEX_HEADS, generator=g) * 0.1).to(device)
@@ -227,7 +314,7 @@ def run_case(args, cp_size: int, kernels: Kernels) -> dict:
     locs_rep = torch.where(
         positions_rep >= 0, batch.token_locs().gather(1, positions_rep.clamp(min=0).long()), -1
     )
-    out_rep, _ = kernels.attention(q, kv_rows, locs_rep, sm_scale, batch.seq_lens)
+    out_rep, _ = attention(q, kv_rows, locs_rep, sm_scale, batch.seq_lens)
 
     # Per owner.
     def shard(rank):
@@ -244,7 +331,9 @@ def run_case(args, cp_size: int, kernels: Kernels) -> dict:
         ).float()
 
     ranks = per_owner_topk(batch, local_logits, TOPK)
-    outs, lses = [], []
+    base = SERVED_DECODE_IMPLS[decode_impl]
+    wrong_base = 2.0 if base == math.e else math.e
+    outs, lses, lse_err = [], [], 0.0
     for rank_id, rank in enumerate(ranks):
         indices = rank.attention_indices
         if args.plant == "wrong-owner":
@@ -254,8 +343,16 @@ def run_case(args, cp_size: int, kernels: Kernels) -> dict:
             indices = owned_attention_indices(planted, rank.candidates, rank_id)
             rank = dataclasses.replace(rank, attention_indices=indices)
             ranks[rank_id] = rank
-        out_r, lse_r = kernels.attention(q, shards[rank_id][1], indices, sm_scale, batch.seq_lens)
-        lse_r = merge.natural_lse(lse_r, base=2 if args.plant == "lse-base" else math.e)
+        out_r, lse_r = attention(q, shards[rank_id][1], indices, sm_scale, batch.seq_lens)
+        lse_r = merge.natural_lse(lse_r, base=wrong_base if args.plant == "lse-base" else base)
+        rows_float = shards[rank_id][1]
+        rows_float = ref.kv_rows_as_float(rows_float) if kv_dtype == "fp8" else rows_float.float()
+        _, lse_want = ref.sparse_mla_decode_reference(q.float(), rows_float, indices, sm_scale)
+        finite = torch.isfinite(lse_want) & real[:, None]
+        if bool((torch.isfinite(lse_r) != torch.isfinite(lse_want))[real].any()):
+            lse_err = float("inf")  # an empty partial read as a real one, or the reverse
+        elif bool(finite.any()):
+            lse_err = max(lse_err, float((lse_r - lse_want)[finite].abs().max()))
         if args.plant == "drop-partial" and rank_id == cp_size - 1:
             lse_r = torch.full_like(lse_r, float("-inf"))
         outs.append(out_r)
@@ -283,6 +380,8 @@ def run_case(args, cp_size: int, kernels: Kernels) -> dict:
         union_ok.append(sorted(attended) == sorted(expected))
     result = {
         "cp_size": cp_size,
+        "decode_impl": decode_impl,
+        "lse_err": lse_err,
         "requests": int(real.sum()),
         "same_on_ranks": same_on_ranks,
         "exact": int(exact.sum()),
@@ -305,6 +404,7 @@ def run_case(args, cp_size: int, kernels: Kernels) -> dict:
         and result["nan"] == 0
         and result["rel_err"] <= REL_TOL
         and result["rel_err_gather_form"] <= REL_TOL
+        and result["lse_err"] <= LSE_TOL
         and result.get("sglang_ties_ok", n) == n
     )
     return result
@@ -324,30 +424,56 @@ def _empty_partial_lse(lses, ranks) -> str:
     return "n/a"
 
 
-def run_hooked_case(args, cp_size: int, kernels: Kernels) -> bool:
-    """One decode layer through sglang's ``get_indexer_metadata``, ``Indexer._get_topk_paged``,
-    ``set_mla_kv_buffer``, ``get_key_buffer`` and ``_forward_flashmla_kv`` with our hooks, on
-    ``cp_size`` gloo ranks, against the replicated pool (this process's kernels)."""
-    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
-    from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+def hooked_scenario(args, decode_impl: str):
+    """The scenario the hooked section runs: the given requests, one of a single page (a rank owns
+    none of its rows) and a padded one; a top-k layer, a ``skip_topk`` layer, a top-k layer; two
+    decode steps."""
+    from sglang_cp_shared_kv.testing.per_owner_decode_hooked import Scenario
 
+    return Scenario(
+        seq_lens=tuple(args.seq_lens) + (40,), topk=TOPK, kv_dtype=KV_DTYPE_OF_IMPL[decode_impl],
+        decode_impl=decode_impl, padded=1, layers=("topk", "skip", "topk"), steps=2, seed=args.seed,
+    )
+
+
+def run_hooked_case(args, cp_size: int, kernels: Kernels) -> dict:
+    """Decode steps through sglang's ``get_indexer_metadata``, ``Indexer._get_topk_paged`` and
+    ``forward_decode`` (store, ``get_key_buffer``, the impl's kernel) with our hooks, on ``cp_size``
+    gloo ranks, for each checked decode impl, against the replicated pool (this process's
+    kernels). Returns {impl: passed}."""
+    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+
+    impls = [impl for impl in args.decode_impls if impl in kernels.attention]
     start = time.monotonic()
-    seq_lens = list(args.seq_lens)
-    results = run_ranks(hooked.run_rank, cp_size, (seq_lens, TOPK, args.device), timeout_s=600)
-    case = hooked.make_case(cp_size, seq_lens, args.device)
-    expected, locs = hooked.replicated_reference(
-        case, results, TOPK, logits_fn=kernels.logits, attention_fn=kernels.attention
-    )
-    comparison = hooked.compare(case, results, expected, locs, REL_TOL)
-    ok = hooked.passed(comparison)
-    kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
-    flags = " ".join(f"{k}={v}" for k, v in comparison.items() if k != "rel_err")
-    print(
-        f"hooked cp={cp_size} ({kernels_used}) {flags} max rel err={comparison['rel_err']:.2e} "
-        f"[{time.monotonic() - start:.1f}s] {'PASS' if ok else 'FAIL'}",
-        flush=True,
-    )
-    return ok
+    scenarios = [hooked_scenario(args, impl) for impl in impls]
+
+    def attention_fn(impl):
+        def attend(q, rows, locs, sm_scale, seq_lens, kv_dtype):
+            return kernels.attention[impl](q, rows, locs, sm_scale, seq_lens)
+
+        return attend
+
+    per_rank = hooked.run_ranks_for(cp_size, scenarios, args.device, timeout_s=600)
+    verdicts = {}
+    for i, (impl, scenario) in enumerate(zip(impls, scenarios)):
+        results = [rank_results[i] for rank_results in per_rank]
+        case = hooked.make_case(cp_size, scenario, args.device)
+        expected = hooked.replicated_reference(
+            case, results, logits_fn=kernels.logits, attention_fn=attention_fn(impl)
+        )
+        comparison = hooked.compare(case, results, expected, REL_TOL)
+        ok = hooked.passed(comparison)
+        kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
+        flags = " ".join(f"{k}={v}" for k, v in comparison.items() if k != "rel_err")
+        empty = sum(r["empty_partials"] for r in results)
+        print(
+            f"hooked cp={cp_size} {impl} ({kernels_used}) {flags} empty partials={empty} "
+            f"max rel err={comparison['rel_err']:.2e} {'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
+        verdicts[impl] = ok
+    print(f"hooked cp={cp_size}: [{time.monotonic() - start:.1f}s]", flush=True)
+    return verdicts
 
 
 def main(argv=None) -> int:
@@ -357,35 +483,44 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu")
         return 2
-    kernels = pick_kernels(args.device)
+    unknown = [impl for impl in args.decode_impls if impl not in DECODE_IMPLS]
+    if unknown:
+        print(f"unknown --decode-impls {unknown}; choose from {DECODE_IMPLS}")
+        return 2
+    kernels = pick_kernels(args.device, args.decode_impls)
     for role, name in kernels.names.items():
         print(f"{role}: {name}")
+    for impl, reason in kernels.skipped.items():
+        print(f"SKIPPED {impl}: {reason}")
     print(f"plant: {args.plant}")
     passed = failed = 0
     for cp_size in args.cp_sizes:
-        start = time.monotonic()
-        result = run_case(args, cp_size, kernels)
-        elapsed = time.monotonic() - start
-        verdict = "PASS" if result["passed"] else "FAIL"
-        n = result["requests"]
-        print(
-            f"cp={cp_size} requests={n} selection: same on ranks={result['same_on_ranks']} "
-            f"exact={result['exact']}/{n} up-to-ties={result['ties_ok']}/{n} "
-            f"attended rows={result['union_ok']}/{n} "
-            + (f"sglang top-k up-to-ties={result['sglang_ties_ok']}/{n} " if "sglang_ties_ok" in result else "")
-            + f"max rel err={result['rel_err']:.2e} (all-gather form {result['rel_err_gather_form']:.2e}, "
-            f"tol {REL_TOL:.0e}) nan={result['nan']} empty-partial lse={result['empty_lse']} "
-            f"[{elapsed:.1f}s] {verdict}",
-            flush=True,
-        )
-        passed += result["passed"]
-        failed += not result["passed"]
+        for impl in args.decode_impls:
+            if impl not in kernels.attention:
+                continue
+            start = time.monotonic()
+            result = run_case(args, cp_size, kernels, impl)
+            elapsed = time.monotonic() - start
+            verdict = "PASS" if result["passed"] else "FAIL"
+            n = result["requests"]
+            print(
+                f"cp={cp_size} {impl} requests={n} selection: same on ranks={result['same_on_ranks']} "
+                f"exact={result['exact']}/{n} up-to-ties={result['ties_ok']}/{n} "
+                f"attended rows={result['union_ok']}/{n} "
+                + (f"sglang top-k up-to-ties={result['sglang_ties_ok']}/{n} " if "sglang_ties_ok" in result else "")
+                + f"max rel err={result['rel_err']:.2e} (all-gather form {result['rel_err_gather_form']:.2e}, "
+                f"tol {REL_TOL:.0e}) lse err={result['lse_err']:.1e} (tol {LSE_TOL:.0e}) "
+                f"nan={result['nan']} empty-partial lse={result['empty_lse']} [{elapsed:.1f}s] {verdict}",
+                flush=True,
+            )
+            passed += result["passed"]
+            failed += not result["passed"]
     if args.plant == "none":  # the plants live in this process's emulation only
         for cp_size in args.hooked_cp_sizes:
-            result = run_hooked_case(args, cp_size, kernels)
-            passed += result
-            failed += not result
-    print(f"check: {passed} passed, {failed} failed")
+            for ok in run_hooked_case(args, cp_size, kernels).values():
+                passed += ok
+                failed += not ok
+    print(f"check: {passed} passed, {failed} failed, {len(kernels.skipped)} impls skipped")
     return 0 if failed == 0 else 1
 
 

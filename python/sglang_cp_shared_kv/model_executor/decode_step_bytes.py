@@ -37,6 +37,10 @@ class DecodeShapes:
 GLM5_FP8 = DecodeShapes(
     layers=78, heads=64, kv_lora_rank=512, hidden=6144, index_topk=2048, kv_row_bytes=656
 )
+GLM5_BF16 = DecodeShapes(
+    layers=78, heads=64, kv_lora_rank=512, hidden=6144, index_topk=2048, kv_row_bytes=1152
+)
+SERVED_MERGE_FORM = "scaled_sum"  # what per_owner_decode runs (attention_lse_merge.merge_by_scaled_sum)
 
 
 def page_gather_bytes(shapes: DecodeShapes, cp_size: int, context_tokens: int) -> float:
@@ -69,3 +73,41 @@ def per_owner_bytes(shapes: DecodeShapes, cp_size: int, batch: int, form: str) -
         topk_layers * candidate_bytes_per_token_layer(shapes, cp_size)
         + shapes.layers * merge_bytes_per_token_layer(shapes, cp_size, form)
     )
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, three significant digits (``7.05 GB``, ``18.0 MB``, ``881 MB``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            digits = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def step_bytes_table(
+    cp_sizes=(2, 8), batches=(1, 32), contexts_k=(4, 16, 64, 128), shapes=GLM5_FP8, bf16=GLM5_BF16
+) -> str:
+    """Markdown table of the bytes one decode step receives per rank: page gather (fp8 and bf16 KV)
+    against per-owner decode (the served merge form; independent of the KV dtype and the context;
+    every layer counted as computing top-k, an upper bound where ``skip_topk`` layers exist)."""
+    lines = [
+        "| cp | batch x context | page gather, fp8 KV | page gather, bf16 KV | per owner |",
+        "|---|---|---|---|---|",
+    ]
+    for cp_size in cp_sizes:
+        for batch in batches:
+            per_owner = per_owner_bytes(shapes, cp_size, batch, SERVED_MERGE_FORM)
+            for context_k in contexts_k:
+                tokens = batch * context_k * 1024
+                lines.append(
+                    f"| {cp_size} | {batch} x {context_k}K "
+                    f"| {human_bytes(page_gather_bytes(shapes, cp_size, tokens))} "
+                    f"| {human_bytes(page_gather_bytes(bf16, cp_size, tokens))} "
+                    f"| {human_bytes(per_owner)} |"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(step_bytes_table())

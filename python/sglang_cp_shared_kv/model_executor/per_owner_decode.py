@@ -13,20 +13,31 @@ In a decode forward each rank scores and attends over its own physical pool only
    ``decode_topk_merge``). sglang's ``Indexer._get_topk_paged`` runs unchanged around it; with
    ``SGLANG_NSA_FUSE_TOPK`` (sglang's default) ``forward_decode`` passes those indices to the kernel
    as they are. ``skip_topk`` layers reuse them (no exchange).
-3. ``NativeSparseAttnBackend._forward_flashmla_kv`` AROUND: sglang's own kernel call, with the
-   ``softmax_lse`` it drops kept (the call site's ``flash_mla_with_kvcache`` is wrapped for the
-   duration), then the LSE merge over the attention CP group (``attention_lse_merge``, scaled sum):
-   every rank returns the same output.
+3. The decode impl's kernel call, AROUND (one hook per impl): sglang's own call, with the LSE it
+   drops kept (the kernel is wrapped for the duration of the call), then the LSE merge over the
+   attention CP group (``attention_lse_merge``, scaled sum): every rank returns the same output.
 
-Served: decode forwards (not idle, not speculative) with ``flashmla_kv`` decode and fused top-k.
-``attach`` decides once per server from state identical on every rank; otherwise decode keeps the page
-gather, and the log says so. Prefill keeps the plan path. Eager only: CUDA-graph decode stays refused.
+   * ``_forward_flashmla_kv`` (fp8 KV, H200 default): ``flash_mla_with_kvcache`` skips -1 indices
+     and returns a natural-log LSE [B, H_padded, 1].
+   * ``_forward_flashmla_sparse`` (bf16 KV, ``--nsa-decode-backend flashmla_sparse``):
+     ``flash_mla_sparse_fwd`` skips -1 indices and returns a base-2 LSE [T, H_padded].
+   * ``_forward_fa3`` (bf16 KV, H200 default): ``flash_attn_with_kvcache`` with a page-size-1 table
+     reads the first ``cache_seqlens`` entries and does not skip -1, so the hook moves this rank's
+     owned indices to the front (``compact_owned_indices``) and passes their count as
+     ``cache_seqlens``; ``return_softmax_lse`` gives the natural-log LSE ([H, T] varlen).
+
+Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_IMPLS`` and fused
+top-k, unless ``SGLANG_CP_SHARED_KV_DECODE=gather``. ``attach`` decides once per server from state
+identical on every rank; otherwise decode keeps the page gather, and the log says why. Prefill keeps
+the plan path. Eager only: CUDA-graph decode stays refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import inspect
 import logging
 import math
 from typing import Optional
@@ -41,8 +52,14 @@ from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
     process_group_collectives,
 )
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
+from sglang_cp_shared_kv.model_executor.decode_mode import (  # noqa: F401  (DECODE_MODE_ENV re-exported)
+    DECODE_GATHER,
+    DECODE_MODE_ENV,
+    configured_decode_mode,
+)
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     all_gather_candidates,
+    compact_owned_indices,
     local_candidates,
     owned_attention_indices,
     select_global,
@@ -55,10 +72,10 @@ from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
 logger = logging.getLogger(__name__)
 
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
+_NSA_BACKEND_MODULE = "sglang.srt.layers.attention.nsa_backend"
 _STATE_ATTR = "_cp_per_owner_decode"
-SERVED_DECODE_IMPL = "flashmla_kv"
-# flash_mla_with_kvcache with indices returns a natural-log LSE shaped [B, H, 1].
-FLASHMLA_KV_LSE_BASE = math.e
+# NSA decode impls served per owner -> base of the LSE their kernel returns (see module docstring).
+SERVED_DECODE_IMPLS = {"flashmla_kv": math.e, "flashmla_sparse": 2.0, "fa3": math.e}
 
 
 @dataclasses.dataclass
@@ -81,8 +98,12 @@ class OwnerForward:
 class PerOwnerDecode:
     """Per-owner decode state of one runtime; constructing it attaches it to the runtime's pool."""
 
-    def __init__(self, runtime, schedule_fn=None):
+    def __init__(self, runtime, schedule_fn=None, decode_impl: str = "flashmla_kv"):
+        if decode_impl not in SERVED_DECODE_IMPLS:
+            raise ValueError(f"per-owner decode does not serve NSA decode impl {decode_impl!r}")
         self.runtime = runtime
+        self.decode_impl = decode_impl
+        self.lse_base = SERVED_DECODE_IMPLS[decode_impl]
         self.cp_rank = runtime.layout.cp_rank
         self.group = runtime.cp_group
         self.all_gather, self.all_reduce_sum = process_group_collectives(runtime.cp_group)
@@ -121,7 +142,7 @@ class PerOwnerDecode:
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """This rank's partial [T, H, D] and LSE [T, H] (kernel's base) -> the merged output."""
-        lse = natural_lse(lse, FLASHMLA_KV_LSE_BASE)
+        lse = natural_lse(lse, self.lse_base)
         return merge_by_scaled_sum(out, lse, self.all_gather, self.all_reduce_sum)
 
 
@@ -174,12 +195,22 @@ def indexer_metadata_per_owner(result, backend, layer_id, forward_batch, *args, 
     return PerOwnerIndexerMetadata(**fields)
 
 
+def _serving(backend, decode_impl: str) -> Optional[PerOwnerDecode]:
+    """The per-owner state when the running forward is decoded per owner with ``decode_impl``."""
+    state = getattr(backend, _STATE_ATTR, None)
+    if state is None or state.forward is None or state.decode_impl != decode_impl:
+        return None
+    return state
+
+
 def forward_flashmla_kv_per_owner(original, backend, *args, **kwargs):
     """AROUND ``_forward_flashmla_kv``: sglang's kernel call keeping the LSE, then the merge."""
-    state = getattr(backend, _STATE_ATTR, None)
-    if state is None or state.forward is None:
+    state = _serving(backend, "flashmla_kv")
+    if state is None:
         return original(backend, *args, **kwargs)
-    with _kept_lse() as kept:
+    import sgl_kernel.flash_mla as flash_mla  # the backend imports the kernel at call time
+
+    with _kept_lse(flash_mla, "flash_mla_with_kvcache", lambda result: result[1]) as kept:
         out = original(backend, *args, **kwargs)  # [B, 1, H, D], heads already un-padded
     batch, q_len, heads, dim = out.shape
     lse = kept["lse"][:, :heads, :].transpose(1, 2).reshape(batch * q_len, heads)
@@ -187,44 +218,102 @@ def forward_flashmla_kv_per_owner(original, backend, *args, **kwargs):
     return merged.reshape(batch, q_len, heads, dim)
 
 
-@contextlib.contextmanager
-def _kept_lse():
-    """Wrap ``sgl_kernel.flash_mla.flash_mla_with_kvcache`` (the backend imports it at call time)
-    so the call returns as before and its ``softmax_lse`` is kept."""
-    import sgl_kernel.flash_mla as flash_mla
+def forward_flashmla_sparse_per_owner(original, backend, *args, **kwargs):
+    """AROUND ``_forward_flashmla_sparse``: sglang's kernel call keeping the (base-2) LSE, then the
+    merge. -1 indices are skipped by the kernel, so the owned indices pass as they are."""
+    state = _serving(backend, "flashmla_sparse")
+    if state is None:
+        return original(backend, *args, **kwargs)
+    import sgl_kernel.flash_mla as flash_mla  # the backend imports the kernel at call time
 
-    kernel = flash_mla.flash_mla_with_kvcache
+    with _kept_lse(flash_mla, "flash_mla_sparse_fwd", lambda result: result[2]) as kept:
+        out = original(backend, *args, **kwargs)  # [T, H, D], heads already un-padded
+    heads = out.shape[1]
+    return state.merge(out, kept["lse"][:, :heads])
+
+
+def forward_fa3_per_owner(original, backend, *args, **kwargs):
+    """AROUND ``_forward_fa3``: this rank's owned indices first, their count as ``cache_seqlens``
+    (fa3 reads that many entries and does not skip -1), the kernel's LSE kept, then the merge."""
+    state = _serving(backend, "fa3")
+    if state is None:
+        return original(backend, *args, **kwargs)
+    call = _fa3_signature().bind(backend, *args, **kwargs)
+    page_table, owned_counts = compact_owned_indices(call.arguments["page_table"])
+    call.arguments["page_table"] = page_table
+    call.arguments["cache_seqlens"] = owned_counts
+    nsa_backend = importlib.import_module(_NSA_BACKEND_MODULE)  # binds the kernel at import
+    keep = _kept_lse(nsa_backend, "flash_attn_with_kvcache", lambda result: result[1], lse_kwarg=True)
+    with keep as kept:
+        out = original(*call.args, **call.kwargs)
+    lse = kept["lse"]
+    heads, dim = out.shape[-2], out.shape[-1]
+    # varlen q (sglang passes cu_seqlens_q): out [T, H, D], LSE [H, T]; else [B, S, H, D], [B, H, S]
+    lse = lse.t() if lse.dim() == 2 else lse.transpose(1, 2).reshape(-1, heads)
+    merged = state.merge(out.reshape(-1, heads, dim), lse)
+    return merged.reshape(out.shape)
+
+
+_FA3_SIGNATURE = None
+
+
+def _fa3_signature() -> inspect.Signature:
+    global _FA3_SIGNATURE
+    if _FA3_SIGNATURE is None:
+        backend_cls = importlib.import_module(_NSA_BACKEND_MODULE).NativeSparseAttnBackend
+        _FA3_SIGNATURE = inspect.signature(inspect.unwrap(backend_cls._forward_fa3))
+    return _FA3_SIGNATURE
+
+
+@contextlib.contextmanager
+def _kept_lse(module, name: str, lse_of, lse_kwarg: bool = False):
+    """Wrap ``module.name`` (a kernel the backend looks up at call time) so the call returns what
+    the backend expects and the LSE (``lse_of(result)``) is kept. ``lse_kwarg``: the kernel returns
+    its LSE only when called with ``return_softmax_lse=True`` (fa3); the caller then gets ``out``."""
+    kernel = getattr(module, name)
     kept = {}
 
     def keeping(*args, **kwargs):
-        out, lse = kernel(*args, **kwargs)
-        kept["lse"] = lse
-        return out, lse
+        if lse_kwarg:
+            kwargs["return_softmax_lse"] = True
+            result = kernel(*args, **kwargs)
+            kept["lse"] = lse_of(result)
+            return result[0]
+        result = kernel(*args, **kwargs)
+        kept["lse"] = lse_of(result)
+        return result
 
-    flash_mla.flash_mla_with_kvcache = keeping
+    setattr(module, name, keeping)
     try:
         yield kept
     finally:
-        flash_mla.flash_mla_with_kvcache = kernel
+        setattr(module, name, kernel)
 
 
 # ---- startup ----
 
 
-def attach(runtime, decode_impl: str) -> Optional[PerOwnerDecode]:
+def attach(runtime, decode_impl: Optional[str]) -> Optional[PerOwnerDecode]:
     """Decide once (same inputs on every rank) whether decode runs per owner, and attach if so."""
     from sglang.srt.environ import envs
 
+    mode = configured_decode_mode()
     reason = None
-    if decode_impl != SERVED_DECODE_IMPL:
-        reason = f"NSA decode impl {decode_impl!r} (per-owner decode serves {SERVED_DECODE_IMPL!r})"
+    if mode == DECODE_GATHER:
+        reason = f"{DECODE_MODE_ENV}={DECODE_GATHER}"
+    elif decode_impl not in SERVED_DECODE_IMPLS:
+        served = ", ".join(repr(impl) for impl in SERVED_DECODE_IMPLS)
+        reason = f"NSA decode impl {decode_impl!r} (per-owner decode serves {served})"
     elif not envs.SGLANG_NSA_FUSE_TOPK.get():
         reason = "SGLANG_NSA_FUSE_TOPK is off (unfused top-k maps positions through page_table_1)"
     if reason is not None:
         logger.info("CP shared KV: decode uses the page gather: %s", reason)
         return None
-    state = PerOwnerDecode(runtime, schedule_fn=_deep_gemm_schedule())
-    logger.info("CP shared KV: decode per owner (local top-k + LSE merge, no page gather)")
+    state = PerOwnerDecode(runtime, schedule_fn=_deep_gemm_schedule(), decode_impl=decode_impl)
+    logger.info(
+        "CP shared KV: decode per owner with %s (local top-k + LSE merge, no page gather)",
+        decode_impl,
+    )
     return state
 
 
@@ -242,7 +331,7 @@ def attach_after_runtime(result, model_runner, *args, **kwargs):
     runtime = runtime_of(model_runner.token_to_kv_pool)
     if runtime is None or per_owner_of(runtime.pool) is not None:
         return None
-    attach(runtime, model_runner.attn_backend.nsa_decode_impl)
+    attach(runtime, getattr(model_runner.attn_backend, "nsa_decode_impl", None))
     return None
 
 
@@ -252,6 +341,10 @@ def register_forward_hooks(registry) -> None:
     registry.register(
         f"{_BACKEND}._forward_flashmla_kv", forward_flashmla_kv_per_owner, HookType.AROUND
     )
+    registry.register(
+        f"{_BACKEND}._forward_flashmla_sparse", forward_flashmla_sparse_per_owner, HookType.AROUND
+    )
+    registry.register(f"{_BACKEND}._forward_fa3", forward_fa3_per_owner, HookType.AROUND)
 
 
 def register_hooks(registry) -> None:

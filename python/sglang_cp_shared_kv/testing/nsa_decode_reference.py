@@ -7,11 +7,22 @@
 * ``sparse_mla_decode_reference``: ``flash_mla_with_kvcache`` with ``indices`` (FlashMLA's
   sparse decode): softmax attention of every head over the indexed rows, -1 skipped; returns the
   natural-log LSE, and for a query with no valid index out = 0 and LSE = +inf, as FlashMLA does.
+* ``flash_mla_sparse_fwd_reference``: ``flash_mla_sparse_fwd`` (bf16 KV, ``flashmla_sparse``
+  decode): the same attention over bf16 rows, returning (out, max_logits, base-2 LSE [T, H]); a
+  query with no valid index gets out = 0, LSE = +inf.
+* ``fa3_paged_decode_reference``: ``flash_attn_with_kvcache`` as sglang's ``_forward_fa3`` calls it
+  (page size 1, ``q`` the rope part, ``qv`` the latent part, one query per request): reads the
+  first ``cache_seqlens[b]`` entries of the page table and, like the kernel, does NOT skip -1
+  (a -1 entry reads the last row); returns out [T, H, 512] and, with ``return_softmax_lse``, the
+  natural-log LSE [H, T] (varlen layout); a request with ``cache_seqlens`` 0 gets out = 0,
+  LSE = -inf.
 * ``fp8_kv_rows`` / ``kv_rows_as_float``: 656-byte fp8 KV rows (512 fp8 | 4 fp32 scales |
   64 bf16 rope), the format FlashMLA reads and ``NSATokenToKVPool`` stores.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -88,3 +99,42 @@ def sparse_mla_decode_reference(
     probs = torch.where(empty[..., None], 0.0, torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]))
     out = torch.einsum("bhk,bkd->bhd", probs, gathered[..., :dv])
     return out, lse.masked_fill(empty, float("inf"))
+
+
+def flash_mla_sparse_fwd_reference(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = KV_LORA_RANK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q`` [T, H, 576] bf16, ``kv`` [N, 1, 576] bf16, ``indices`` [T, 1, k] (-1 skipped) ->
+    (out [T, H, d_v] bf16, max_logits [T, H] (base 2), LSE [T, H] base 2)."""
+    out, lse = sparse_mla_decode_reference(q.float(), kv[:, 0].float(), indices[:, 0], sm_scale, d_v)
+    log2e = 1.0 / math.log(2.0)
+    rows = kv[:, 0].float()[indices[:, 0].clamp(min=0).long()]
+    scores = torch.einsum("thd,tkd->thk", q.float(), rows) * sm_scale * log2e
+    scores = scores.masked_fill((indices[:, 0] < 0)[:, None, :], float("-inf"))
+    return out.to(torch.bfloat16), scores.amax(dim=-1), lse * log2e
+
+
+def fa3_paged_decode_reference(
+    q, k_cache, v_cache, qv=None, page_table=None, cache_seqlens=None, cu_seqlens_q=None,
+    max_seqlen_q=None, softmax_scale=None, causal=True, return_softmax_lse=False, **_,
+):
+    """``q`` [T, H, 64] (rope), ``qv`` [T, H, 512], ``k_cache`` [N, 1, 1, 64], ``v_cache``
+    [N, 1, 1, 512], ``page_table`` [B, k] rows, ``cache_seqlens`` [B]; T == B (decode)."""
+    if max_seqlen_q != 1 or q.shape[0] != page_table.shape[0]:
+        raise NotImplementedError("the fa3 reference serves decode: one query per request")
+    k_rope = k_cache.reshape(k_cache.shape[0], -1).float()
+    latent = v_cache.reshape(v_cache.shape[0], -1).float()
+    rows = page_table.long()  # -1 reads the last row, as an unskipped -1 reads some row
+    read = torch.arange(rows.shape[1], device=rows.device)[None, :] < cache_seqlens[:, None]
+    scores = (
+        torch.einsum("thd,tkd->thk", q.float(), k_rope[rows])
+        + torch.einsum("thd,tkd->thk", qv.float(), latent[rows])
+    ) * softmax_scale
+    scores = scores.masked_fill(~read[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [T, H]
+    empty = ~torch.isfinite(lse)
+    probs = torch.where(empty[..., None], 0.0, torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None]))
+    out = torch.einsum("thk,tkd->thd", probs, latent[rows]).to(qv.dtype)
+    if not return_softmax_lse:
+        return out
+    return out, lse.masked_fill(empty, float("-inf")).t().contiguous()

@@ -173,6 +173,16 @@ class TestCpSharedKVServerArgs(CustomTestCase):
             with self.subTest(extra=extra):
                 self.assertRejected(*flags, model_path="dummy", **{**CP_ON, **extra})
 
+    def test_rejects_an_unknown_decode_mode_before_launch(self):
+        """SGLANG_CP_SHARED_KV_DECODE is read where per-owner decode attaches, in every scheduler;
+        the launcher refuses a bad value first. Planted: the check removed -> no ValueError."""
+        with mock.patch.dict(os.environ, {"SGLANG_CP_SHARED_KV_DECODE": "owner"}):
+            self.assertRejected("SGLANG_CP_SHARED_KV_DECODE", model_path="dummy", **CP_ON)
+        for mode in ("gather", "per_owner"):
+            with mock.patch.dict(os.environ, {"SGLANG_CP_SHARED_KV_DECODE": mode}):
+                args = ServerArgs(model_path="dummy", **CP_ON)
+            self.assertIs(args.enable_nsa_prefill_cp_shared_kv, True)
+
     # ---- PD disaggregation (docs/pd-disaggregation.md) ----
 
     def test_rejects_pd_decode_mode(self):

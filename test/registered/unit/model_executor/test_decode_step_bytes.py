@@ -1,7 +1,8 @@
 """Bytes per decode step: the formulas equal the bytes of the buffers the exchanges actually send, and
 the per-owner path does not grow with the context while the page gather does.
 
-Planted bug: the all-gather form's LSE counted as 2 bytes -> the buffer-size test fails (reverted).
+Planted bugs: the all-gather form's LSE counted as 2 bytes -> the buffer-size test fails
+(reverted); the bf16 KV row as 1152 - 132 bytes -> the documented table no longer matches (reverted).
 """
 
 import unittest
@@ -18,7 +19,9 @@ from sglang_cp_shared_kv.model_executor.decode_step_bytes import (
     merge_bytes_per_token_layer,
     page_gather_bytes,
     per_owner_bytes,
+    step_bytes_table,
 )
+from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
 
@@ -68,6 +71,14 @@ class TestDecodeStepBytes(CustomTestCase):
         self.assertAlmostEqual(page_gather_bytes(GLM5_FP8, 8, 131072) / 1e9, 7.05, places=2)
         self.assertAlmostEqual(merge_bytes_per_token_layer(GLM5_FP8, 8, "all_gather"), 460544)
         self.assertAlmostEqual(merge_bytes_per_token_layer(GLM5_FP8, 8, "scaled_sum"), 116480)
+
+
+    def test_docs_table_is_the_code_output(self):
+        """docs/runtime.md shows users the table this module computes (GLM-5, cp 2/8, batch 1/32,
+        4K-128K), not numbers typed by hand."""
+        table = step_bytes_table()
+        self.assertIn("| 8 | 1 x 128K | 7.05 GB | 11.5 GB | 18.0 MB |", table)
+        self.assertIn(table, (REPO_ROOT / "docs" / "runtime.md").read_text())
 
 
 if __name__ == "__main__":

@@ -1,75 +1,216 @@
 """Per-owner decode through sglang's own decode methods, on 2 and 3 gloo ranks: the hooked
-``get_indexer_metadata`` + ``Indexer._get_topk_paged`` + ``_forward_flashmla_kv`` give every rank the
-output a replicated pool gives, without the gather scratch.
+``get_indexer_metadata`` + ``Indexer._get_topk_paged`` + ``forward_decode`` give every rank the
+output a replicated pool gives, without the gather scratch, for each decode impl served
+(``flashmla_kv`` over fp8 KV, ``flashmla_sparse`` and ``fa3`` over bf16 KV).
 
-Each rank holds a real fp8 ``NSATokenToKVPool`` shard (cut from one replicated pool by the layout)
-and runs: the backend's metadata hook (per-owner begin, no plan), the decode token's KV store
-through the owner-filtered hook, sglang's paged indexer (deep_gemm replaced by its torch reference)
-and sglang's ``_forward_flashmla_kv`` (FlashMLA replaced by its torch reference). The parent checks
-every rank's output equals the others' and the replicated attention's (bf16 tolerance), that the
-ranks' indices cover the replicated selection exactly once, and that the scratch stayed untouched.
+Each rank holds a real ``NSATokenToKVPool`` shard (cut from one replicated pool by the layout) and
+runs two decode steps of three layers (top-k, ``skip_topk`` reusing its indices, top-k) over a batch
+with requests longer and shorter than top-k, one of a single page (a rank owns none of its rows)
+and a padded one (``req_to_token`` row 0): the backend's metadata hook (per-owner begin, no plan),
+sglang's paged indexer (deep_gemm replaced by its torch reference) and ``forward_decode`` (its
+owner-filtered store, ``get_key_buffer``, the impl's kernel replaced by its torch reference). The
+parent checks every rank's output equals the others' and the replicated attention's (bf16
+tolerance), padded rows give exactly 0, the ranks' indices cover the replicated selection exactly
+once, the decode rows were stored, and the scratch stayed untouched.
 
-Planted bugs, each made this test fail (then reverted): the attention hook returning the partial
-without the merge; the indexer hook keeping the logical ``real_page_table``; ``serves_physical``
-always False (getters demand the scratch: RuntimeError); ``attach`` ignoring SGLANG_NSA_FUSE_TOPK.
+Planted bugs (``per_owner_decode_hooked.PLANTS``, applied to the run only), each made this test fail;
+each but the two kernel-convention plants also runs on a batch without the case it targets, where
+it passes, so the case is what catches it: a ``skip_topk`` layer's partial not merged; the
+selection's padding attending row 0 (short requests); the dummy page owned by rank 0 (padded
+requests); an empty partial's LSE entering the global LSE (a rank owning none of a request's rows);
+the second step reusing the first step's tables; fa3 without the compaction; the kernel's LSE base.
+Earlier plants, also caught (then reverted): the attention hook returning the partial without the
+merge; the indexer hook keeping the logical ``real_page_table``; ``serves_physical`` always False;
+``attach`` ignoring SGLANG_NSA_FUSE_TOPK.
 """
 
+import os
 import unittest
 from types import SimpleNamespace
+from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 
-register_cpu_ci(est_time=120, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
 PAGE = hooked.PAGE
 TOPK = 128
-SEQ_LENS = [900, 128, 70, 400]  # one of exactly k, one shorter than k
+# longer than k, shorter than k, a single page (a rank owns none of its rows), exactly k
+SEQ_LENS = (300, 100, 40, 128)
+FULL = dict(seq_lens=SEQ_LENS, topk=TOPK, padded=1, layers=("topk", "skip", "topk"), steps=2)
+IMPLS = (("flashmla_kv", "fp8"), ("flashmla_sparse", "bf16"), ("fa3", "bf16"))
+REL_TOL = 2e-2
+
+
+def scenario(impl="flashmla_kv", **overrides):
+    kv_dtype = dict(IMPLS)[impl]
+    return hooked.Scenario(**{**FULL, "decode_impl": impl, "kv_dtype": kv_dtype, **overrides})
+
+
+# plant -> (impl, the comparison entry it breaks, the scenario without the case it targets or None)
+PLANT_CASES = {
+    "skip-layer-unmerged": ("flashmla_kv", "passed_tolerance", dict(layers=("topk", "topk", "topk"))),
+    "short-pad-row-0": ("flashmla_kv", "passed_tolerance", dict(seq_lens=(300, 200, 129), padded=0)),
+    "padded-row-owned": ("flashmla_sparse", "padded_rows_zero", dict(padded=0)),
+    # without the case: long requests, every rank owns some of every token's selected rows
+    "empty-partial-counted": ("flashmla_kv", "passed_tolerance", dict(seq_lens=(1000, 700, 900), padded=0)),
+    "stale-tables": ("fa3", "indices_cover_selection", dict(steps=1)),
+    "fa3-no-compaction": ("fa3", "passed_tolerance", None),
+    "lse-natural": ("flashmla_sparse", "passed_tolerance", None),
+}
 
 
 class TestPerOwnerDecodeGloo(CustomTestCase):
-    def test_every_rank_gets_the_replicated_output(self):
-        for cp_size in (2, 3):
-            results = run_ranks(hooked.run_rank, cp_size, (SEQ_LENS, TOPK, "cpu"))
-            case = hooked.make_case(cp_size, SEQ_LENS, "cpu")
-            expected, locs = hooked.replicated_reference(case, results, TOPK)
-            comparison = hooked.compare(case, results, expected, locs, rel_tol=2e-2)
-            with self.subTest(cp_size=cp_size):
-                self.assertEqual(tuple(results[0]["out"].shape), (len(SEQ_LENS), 1, hooked.HEADS, 512))
-                self.assertTrue(hooked.passed(comparison), comparison)
-                self.assertLess(comparison["rel_err"], 1e-2)
-                # the torch quantizer on CPU: the stored rows are the replicated pool's bytes
-                for result in results:
-                    self.assertTrue(
-                        (result["stored_rows"] == case.kv_rows_new[result["stored_locs"]]).all()
-                    )
+    def _check_passes(self, results, comparison, sc):
+        self.assertTrue(hooked.passed(comparison), comparison)
+        self.assertLess(comparison["rel_err"], 1e-2)
+        out = results[0]["out"]
+        self.assertEqual(len(out), sc.steps)
+        self.assertEqual(tuple(out[0][0].shape), (sc.batch_size, hooked.HEADS, 512))
+        # a rank owned none of a real request's selected rows: the empty-partial case ran
+        self.assertGreater(sum(r["empty_partials"] for r in results), 0)
+
+    def test_every_rank_gets_the_replicated_output_for_every_impl(self):
+        scenarios = [scenario(impl) for impl, _ in IMPLS]
+        # per-owner decode attached by the plugin's own hooks (ModelRunner.init_attention_backend)
+        scenarios.append(scenario("flashmla_kv", hooks="plugin"))
+        for sc, (results, comparison) in zip(scenarios, hooked.run_scenarios(2, scenarios, "cpu", REL_TOL)):
+            with self.subTest(cp_size=2, impl=sc.decode_impl, hooks=sc.hooks):
+                self._check_passes(results, comparison, sc)
+        sc = scenario("flashmla_kv")
+        results, comparison = hooked.run_scenario(3, sc, "cpu", REL_TOL)
+        with self.subTest(cp_size=3, impl="flashmla_kv"):
+            self._check_passes(results, comparison, sc)
+
+    def test_each_plant_fails_and_only_its_case_catches_it(self):
+        scenarios, expect = [], []
+        for plant, (impl, broken, without_case) in PLANT_CASES.items():
+            scenarios.append(scenario(impl, plant=plant))
+            expect.append((plant, broken, False))
+            if without_case is not None:
+                scenarios.append(scenario(impl, plant=plant, **without_case))
+                expect.append((plant, "without its case", True))
+        outcomes = hooked.run_scenarios(2, scenarios, "cpu", REL_TOL)
+        for (plant, broken, should_pass), (results, comparison) in zip(expect, outcomes):
+            with self.subTest(plant=plant, expect=broken):
+                self.assertEqual(hooked.passed(comparison), should_pass, comparison)
+                if not should_pass:
+                    self.assertFalse(comparison[broken], comparison)
+                elif plant == "empty-partial-counted":
+                    self.assertEqual([r["empty_partials"] for r in results], [0, 0])
 
 
 class TestPerOwnerDecodeStartup(CustomTestCase):
-    def _runtime(self):
+    def _runtime(self, kv_dtype="fp8"):
         from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
         from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
         from sglang_cp_shared_kv.testing.multi_rank import single_process_group
         from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
 
-        pool = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
-        scratch = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
+        pool = make_nsa_pool(2 * PAGE, kv_dtype, 1, "cpu")
+        scratch = make_nsa_pool(2 * PAGE, kv_dtype, 1, "cpu")
         return CpSharedKVRuntime(pool, CpSharedKVLayout(1, 0, PAGE), scratch, single_process_group())
 
-    def test_attaches_only_for_flashmla_kv_with_fused_top_k(self):
+    def test_attaches_only_for_served_impls_with_fused_top_k(self):
         from sglang.srt.environ import envs
         from sglang_cp_shared_kv.model_executor import per_owner_decode
 
-        runtime = self._runtime()
-        self.assertIsNone(per_owner_decode.attach(runtime, "fa3"))
-        self.assertIsNone(per_owner_decode.per_owner_of(runtime.pool))
+        for impl in ("trtllm", "tilelang", "aiter", None):
+            runtime = self._runtime()
+            with self.assertLogs(per_owner_decode.logger, "INFO") as logs:
+                self.assertIsNone(per_owner_decode.attach(runtime, impl))
+            self.assertIn("decode uses the page gather", logs.output[0])
+            self.assertIsNone(per_owner_decode.per_owner_of(runtime.pool))
         with envs.SGLANG_NSA_FUSE_TOPK.override(False):
-            self.assertIsNone(per_owner_decode.attach(runtime, "flashmla_kv"))
-        state = per_owner_decode.attach(runtime, "flashmla_kv")
-        self.assertIs(per_owner_decode.per_owner_of(runtime.pool), state)
-        self.assertFalse(per_owner_decode.serves_physical(runtime))  # no decode forward begun
+            self.assertIsNone(per_owner_decode.attach(self._runtime(), "flashmla_kv"))
+        for impl, base in (("flashmla_kv", "e"), ("flashmla_sparse", 2), ("fa3", "e")):
+            runtime = self._runtime()
+            state = per_owner_decode.attach(runtime, impl)
+            self.assertIs(per_owner_decode.per_owner_of(runtime.pool), state)
+            self.assertEqual(state.decode_impl, impl)
+            self.assertAlmostEqual(state.lse_base, 2.718281828459045 if base == "e" else 2.0)
+            self.assertFalse(per_owner_decode.serves_physical(runtime))  # no decode forward begun
+
+    def test_decode_mode_env(self):
+        from sglang_cp_shared_kv.model_executor import per_owner_decode
+
+        env = per_owner_decode.DECODE_MODE_ENV
+        self.assertEqual(env, "SGLANG_CP_SHARED_KV_DECODE")
+        with mock.patch.dict(os.environ, {env: "gather"}):
+            runtime = self._runtime()
+            with self.assertLogs(per_owner_decode.logger, "INFO") as logs:
+                self.assertIsNone(per_owner_decode.attach(runtime, "flashmla_kv"))
+            self.assertIn(f"{env}=gather", logs.output[0])
+        with mock.patch.dict(os.environ, {env: "per_owner"}):
+            self.assertIsNotNone(per_owner_decode.attach(self._runtime(), "flashmla_kv"))
+        with mock.patch.dict(os.environ, {env: "per-owner"}):
+            with self.assertRaisesRegex(ValueError, env):
+                per_owner_decode.attach(self._runtime(), "flashmla_kv")
+
+    def _plugin_decode_forward(self, mode):
+        """The plugin's runtime hooks applied; init_attention_backend on a model runner holding an
+        attached runtime, then a decode forward's metadata hook. Returns (state, plan begun)."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang_cp_shared_kv import plugin
+        from sglang_cp_shared_kv.model_executor import peer_page_reads, per_owner_decode
+        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+        sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
+        env = {} if mode is None else {per_owner_decode.DECODE_MODE_ENV: mode}
+        with mock.patch.dict(os.environ, env), applied_hooks(plugin.register_runtime_hooks):
+            if mode is None:
+                os.environ.pop(per_owner_decode.DECODE_MODE_ENV, None)
+            runtime = self._runtime()
+            backend = SimpleNamespace(nsa_decode_impl="flashmla_kv", forward_metadata=None)
+            hooked.init_attention_backend(runtime.pool, backend)
+            state = per_owner_decode.per_owner_of(runtime.pool)
+            forward_batch = SimpleNamespace(
+                forward_mode=ForwardMode.DECODE, token_to_kv_pool=runtime.pool
+            )
+            plan = SimpleNamespace(remap_token_locs=lambda t: t, remap_pages=lambda t: t)
+            metadata = SimpleNamespace(real_page_table="pages", cache_seqlens_int32="lens",
+                                       page_table_1="locs", page_table_1_flattened=None,
+                                       paged_mqa_schedule_metadata=None)
+            backend.forward_metadata = metadata
+            with mock.patch.object(runtime, "begin_forward", return_value=plan) as begin, \
+                    mock.patch("dataclasses.replace", side_effect=lambda m, **kw: m), \
+                    mock.patch.object(per_owner_decode, "build_owner_decode_tables") as tables:
+                peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+            return state, begin.called, tables.called
+
+    def test_plugin_decodes_per_owner_by_default_and_gathers_on_request(self):
+        state, planned, per_owner_tables = self._plugin_decode_forward(None)
+        self.assertIsNotNone(state)
+        self.assertEqual(state.decode_impl, "flashmla_kv")
+        self.assertTrue(per_owner_tables)
+        self.assertFalse(planned)
+        state, planned, per_owner_tables = self._plugin_decode_forward("gather")
+        self.assertIsNone(state)
+        self.assertTrue(planned)
+        self.assertFalse(per_owner_tables)
+        with self.assertRaisesRegex(ValueError, "SGLANG_CP_SHARED_KV_DECODE"):
+            self._plugin_decode_forward("sometimes")
+
+    def test_runtime_attaches_before_per_owner_decode(self):
+        """HookRegistry runs AFTER hooks of one target in registration order: the plugin must
+        register the runtime's attach before per-owner decode's."""
+        from sglang_cp_shared_kv import plugin
+        from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, per_owner_decode
+
+        target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
+        order = []
+        registry = SimpleNamespace(
+            register=lambda name, hook, kind: order.append(hook) if name == target else None
+        )
+        plugin.register_runtime_hooks(registry)
+        self.assertIn(per_owner_decode.attach_after_runtime, order)
+        self.assertLess(
+            order.index(cp_shared_kv_runtime.attach_runtime),
+            order.index(per_owner_decode.attach_after_runtime),
+        )
 
     def test_every_target_resolves_in_sglang(self):
         import pkgutil

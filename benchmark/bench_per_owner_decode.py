@@ -1,0 +1,302 @@
+"""One decode layer's per-rank work, per owner vs through the page gather, on one GPU (GLM-5 widths).
+
+GLM-5 widths: 64 heads, KV latent 512 + rope 64 (fp8 656-byte rows, ``flashmla_kv``), indexer 32
+heads x 128 (fp8, 132 bytes per token), 64-token pages, top-k 2048. For each cp size, batch and
+context (tokens per request), the work ONE rank does in one decode layer, timed on the device:
+
+* per owner (what ``per_owner_decode`` runs): ``deep_gemm.fp8_paged_mqa_logits`` over the pages this
+  rank owns (its block table from ``owner_decode_tables``), the local top-k candidates
+  (``decode_topk_merge.local_candidates``), the global selection from the ``cp_size * k`` candidates
+  and this rank's attention indices, ``flash_mla_with_kvcache`` over the owned rows (-1 elsewhere),
+  and the merge arithmetic (global LSE, this rank's scaled partial). The exchange is EMULATED in
+  process: the other ranks' candidate keys and LSEs are precomputed tensors concatenated with this
+  rank's (no collective is timed; ``bench_per_owner_decode_exchange.py`` times the collectives).
+  The owner tables are built once per forward and timed separately (``tables``).
+* page gather (the path decode takes without per-owner decode): a device copy of every page of the
+  batch (KV rows and indexer pages) into a scratch, which stands for the gather's writes of the
+  rank's own and received pages (the network transfer is EXCLUDED), the indexer over all pages,
+  sglang's fused top-k (``fast_topk_transform_fused``) and ``flash_mla_with_kvcache`` over the 2048
+  selected rows.
+
+Times: median over ``--iters`` runs of CUDA-event time per layer (eager: host launch gaps
+included), after ``--warmup`` runs. Pass/fail: none; a table, per-owner / gather ratio last.
+
+    source scripts/gpu/remote_env.sh && python benchmark/bench_per_owner_decode.py     # H200, ~2 min
+    python benchmark/bench_per_owner_decode.py --device cpu                            # dry run
+
+Needs ``deep_gemm``, ``sgl_kernel``'s FlashMLA and fused top-k on the device (``deep_gemm`` is staged
+with ``build_stage.sh --serve``). ``--device cpu`` is a dry run of the plumbing: torch references of the kernels, tiny contexts
+(``--contexts-k`` defaults to 1,2 there, top-k 128); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+HEADS, INDEX_HEADS, INDEX_DIM, PAGE = 64, 32, 128, 64
+KV_ROW_BYTES, INDEX_ROW_BYTES = 656, INDEX_DIM + 4
+SM_SCALE = 576**-0.5
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--cp-sizes", default="2,8", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--batches", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--contexts-k", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                        help="tokens per request, in units of 1024 (default 4,16,64,128; cpu: 1,2)")
+    parser.add_argument("--topk", type=int, default=None, help="default 2048 (cpu: 128)")
+    parser.add_argument("--iters", type=int, default=None, help="default 20 (cpu: 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (cpu: 0)")
+    args = parser.parse_args(argv)
+    cpu = args.device == "cpu"
+    args.contexts_k = args.contexts_k or ([1, 2] if cpu else [4, 16, 64, 128])
+    args.topk = args.topk or (128 if cpu else 2048)
+    args.iters = args.iters or (1 if cpu else 20)
+    args.warmup = args.warmup if args.warmup is not None else (0 if cpu else 3)
+    return args
+
+
+# ---- kernels: real on CUDA, torch references on CPU ----
+
+
+class Kernels:
+    def __init__(self, device: str, topk: int):
+        from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+
+        self.device, self.topk, self.ref = device, topk, ref
+        if device == "cuda":
+            import deep_gemm
+            from sgl_kernel import fast_topk_transform_fused
+            from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+            self.deep_gemm, self.fused_topk = deep_gemm, fast_topk_transform_fused
+            self.flash_mla, self.mla_metadata = flash_mla_with_kvcache, get_mla_metadata
+            self.num_sms = deep_gemm.get_num_sms()
+
+    def schedule(self, lens):
+        if self.device != "cuda":
+            return None
+        return self.deep_gemm.get_paged_mqa_logits_metadata(lens, PAGE, self.num_sms)
+
+    def logits(self, q_fp8, weights, index_pages, block_table, lens, schedule):
+        if self.device != "cuda":
+            pages = index_pages.view(index_pages.shape[0], -1)
+            return self.ref.paged_mqa_logits_reference(q_fp8, weights, pages, block_table, lens, PAGE)
+        return self.deep_gemm.fp8_paged_mqa_logits(
+            q_fp8.unsqueeze(1), index_pages, weights, lens, block_table, schedule,
+            block_table.shape[1] * PAGE, clean_logits=False,
+        )
+
+    def attention_metadata(self, cache_seqlens):
+        if self.device != "cuda":
+            return None
+        return self.mla_metadata(cache_seqlens, HEADS, 1, HEADS, True, self.topk)
+
+    def attention(self, q, kv_rows, indices, cache_seqlens, metadata):
+        """(out [B, H, 512], natural LSE [B, H]) over fp8 rows [N, 656] with ``indices`` [B, k]."""
+        if self.device != "cuda":
+            rows = self.ref.kv_rows_as_float(kv_rows)
+            out, lse = self.ref.sparse_mla_decode_reference(q.float(), rows, indices, SM_SCALE)
+            return out.to(q.dtype), lse
+        batch = q.shape[0]
+        out, lse = self.flash_mla(
+            q=q.view(batch, 1, HEADS, -1),
+            k_cache=kv_rows.view(torch.float8_e4m3fn).view(-1, PAGE, 1, KV_ROW_BYTES),
+            block_table=torch.empty((batch, 0), dtype=torch.int32, device=q.device),
+            cache_seqlens=cache_seqlens, head_dim_v=512, tile_scheduler_metadata=metadata[0],
+            num_splits=metadata[1], softmax_scale=SM_SCALE, indices=indices.view(batch, 1, -1),
+            is_fp8_kvcache=True,
+        )
+        return out[:, 0], lse[:, :, 0]
+
+    def sglang_topk(self, logits, lens, page_table_1, cu_seqlens_q):
+        if self.device != "cuda":
+            from sglang_cp_shared_kv.model_executor.decode_topk_merge import replicated_topk_positions
+
+            positions = replicated_topk_positions(logits, lens, self.topk)
+            return torch.where(positions >= 0, page_table_1.gather(1, positions.clamp(min=0).long()), -1)
+        return self.fused_topk(
+            score=logits, lengths=lens, page_table_size_1=page_table_1, cu_seqlens_q=cu_seqlens_q,
+            topk=self.topk, row_starts=None,
+        )
+
+
+# ---- the pools ----
+
+
+def make_pool(tokens: int, device: str) -> tuple:
+    """Random fp8 KV rows [tokens, 656] (uint8) and indexer pages [tokens / 64, 64, 1, 132] (uint8)
+    with finite values (fp8 from normals, unit scales)."""
+    pages = tokens // PAGE
+    kv = torch.empty(tokens, KV_ROW_BYTES, dtype=torch.uint8, device=device)
+    kv[:, :512] = torch.randn(tokens, 512, device=device).to(torch.float8_e4m3fn).view(torch.uint8)
+    kv[:, 512:528] = torch.ones(tokens, 4, device=device).view(torch.uint8)
+    kv[:, 528:] = torch.randn(tokens, 64, device=device).to(torch.bfloat16).view(torch.uint8)
+    index = torch.empty(pages, PAGE * INDEX_ROW_BYTES, dtype=torch.uint8, device=device)
+    index[:, : PAGE * INDEX_DIM] = (
+        torch.randn(pages, PAGE * INDEX_DIM, device=device).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
+    index[:, PAGE * INDEX_DIM :] = torch.ones(pages, PAGE, device=device).view(torch.uint8)
+    return kv, index.view(pages, PAGE, 1, INDEX_ROW_BYTES)
+
+
+def _timer(device: str, iters: int, warmup: int):
+    def run(fn) -> float:
+        """Median microseconds of ``fn`` per call."""
+        times = []
+        for i in range(warmup + iters):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                elapsed_us = start.elapsed_time(end) * 1e3
+            else:
+                t0 = time.perf_counter()
+                fn()
+                elapsed_us = (time.perf_counter() - t0) * 1e6
+            if i >= warmup:
+                times.append(elapsed_us)
+        return statistics.median(times)
+
+    return run
+
+
+def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tokens: int) -> dict:
+    from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
+    from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+        PAD_KEY,
+        local_candidates,
+        owned_attention_indices,
+        select_global,
+    )
+    from sglang_cp_shared_kv.model_executor.owner_decode_tables import build_owner_decode_tables
+
+    device, topk = args.device, args.topk
+    timer = _timer(device, args.iters, args.warmup)
+    g = torch.Generator(device="cpu").manual_seed(cp_size * 1000 + batch)
+    kv_pool, index_pool = pool
+    pages_per_request = context_tokens // PAGE
+    total_pages = batch * pages_per_request
+    seq_lens = torch.full((batch,), context_tokens, dtype=torch.int32, device=device)
+    q_index = torch.randn(batch, INDEX_HEADS, INDEX_DIM, generator=g).to(device).to(torch.float8_e4m3fn)
+    weights = (torch.rand(batch, INDEX_HEADS, generator=g) * 0.1).to(device)
+    q = torch.randn(batch, HEADS, 576, generator=g).to(device).to(torch.bfloat16)
+    nsa_lens = seq_lens.clamp(max=topk)
+
+    # Per owner, rank 0: logical pages >= cp_size in a random order; rank 0's shard is physical
+    # pages 0 .. total / cp + 1 of the pool buffers.
+    layout = CpSharedKVLayout(cp_size, 0, PAGE)
+    logical = (torch.randperm(total_pages, generator=g) + cp_size).view(batch, pages_per_request)
+    real_page_table = logical.to(device=device, dtype=torch.int32)
+    shard_pages = total_pages // cp_size + 2
+    shard_kv, shard_index = kv_pool[: shard_pages * PAGE], index_pool[:shard_pages]
+    tables = build_owner_decode_tables(layout, real_page_table, seq_lens)
+    width = tables.physical_page_table.shape[1] * PAGE
+    positions, rows = tables.local_positions(width), tables.local_physical_rows(width)
+    owner_schedule = kernels.schedule(tables.owned_seq_lens)
+    owner_metadata = kernels.attention_metadata(nsa_lens)
+    # The other ranks' candidates: this rank's scores at other positions (same distribution, so
+    # the global selection takes about 1/cp of its rows from each rank).
+    own = local_candidates(
+        kernels.logits(q_index, weights, shard_index, tables.physical_page_table, tables.owned_seq_lens,
+                       owner_schedule).float(),
+        positions, rows, topk,
+    ).keys
+    others = torch.stack([torch.where(own == PAD_KEY, PAD_KEY, own ^ (r + 1)) for r in range(cp_size - 1)])
+    other_lses = torch.randn(cp_size - 1, batch, HEADS, generator=g).to(device)
+    first = local_candidates(kernels.logits(q_index, weights, shard_index, tables.physical_page_table,
+                                            tables.owned_seq_lens, owner_schedule), positions, rows, topk)
+    selection = select_global(torch.cat([first.keys[None], others]))
+    attended = int((owned_attention_indices(selection, first, 0) >= 0).sum()) // batch  # setup only
+
+    def per_owner_layer():
+        logits = kernels.logits(
+            q_index, weights, shard_index, tables.physical_page_table, tables.owned_seq_lens, owner_schedule
+        )
+        candidates = local_candidates(logits, positions, rows, topk)
+        gathered = torch.cat([candidates.keys[None], others])  # emulated all-gather
+        indices = owned_attention_indices(select_global(gathered), candidates, 0)
+        out, lse = kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata)
+        lse_all = merge.global_lse(torch.cat([lse.float()[None], other_lses]))  # emulated all-gather
+        return merge.scaled_partial(out, lse, lse_all).to(out.dtype)  # then the sum all-reduce
+
+    def tables_per_forward():
+        t = build_owner_decode_tables(layout, real_page_table, seq_lens)
+        return t.local_positions(width), t.local_physical_rows(width)
+
+    # Page gather: every page of the batch copied into a scratch (pages 1.., page 0 the dummy).
+    scratch_kv = torch.empty((total_pages + 1) * PAGE, KV_ROW_BYTES, dtype=torch.uint8, device=device)
+    scratch_index = torch.empty(total_pages + 1, PAGE, 1, INDEX_ROW_BYTES, dtype=torch.uint8, device=device)
+    source_pages = torch.randperm(total_pages, generator=g).to(device)
+    slot = torch.arange(PAGE, device=device)
+    source_rows = (source_pages[:, None] * PAGE + slot).reshape(-1)
+    scratch_table = (torch.arange(total_pages, device=device, dtype=torch.int32) + 1).view(batch, -1)
+    page_table_1 = (scratch_table.long()[:, :, None] * PAGE + slot).reshape(batch, -1).to(torch.int32)
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    gather_schedule = kernels.schedule(seq_lens)
+    gather_metadata = kernels.attention_metadata(nsa_lens)
+
+    def copy_pages():
+        torch.index_select(kv_pool, 0, source_rows, out=scratch_kv[PAGE:])
+        torch.index_select(index_pool, 0, source_pages, out=scratch_index[1:])
+
+    def gather_layer():
+        copy_pages()
+        logits = kernels.logits(q_index, weights, scratch_index, scratch_table, seq_lens, gather_schedule)
+        indices = kernels.sglang_topk(logits, seq_lens, page_table_1, cu_seqlens_q)
+        return kernels.attention(q, scratch_kv, indices, nsa_lens, gather_metadata)
+
+    return {
+        "cp": cp_size,
+        "batch": batch,
+        "context_k": context_tokens // 1024,
+        "owned_rows_attended": attended,
+        "per_owner_us": timer(per_owner_layer),
+        "tables_us": timer(tables_per_forward),
+        "gather_us": timer(gather_layer),
+        "copy_us": timer(copy_pages),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device; use --device cpu")
+        return 2
+    kernels = Kernels(args.device, args.topk)
+    start = time.monotonic()
+    largest = max(args.batches) * max(args.contexts_k) * 1024
+    pool = make_pool(largest + 2 * PAGE * max(args.cp_sizes), args.device)
+    print(
+        f"device={args.device} topk={args.topk} iters={args.iters} warmup={args.warmup}; exchange "
+        f"emulated in process (per owner) / excluded (gather: a device copy of every page instead)"
+    )
+    print("| cp | batch x context | per owner / layer (rows attended) | (tables / forward) | page gather / layer | (its copy) | per owner / gather |")
+    print("|---|---|---|---|---|---|---|")
+    for cp_size in args.cp_sizes:
+        for batch in args.batches:
+            for context_k in args.contexts_k:
+                r = run_case(args, kernels, pool, cp_size, batch, context_k * 1024)
+                print(
+                    f"| {cp_size} | {batch} x {context_k}K | {r['per_owner_us']:.0f} us "
+                    f"({r['owned_rows_attended']} rows) "
+                    f"| {r['tables_us']:.0f} us | {r['gather_us']:.0f} us | {r['copy_us']:.0f} us "
+                    f"| {r['per_owner_us'] / r['gather_us']:.2f} |",
+                    flush=True,
+                )
+    print(f"done in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
