@@ -18,8 +18,10 @@ context (tokens per request), the work ONE rank does in one decode layer, timed 
   sglang's fused top-k (``fast_topk_transform_fused``) and ``flash_mla_with_kvcache`` over the 2048
   selected rows.
 
-Times: median over ``--iters`` runs of CUDA-event time per layer (eager: host launch gaps
-included), after ``--warmup`` runs. Pass/fail: none; a table, per-owner / gather ratio last.
+Times: median over ``--iters`` runs of CUDA-event time per layer, after ``--warmup`` runs, twice:
+eager (host launch gaps included: what an eager decode pays) and as a CUDA graph replay of the same
+layer (device time only: what decode under CUDA graphs pays). Pass/fail: none; a table, per-owner /
+gather ratios last.
 
     source scripts/gpu/remote_env.sh && python benchmark/bench_per_owner_decode.py     # H200, ~2 min
     python benchmark/bench_per_owner_decode.py --device cpu                            # dry run
@@ -50,6 +52,8 @@ def parse_args(argv=None):
     parser.add_argument("--batches", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--contexts-k", default=None, type=lambda s: [int(x) for x in s.split(",")],
                         help="tokens per request, in units of 1024 (default 4,16,64,128; cpu: 1,2)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each part of the per-owner layer, eager and as a graph")
     parser.add_argument("--topk", type=int, default=None, help="default 2048 (cpu: 128)")
     parser.add_argument("--iters", type=int, default=None, help="default 20 (cpu: 1)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3 (cpu: 0)")
@@ -170,6 +174,22 @@ def _timer(device: str, iters: int, warmup: int):
     return run
 
 
+def _graphed(device: str, fn):
+    """``fn`` captured once into a CUDA graph; returns its replay (``fn`` itself on CPU)."""
+    if device != "cuda":
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (allocations, lazy inits)
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tokens: int) -> dict:
     from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
@@ -230,6 +250,26 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         lse_all = merge.global_lse(torch.cat([lse.float()[None], other_lses]))  # emulated all-gather
         return merge.scaled_partial(out, lse, lse_all).to(out.dtype)  # then the sum all-reduce
 
+    def stages():
+        """The per-owner layer in its parts (each on the previous part's inputs, precomputed)."""
+        logits = kernels.logits(
+            q_index, weights, shard_index, tables.physical_page_table, tables.owned_seq_lens, owner_schedule
+        )
+        candidates = local_candidates(logits, positions, rows, topk)
+        gathered = torch.cat([candidates.keys[None], others])
+        indices = owned_attention_indices(select_global(gathered), candidates, 0)
+        out, lse = kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata)
+        return {
+            "indexer": lambda: kernels.logits(q_index, weights, shard_index, tables.physical_page_table,
+                                              tables.owned_seq_lens, owner_schedule),
+            "local top-k": lambda: local_candidates(logits, positions, rows, topk),
+            "selection": lambda: owned_attention_indices(
+                select_global(torch.cat([candidates.keys[None], others])), candidates, 0),
+            "attention": lambda: kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata),
+            "merge": lambda: merge.scaled_partial(
+                out, lse, merge.global_lse(torch.cat([lse.float()[None], other_lses]))),
+        }
+
     def tables_per_forward():
         t = build_owner_decode_tables(layout, real_page_table, seq_lens)
         return t.local_positions(width), t.local_physical_rows(width)
@@ -256,7 +296,12 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         indices = kernels.sglang_topk(logits, seq_lens, page_table_1, cu_seqlens_q)
         return kernels.attention(q, scratch_kv, indices, nsa_lens, gather_metadata)
 
+    breakdown = {}
+    if args.breakdown:
+        for name, fn in stages().items():
+            breakdown[name] = (timer(fn), timer(_graphed(device, fn)))
     return {
+        "breakdown": breakdown,
         "cp": cp_size,
         "batch": batch,
         "context_k": context_tokens // 1024,
@@ -265,6 +310,9 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         "tables_us": timer(tables_per_forward),
         "gather_us": timer(gather_layer),
         "copy_us": timer(copy_pages),
+        "per_owner_graph_us": timer(_graphed(device, per_owner_layer)),
+        "tables_graph_us": timer(_graphed(device, tables_per_forward)),
+        "gather_graph_us": timer(_graphed(device, gather_layer)),
     }
 
 
@@ -281,8 +329,8 @@ def main(argv=None) -> int:
         f"device={args.device} topk={args.topk} iters={args.iters} warmup={args.warmup}; exchange "
         f"emulated in process (per owner) / excluded (gather: a device copy of every page instead)"
     )
-    print("| cp | batch x context | per owner / layer (rows attended) | (tables / forward) | page gather / layer | (its copy) | per owner / gather |")
-    print("|---|---|---|---|---|---|---|")
+    print("| cp | batch x context | per owner / layer, eager (rows attended) | (tables / forward) | page gather / layer, eager | (its copy) | per owner / gather, eager | per owner / layer, graph | (tables, graph) | page gather / layer, graph | per owner / gather, graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cp_size in args.cp_sizes:
         for batch in args.batches:
             for context_k in args.contexts_k:
@@ -291,9 +339,14 @@ def main(argv=None) -> int:
                     f"| {cp_size} | {batch} x {context_k}K | {r['per_owner_us']:.0f} us "
                     f"({r['owned_rows_attended']} rows) "
                     f"| {r['tables_us']:.0f} us | {r['gather_us']:.0f} us | {r['copy_us']:.0f} us "
-                    f"| {r['per_owner_us'] / r['gather_us']:.2f} |",
+                    f"| {r['per_owner_us'] / r['gather_us']:.2f} | {r['per_owner_graph_us']:.0f} us "
+                    f"| {r['tables_graph_us']:.0f} us | {r['gather_graph_us']:.0f} us "
+                    f"| {r['per_owner_graph_us'] / r['gather_graph_us']:.2f} |",
                     flush=True,
                 )
+                if r["breakdown"]:
+                    parts = ", ".join(f"{k} {e:.0f}/{g:.0f}" for k, (e, g) in r["breakdown"].items())
+                    print(f"|   | per owner parts, us eager/graph: {parts} |", flush=True)
     print(f"done in {time.monotonic() - start:.0f} s")
     return 0
 
