@@ -11,6 +11,12 @@ small serving story through sglang's own store methods with our hooks applied (`
    with ``hicache`` the prefix page is being loaded back layer by layer (``LayerWiseLoadBack``);
 3. DECODE of the three requests (one opens a new page) plus a padded request (req_to_token row 0).
 
+With ``draft`` the rank also holds an MTP draft pool (one NextN layer, KV and indexer K) sharded by
+the same layout, with its own runtime sharing the target's scratch (``cp_shared_kv_draft_pool``):
+after each forward's target layers the draft runs its layer on the same batch and mode, as sglang's
+EAGLE worker runs its draft extend after a prefill (mode EXTEND) and its draft steps in DECODE mode.
+Its reads and, at the end, its rows are compared with a replicated one-layer pool like the target's.
+
 Layers in ``skip_index_layers`` behave like sglang's ``skip_topk`` layers: no indexer store, no
 indexer read. With a ``prefetch_group`` the runtime gets a second scratch slot and forward 2 runs
 the layer-ahead prefetch (``peer_page_prefetch``).
@@ -29,6 +35,7 @@ show that the check catches it. Used by the gloo unit test and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -48,6 +55,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
@@ -71,6 +79,11 @@ PLANTS = (
     "prefetch_without_waiting_for_reads",
     # a mixed page is taken whole from the prefetch: the store skips it (fill-only locs)
     "mixed_page_from_prefetch",
+)
+# Deliberate bugs of the draft pool's runtime (need ``draft``):
+DRAFT_PLANTS = (
+    # the first page of each draft store goes to the next rank instead of its owner
+    "draft_page_to_wrong_owner",
 )
 
 
@@ -210,6 +223,30 @@ def apply_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
         raise ValueError(f"unknown plant {plant!r}; one of {PLANTS}")
 
 
+def apply_draft_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
+    """Switch on one of ``DRAFT_PLANTS`` on the draft pool's runtime."""
+    if plant not in DRAFT_PLANTS:
+        return
+    layout, row_maps = runtime.layout, runtime.row_maps
+
+    def first_page_to_the_next_rank(plan, logical_locs):
+        maps = row_maps(plan, logical_locs)
+        page = int(logical_locs[0]) // PAGE_SIZE  # harness only: a host read is fine here
+        owner = page % layout.cp_size
+        on_page = logical_locs // PAGE_SIZE == page
+        slots = (logical_locs % PAGE_SIZE).long()
+        rows = maps.physical_rows.clone()
+        if layout.cp_rank == (owner + 1) % layout.cp_size:  # writes it over one of its own pages
+            rows = torch.where(on_page, layout.physical_page_of(page) * PAGE_SIZE + slots, rows)
+        elif layout.cp_rank == owner:  # and the owner does not write it
+            rows = torch.where(on_page, slots, rows)
+        return dataclasses.replace(
+            maps, physical_rows=rows, physical_page_slot=(rows // PAGE_SIZE, rows % PAGE_SIZE)
+        )
+
+    runtime.row_maps = first_page_to_the_next_rank
+
+
 def apply_hooks() -> None:
     """Patch sglang with our write and read hooks (process-wide: call in a dedicated process).
 
@@ -326,6 +363,7 @@ def run_rank(
     plant: Optional[str] = None,
     read_delay_ms: float = 0,
     sync_debug: bool = False,
+    draft: bool = False,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
 
@@ -357,7 +395,15 @@ def run_rank(
         prefetch_group=prefetch_group,
         indexer_layer_ids=indexer_layers,
     )
-    apply_plant(runtime, plant)
+    draft_shard = draft_replica = None
+    if draft:
+        draft_shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, 1, device)
+        draft_replica = make_nsa_pool((replica_pages - 1) * PAGE_SIZE, dtype_name, 1, device)
+        apply_draft_plant(attach_draft_runtime(draft_shard, shard), plant)
+    if plant not in DRAFT_PLANTS:
+        apply_plant(runtime, plant)
+    elif not draft:
+        raise ValueError(f"plant {plant!r} needs draft=True (it is applied to the draft's runtime)")
     rng = random.Random(seed)
     data = torch.Generator().manual_seed(seed)
     story = _Story(layout, physical_pages, rng, device)
@@ -390,8 +436,29 @@ def run_rank(
             load_back = LayerWiseLoadBack(shard, pages, delay_ms=delay_ms)
             load_back.arm()
         backend.forward_metadata = nsa_metadata_for(logical_table)
+        draft_inputs = None
+        if draft:
+            draft_inputs = tuple(
+                torch.randn(num_tokens, *shape, generator=data).to(torch.bfloat16).to(device)
+                for shape in ((1, 512), (1, 64), (128,))
+            )
         with counter if sync_debug else contextlib.nullcontext():
             _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms)
+            if draft:
+                _run_draft_layer(mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table)
+
+    def _run_draft_layer(mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table):
+        """The NextN layer (layer id 0 of its own one-layer pool) on the same batch and mode."""
+        draft_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, draft_shard, device)
+        replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, draft_replica, device)
+        draft_backend = SimpleNamespace(forward_metadata=nsa_metadata_for(logical_table))
+        peer_page_reads.remap_forward_metadata(None, draft_backend, draft_batch)
+        nope, rope, key = draft_inputs
+        for pool_batch in (draft_batch, replica_batch):
+            pool = pool_batch.token_to_kv_pool
+            Indexer._store_index_k_cache(indexer, pool_batch, 0, key, act_quant=act_quant)
+            pool.set_mla_kv_buffer(SimpleNamespace(layer_id=0), pool_batch.out_cache_loc, nope, rope)
+        _check_reads(0, reads, draft_backend.forward_metadata, draft_shard, draft_replica, result)
 
     def _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
@@ -437,6 +504,8 @@ def run_rank(
     run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
 
     _check_shard(layout, shard, replica, num_layers, result)
+    if draft:
+        _check_shard(layout, draft_shard, draft_replica, 1, result)
     if sync_debug:
         result.syncs = counter.counts() if counter.available else None
         result.sync_sites = [f"{owner}: {site}" for owner, site in counter.sites]

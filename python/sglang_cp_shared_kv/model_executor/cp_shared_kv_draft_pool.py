@@ -1,0 +1,66 @@
+"""The MTP draft's KV pool under shared KV: sharded by the target's layout, served by its own runtime.
+
+sglang 0.5.11's EAGLE worker gives the draft model runner the target's ``req_to_token_pool`` and
+token allocator and its own KV pool, built from the target's ``memory_pool_config``
+(``EAGLEWorker.__init__``, ``ModelRunnerKVCacheMixin.init_memory_pool``). For DeepSeek-V3.2 / GLM-5
+the draft is the NextN layer, whose attention has an NSA indexer, so that pool is an
+``NSATokenToKVPool`` of one layer with indexer K. Under shared KV the config still holds the
+target's *physical* tokens (the capacity hook publishes the logical capacity on the target runner
+only), while the shared allocator hands out *logical* locs. The draft pool is therefore exactly one
+rank's shard of a one-layer logical pool: every logical loc the allocator can hand out has a
+physical row on its owner (``CpSharedKVLayout``), and no byte more is needed than stock allocates.
+
+So the draft pool is sharded like the target's: a second ``CpSharedKVRuntime`` attaches to it, and
+the owner-filtered writes, the per-forward plan and the gather of the hooks serve it unchanged
+(they find the runtime through ``runtime_of(forward_batch.token_to_kv_pool)``). It shares the
+target's gather scratch (slot 0, one layer at the logical capacity): target and draft forwards run
+one after the other on the same stream, and every forward plans and assembles its own layers before
+reading them. The draft runs the serial path (one layer: nothing to prefetch behind).
+
+Replicating the draft pool at the logical capacity was the alternative; docs/speculative-decoding.md
+gives the numbers against it (memory stock never reserved, and the PD transfer and HiCache pair the
+draft's pages with the target's physical pages).
+"""
+
+from __future__ import annotations
+
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    FLAG,
+    CpSharedKVRuntime,
+    runtime_of,
+)
+
+
+def draft_pool_problems(target_pool, draft_pool) -> list[str]:
+    """Why ``draft_pool`` cannot be sharded by the target's layout (empty: it can).
+
+    The layout maps logical page ``q`` to physical page ``q // cp_size`` on every pool it serves, so
+    the draft pool must hold the same physical pages as the target's, in the same row formats (the
+    shared scratch stores both)."""
+    if type(draft_pool) is not NSATokenToKVPool:
+        return [f"{FLAG}: the draft pool must be an NSATokenToKVPool, got {type(draft_pool).__name__}"]
+    problems = []
+    for name in ("size", "page_size", "dtype", "kv_cache_dim", "index_head_dim"):
+        draft_value, target_value = getattr(draft_pool, name), getattr(target_pool, name)
+        if draft_value != target_value:
+            problems.append(
+                f"{FLAG}: the draft pool's {name} is {draft_value}, the target's {target_value}; a "
+                f"draft pool sharded by the target's layout needs the same"
+            )
+    return problems
+
+
+def attach_draft_runtime(draft_pool: NSATokenToKVPool, target_pool: NSATokenToKVPool) -> CpSharedKVRuntime:
+    """Attach a runtime to ``draft_pool`` with the layout, CP group and scratch of ``target_pool``'s."""
+    target = runtime_of(target_pool)
+    if target is None:
+        raise ValueError(f"{FLAG}: the target pool has no runtime; attach the target's first")
+    if runtime_of(draft_pool) is not None:
+        raise ValueError(f"{FLAG}: the draft pool already has a runtime")
+    problems = draft_pool_problems(target_pool, draft_pool)
+    if problems:
+        raise ValueError("; ".join(problems))
+    # indexer_layer_ids None: the NextN layer computes its own top-k (skip_topk is False for it).
+    return CpSharedKVRuntime(draft_pool, target.layout, target.scratch, target.cp_group)
