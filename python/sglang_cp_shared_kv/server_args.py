@@ -413,9 +413,9 @@ def runtime_problems(server_args) -> list[str]:
 # is served:
 SPECULATIVE_FORWARD_MODES_SERVED = False
 _SPEC_MODES_TEXT = (
-    "the speculative forward modes (target verify, draft extend, the draft's multi-step decode) are "
-    "not served by the shared-KV plan yet, and sglang's speculative writes of req_to_token are not "
-    "mirrored on the host"
+    "the draft's multi-step decode (one plan per step) and spec v2's draft extend are not planned "
+    "yet, and sglang's speculative writes of req_to_token are not mirrored on the host (target "
+    "verify and the spec v1 draft extend are planned)"
 )
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
 

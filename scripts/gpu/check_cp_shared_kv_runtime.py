@@ -32,8 +32,9 @@ non-zero unless every clean case ran with 0 mismatches and every plant run was c
 
 ``--draft`` gives every rank an MTP draft pool too (one NextN layer, KV and indexer K, sharded by
 the same layout, its own runtime sharing the target's scratch; ``cp_shared_kv_draft_pool``): after
-each forward's target layers the draft layer runs on the same batch and mode (EXTEND, DECODE) and its
-reads and rows are compared with a replicated draft pool. With ``--plants`` the draft plant
+each forward's target layers the draft layer runs on the same batch and mode (EXTEND, DECODE), then an
+EAGLE step follows (TARGET_VERIFY of the target, DRAFT_EXTEND of the draft over the accepted tokens),
+and the draft's reads and rows are compared with a replicated draft pool. With ``--plants`` the draft plant
 (``runtime_check.DRAFT_PLANTS``: one page of each draft store written by the next rank instead of
 its owner) runs too and must be caught.
 
@@ -101,7 +102,7 @@ def _rank_main(rank, world_size, args):
             group, prefetch_group = groups[cp_size]
             options = dict(
                 seed=args.seed + cp_size, num_layers=args.layers, physical_pages=args.physical_pages,
-                draft=args.draft,
+                draft=args.draft, spec=args.draft,
             )  # fmt: skip
             if mode == "serial" and plant is not None:  # a draft plant
                 options["plant"] = plant
@@ -160,7 +161,8 @@ def main() -> int:
     parser.add_argument("--plants", action="store_true", help="also run every planted bug")
     parser.add_argument(
         "--draft", action="store_true",
-        help="every rank also holds an MTP draft pool (one NextN layer) sharded by the same layout",
+        help="every rank also holds an MTP draft pool (one NextN layer) sharded by the same layout, "
+        "and the story ends with a target verify and a draft extend",
     )  # fmt: skip
     parser.add_argument(
         "--sync-debug", action="store_true",

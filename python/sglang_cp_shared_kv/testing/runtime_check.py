@@ -16,6 +16,12 @@ the same layout, with its own runtime sharing the target's scratch (``cp_shared_
 after each forward's target layers the draft runs its layer on the same batch and mode, as sglang's
 EAGLE worker runs its draft extend after a prefill (mode EXTEND) and its draft steps in DECODE mode.
 Its reads and, at the end, its rows are compared with a replicated one-layer pool like the target's.
+With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
+
+4. TARGET_VERIFY of the three requests, target layers only: ``DRAFT_TOKENS`` draft tokens each after
+   the committed tokens (``seq_lens_cpu`` committed, as sglang's ``prepare_for_verify`` leaves it);
+5. DRAFT_EXTEND, the draft layer only, over the tokens each request accepted (the rest dropped), as
+   sglang's ``prepare_extend_after_decode`` leaves the batch.
 
 Layers in ``skip_index_layers`` behave like sglang's ``skip_topk`` layers: no indexer store, no
 indexer read. With a ``prefetch_group`` the runtime gets a second scratch slot and forward 2 runs
@@ -296,10 +302,16 @@ class _Story:
         self.seq_lens[dst] = num_tokens
 
 
-def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device):
+DRAFT_TOKENS = 4  # EAGLE top-k 1, 3 steps: speculative_num_draft_tokens
+ACCEPTED_TOKENS = (2, 4, 1)  # per request of the verify forward
+
+
+def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device, seq_lens_cpu=None):
+    if seq_lens_cpu is None:
+        seq_lens_cpu = [story.seq_lens[r] if r else 1 for r in reqs]
     return SimpleNamespace(
         forward_mode=mode,
-        seq_lens_cpu=torch.tensor([story.seq_lens[r] if r else 1 for r in reqs]),
+        seq_lens_cpu=torch.tensor(seq_lens_cpu),
         extend_seq_lens_cpu=list(new_counts),
         req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=device),
         req_to_token_pool=story.req_to_token_pool,
@@ -364,6 +376,7 @@ def run_rank(
     read_delay_ms: float = 0,
     sync_debug: bool = False,
     draft: bool = False,
+    spec: bool = False,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
 
@@ -375,6 +388,8 @@ def run_rank(
     frame: ``ours`` must stay 0; ``stock`` (sglang's own setters and kernels, the replica's
     stores included) and ``harness`` (this check's stand-ins and comparisons) are reported.
     """
+    if spec and not draft:
+        raise ValueError("spec forwards need the draft pool (draft=True)")
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
     # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
@@ -414,10 +429,17 @@ def run_rank(
     counter = CudaSyncCounter()
     exempted_before = sync_debug_exemptions.exempted
 
-    def run_forward(mode, reqs, new_counts, out_locs, load_back_pages=(), delay_ms=0.0):
-        batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device)
-        replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, replica, device)
-        seq_lens = batch.seq_lens_cpu.tolist()
+    def run_forward(
+        mode, reqs, new_counts, out_locs, load_back_pages=(), delay_ms=0.0, seq_lens_cpu=None,
+        models=("target", "draft"),
+    ):  # fmt: skip
+        """``seq_lens_cpu``: what the batch says (default: every token read); ``models``: which of the
+        target's layers and the draft's layer run (the draft's only with ``draft``)."""
+        batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device, seq_lens_cpu)
+        replica_batch = _forward_batch(
+            story, mode, reqs, new_counts, out_locs, replica, device, seq_lens_cpu
+        )
+        seq_lens = [story.seq_lens[r] if r else 1 for r in reqs]  # tokens each request reads
         logical_table = story.req_to_token[batch.req_pool_indices, : max(seq_lens)]
         num_tokens = len(out_locs)
         # Everything a layer needs is on the device before the first layer: no host wait inside.
@@ -437,20 +459,30 @@ def run_rank(
             load_back.arm()
         backend.forward_metadata = nsa_metadata_for(logical_table)
         draft_inputs = None
-        if draft:
+        run_draft = draft and "draft" in models
+        if run_draft:
             draft_inputs = tuple(
                 torch.randn(num_tokens, *shape, generator=data).to(torch.bfloat16).to(device)
                 for shape in ((1, 512), (1, 64), (128,))
             )
         with counter if sync_debug else contextlib.nullcontext():
-            _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms)
-            if draft:
-                _run_draft_layer(mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table)
+            if "target" in models:
+                _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms)
+            elif load_back is not None:
+                load_back.disarm()
+            if run_draft:
+                _run_draft_layer(
+                    mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table, seq_lens_cpu
+                )
 
-    def _run_draft_layer(mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table):
+    def _run_draft_layer(mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table, seq_lens_cpu):
         """The NextN layer (layer id 0 of its own one-layer pool) on the same batch and mode."""
-        draft_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, draft_shard, device)
-        replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, draft_replica, device)
+        draft_batch = _forward_batch(
+            story, mode, reqs, new_counts, out_locs, draft_shard, device, seq_lens_cpu
+        )
+        replica_batch = _forward_batch(
+            story, mode, reqs, new_counts, out_locs, draft_replica, device, seq_lens_cpu
+        )
         draft_backend = SimpleNamespace(forward_metadata=nsa_metadata_for(logical_table))
         peer_page_reads.remap_forward_metadata(None, draft_backend, draft_batch)
         nope, rope, key = draft_inputs
@@ -502,6 +534,23 @@ def run_rank(
     # 3. Decode; request 2 opens a new page; one padded request (row 0).
     out_locs = story.append(1, 1) + story.append(2, 1) + story.append(3, 1) + [0]
     run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
+    if spec:
+        # 4. Target verify: the draft tokens follow each request's committed tokens.
+        reqs = [1, 2, 3]
+        committed = [story.seq_lens[r] for r in reqs]
+        out_locs = [loc for r in reqs for loc in story.append(r, DRAFT_TOKENS)]
+        run_forward(
+            ForwardMode.TARGET_VERIFY, reqs, [DRAFT_TOKENS] * len(reqs), out_locs,
+            seq_lens_cpu=committed, models=("target",),
+        )  # fmt: skip
+        # 5. Draft extend over the accepted tokens; the rejected ones are no longer read.
+        out_locs = []
+        for r, start, accepted in zip(reqs, committed, ACCEPTED_TOKENS):
+            story.seq_lens[r] = start + accepted
+            out_locs += story.req_to_token[r, start : start + accepted].tolist()
+        run_forward(
+            ForwardMode.DRAFT_EXTEND, reqs, list(ACCEPTED_TOKENS), out_locs, models=("draft",)
+        )
 
     _check_shard(layout, shard, replica, num_layers, result)
     if draft:

@@ -61,7 +61,7 @@ class TestSpeculativeRules(CustomTestCase):
                 problems = speculative_problems(_spec_args(speculative_algorithm=algorithm))
                 self.assertEqual(len(problems), 1, problems)
                 self.assertIn(f"--speculative-algorithm {algorithm}", problems[0])
-                self.assertIn("target verify", problems[0])
+                self.assertIn("multi-step decode", problems[0])
                 with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
                     self.assertEqual(
                         speculative_problems(_spec_args(speculative_algorithm=algorithm)), []
@@ -106,7 +106,7 @@ class TestSpeculativeRules(CustomTestCase):
         )
         reasons = cp_server_args.runtime_problems(runtime_args)
         self.assertTrue(any("--speculative-eagle-topk 2" in r for r in reasons), reasons)
-        self.assertTrue(any("target verify" in r for r in reasons), reasons)
+        self.assertTrue(any("multi-step decode" in r for r in reasons), reasons)
 
 
 GLM5_LIKE_CONFIG = {
@@ -173,7 +173,7 @@ class TestRealServerArgs(CustomTestCase):
         problems = self._problems(speculative_algorithm="NEXTN", **MTP_3_1_4)
         self.assertEqual(len(problems), 1, problems)
         self.assertIn("--speculative-algorithm EAGLE", problems[0])
-        self.assertIn("not served", problems[0])
+        self.assertIn("not planned", problems[0])
 
     def test_separate_draft_model_and_hicache_are_named(self):
         problems = self._problems(

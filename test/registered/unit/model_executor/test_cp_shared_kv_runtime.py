@@ -70,6 +70,44 @@ class TestUnsupportedServerArgs(CustomTestCase):
         self.assertEqual(unsupported_server_args(trtllm), [])
 
 
+class TestPlannedLengths(CustomTestCase):
+    """What the plan reads and writes per request in each forward mode (host data only). Planted,
+    each caught: TARGET_VERIFY without the draft tokens; DRAFT_EXTEND_V2 planned as DRAFT_EXTEND."""
+
+    @staticmethod
+    def _batch(mode, seq_lens, extend=None):
+        return SimpleNamespace(
+            forward_mode=mode, seq_lens_cpu=torch.tensor(seq_lens), extend_seq_lens_cpu=extend
+        )
+
+    def test_lengths_per_mode(self):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import planned_lengths
+
+        cases = {
+            # mode: (seq_lens_cpu, extend_seq_lens_cpu) -> (tokens read, tokens written at the end)
+            ForwardMode.DECODE: (([70, 129], None), ([70, 129], [1, 1])),
+            ForwardMode.EXTEND: (([70, 129], [6, 129]), ([70, 129], [6, 129])),
+            ForwardMode.MIXED: (([70, 129], [6, 1]), ([70, 129], [6, 1])),
+            # committed lengths; 4 draft tokens each follow them
+            ForwardMode.TARGET_VERIFY: (([70, 129], [4, 4]), ([74, 133], [4, 4])),
+            # lengths after verify; the accepted tokens end there
+            ForwardMode.DRAFT_EXTEND: (([72, 133], [2, 4]), ([72, 133], [2, 4])),
+        }
+        for mode, ((seq_lens, extend), (reads, writes)) in cases.items():
+            with self.subTest(mode=mode.name):
+                got_reads, got_writes = planned_lengths(self._batch(mode, seq_lens, extend))
+                self.assertEqual(got_reads.tolist(), reads)
+                self.assertEqual(got_writes.tolist(), writes)
+        for mode in (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
+            with self.subTest(mode=mode.name):
+                with self.assertRaisesRegex(ValueError, f"forward mode {mode.name}"):
+                    planned_lengths(self._batch(mode, [70], [4]))
+        with self.assertRaisesRegex(ValueError, "without extend_seq_lens_cpu"):
+            planned_lengths(self._batch(ForwardMode.TARGET_VERIFY, [70], None))
+
+
 class _Attention(torch.nn.Module):
     """The attributes ``indexer_layer_ids_of`` reads from sglang's ``DeepseekV2AttentionMLA``."""
 

@@ -124,6 +124,17 @@ class TestDraftPoolAcrossRanks(_GlooCase):
         without = self._run_group(2, "fp8")[0][1]
         self.assertGreater(with_draft, without)
 
+    def test_target_verify_and_draft_extend(self):
+        """EAGLE's speculative step after the story: a TARGET_VERIFY forward of the target (draft
+        tokens after the committed ones, pages opened for them) and a DRAFT_EXTEND of the draft over
+        the accepted tokens, read and stored exactly as a replicated pool (cp 2 fp8, cp 4 bf16).
+        Planted in ``planned_lengths``, each caught: verify reading only the committed tokens; draft
+        extend taking every read token as new (its old pages never gathered)."""
+        for world_size, dtype_name in ((2, "fp8"), (4, "bf16")):
+            with self.subTest(world_size=world_size):
+                rows = self._run_group(world_size, dtype_name, draft=True, spec=True)
+                self.assertEqual([r[2] for r in rows], [0] * world_size)
+
     def test_a_draft_page_on_the_wrong_owner_is_caught(self):
         rows = self._run_group(2, "fp8", draft=True, plant="draft_page_to_wrong_owner")
         self.assertGreater(sum(r[2] for r in rows), 0)
