@@ -20,6 +20,9 @@ reading them. The draft runs the serial path (one layer: nothing to prefetch beh
 Replicating the draft pool at the logical capacity was the alternative; docs/speculative-decoding.md
 gives the numbers against it (memory stock never reserved, and the PD transfer and HiCache pair the
 draft's pages with the target's physical pages).
+
+``cp_shared_kv_runtime.attach_runtime`` calls ``attach_draft_runtime`` on the draft worker; the
+startup rules refuse speculative decoding until every speculative forward mode is planned.
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class _Attention(torch.nn.Module):
         self.indexer = torch.nn.Identity()
 
 
-class TestAttachRuntime(CustomTestCase):
+class _AttachCase(CustomTestCase):
+    """Stand-in model runners and ``attach_runtime`` as a TP worker runs it."""
+
     CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
 
     def _model_runner(self, pool, allocator, **overrides):
@@ -161,6 +163,8 @@ class TestAttachRuntime(CustomTestCase):
             2 * pool.size, PAGE_SIZE, torch.int64, "cpu", pool, False, 2, cp_rank
         )
 
+
+class TestAttachRuntime(_AttachCase):
     def test_attaches_once_with_a_logical_size_scratch(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
         runner = self._model_runner(pool, self._allocator(pool))
@@ -230,6 +234,46 @@ class TestAttachRuntime(CustomTestCase):
                 self._attach(runner)
             self.assertIn(expected, str(raised.exception))
             self.assertIsNone(runtime_of(runner.token_to_kv_pool))
+
+
+class TestAttachDraftRuntime(_AttachCase):
+    """The MTP draft worker's ``attach_runtime`` (after the target's). Planted, caught: the draft
+    worker attached like a target (a runtime with a scratch of its own)."""
+
+    def _draft_runner(self, target_runner, **server_args):
+        draft_pool = make_nsa_pool(target_runner.token_to_kv_pool.size, "fp8", 1, "cpu")
+        runner = self._model_runner(draft_pool, target_runner.token_to_kv_pool_allocator, **server_args)
+        runner.is_draft_worker = True
+        runner.req_to_token_pool = target_runner.req_to_token_pool  # shared, as EAGLEWorker does
+        return runner
+
+    def test_draft_pool_gets_a_runtime_sharing_the_targets_scratch_once_spec_is_accepted(self):
+        from sglang_cp_shared_kv import server_args as cp_server_args
+
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        target_runner = self._model_runner(pool, self._allocator(pool))
+        self._attach(target_runner)
+        target = runtime_of(pool)
+        mirror = mirror_of(target_runner.req_to_token_pool)
+        spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1)
+        draft_runner = self._draft_runner(target_runner, **spec)
+        # Refused today: the speculative forward modes are not all planned.
+        with self.assertRaisesRegex(ValueError, "--speculative-algorithm EAGLE"):
+            self._attach(draft_runner)
+        self.assertIsNone(runtime_of(draft_runner.token_to_kv_pool))
+        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+            self._attach(draft_runner)
+        draft = runtime_of(draft_runner.token_to_kv_pool)
+        self.assertIsNotNone(draft)
+        self.assertIsNot(draft, target)
+        self.assertIs(draft.scratch, target.scratch)
+        self.assertEqual(draft.layout, target.layout)
+        self.assertIs(mirror_of(target_runner.req_to_token_pool), mirror)  # not re-attached
+        # top-k 2 stays refused whatever is served
+        other = self._draft_runner(target_runner, speculative_algorithm="EAGLE", speculative_eagle_topk=2)
+        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+            with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
+                self._attach(other)
 
 
 class TestIndexerLayerTable(CustomTestCase):
