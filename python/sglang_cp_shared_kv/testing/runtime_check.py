@@ -14,8 +14,9 @@ small serving story through sglang's own store methods with our hooks applied (`
 With ``draft`` the rank also holds an MTP draft pool (one NextN layer, KV and indexer K) sharded by
 the same layout, with its own runtime sharing the target's scratch (``cp_shared_kv_draft_pool``):
 after each forward's target layers the draft runs its layer on the same batch and mode, as sglang's
-EAGLE worker runs its draft extend after a prefill (mode EXTEND) and its draft steps in DECODE mode.
-Its reads and, at the end, its rows are compared with a replicated one-layer pool like the target's.
+EAGLE worker runs its draft extend after a prefill (mode EXTEND); its DECODE is a decode of the draft
+layer (the written token is the last one read), not one of EAGLE's draft steps, which write beyond
+what they read (not planned yet). Its reads and, at the end, its rows are compared with a replicated one-layer pool like the target's.
 With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
 
 4. TARGET_VERIFY of the three requests, target layers only: ``DRAFT_TOKENS`` draft tokens each after
