@@ -21,19 +21,26 @@ Replicating the draft pool at the logical capacity was the alternative; docs/spe
 gives the numbers against it (memory stock never reserved, and the PD transfer and HiCache pair the
 draft's pages with the target's physical pages).
 
-``cp_shared_kv_runtime.attach_runtime`` calls ``attach_draft_runtime`` on the draft worker; the
-startup rules refuse speculative decoding until every speculative forward mode is planned.
+``attach_draft_worker_runtime`` (AFTER ``ModelRunner.init_attention_backend``, next to the target's
+``attach_runtime``) attaches it on the draft worker; the startup rules refuse speculative decoding
+until every speculative forward mode is planned, so today it is never reached in a server.
 """
 
 from __future__ import annotations
 
+import logging
+
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     FLAG,
     CpSharedKVRuntime,
     runtime_of,
 )
+from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
+
+logger = logging.getLogger(__name__)
 
 
 def draft_pool_problems(target_pool, draft_pool) -> list[str]:
@@ -67,3 +74,33 @@ def attach_draft_runtime(draft_pool: NSATokenToKVPool, target_pool: NSATokenToKV
         raise ValueError("; ".join(problems))
     # indexer_layer_ids None: the NextN layer computes its own top-k (skip_topk is False for it).
     return CpSharedKVRuntime(draft_pool, target.layout, target.scratch, target.cp_group)
+
+
+def attach_draft_worker_runtime(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.init_attention_backend`` on a draft worker (MTP), flag on.
+
+    The draft shares the target's allocator, whose pool is the target's, whose runtime attached when
+    the target worker initialized; the host mirror of the shared ``req_to_token`` is already there."""
+    if not cp_shared_kv_enabled(model_runner.server_args) or not model_runner.is_draft_worker:
+        return None
+    draft_pool = model_runner.token_to_kv_pool
+    if runtime_of(draft_pool) is not None:
+        return None
+    reasons = runtime_problems(model_runner.server_args)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    attach_draft_runtime(draft_pool, model_runner.token_to_kv_pool_allocator.get_kvcache())
+    logger.info(
+        "CP shared KV runtime on the draft pool: %d physical tokens, %d layer(s), the target's layout",
+        draft_pool.size,
+        draft_pool.layer_num,
+    )
+    return None
+
+
+def register_hooks(registry) -> None:
+    registry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
+        attach_draft_worker_runtime,
+        HookType.AFTER,
+    )

@@ -352,7 +352,13 @@ def attach_runtime(result, model_runner, *args, **kwargs):
 
     reasons = runtime_problems(model_runner.server_args)
     if model_runner.is_draft_worker:
-        return _attach_draft_runtime(model_runner, reasons)
+        # The draft pool's runtime is attached by cp_shared_kv_draft_pool's hook on the same method
+        # (registered with these); here the draft worker is only refused.
+        if model_runner.server_args.speculative_algorithm is None:
+            reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        return None
     if type(pool) is not NSATokenToKVPool:
         reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
     if reasons:
@@ -400,28 +406,6 @@ def attach_runtime(result, model_runner, *args, **kwargs):
         layout.cp_size * pool.size,
         f"on ({prefetch_slot.size} tokens in slot 1)" if prefetch_slot is not None else "off",
         "all" if indexer_layer_ids is None else len(indexer_layer_ids),
-    )
-    return None
-
-
-def _attach_draft_runtime(model_runner, reasons) -> None:
-    """A draft worker (MTP): its pool is sharded by the target's layout (``cp_shared_kv_draft_pool``).
-
-    Reached only where the startup rules accept speculative decoding (today they refuse it all).
-    The draft shares the target's allocator, whose pool is the target's, whose runtime attached when
-    the target worker initialized; the host mirror of the shared ``req_to_token`` is already there."""
-    from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
-
-    if model_runner.server_args.speculative_algorithm is None:
-        reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
-    if reasons:
-        raise ValueError("; ".join(reasons))
-    draft_pool = model_runner.token_to_kv_pool
-    attach_draft_runtime(draft_pool, model_runner.token_to_kv_pool_allocator.get_kvcache())
-    logger.info(
-        "CP shared KV runtime on the draft pool: %d physical tokens, %d layer(s), the target's layout",
-        draft_pool.size,
-        draft_pool.layer_num,
     )
     return None
 

@@ -9,6 +9,7 @@ from unittest import mock
 import torch
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
@@ -16,6 +17,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_worker_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
@@ -238,7 +240,8 @@ class TestAttachRuntime(_AttachCase):
 
 class TestAttachDraftRuntime(_AttachCase):
     """The MTP draft worker's ``attach_runtime`` (after the target's). Planted, caught: the draft
-    worker attached like a target (a runtime with a scratch of its own)."""
+    worker attached like a target (a runtime with a scratch of its own); the draft hook attaching
+    despite a refused setting."""
 
     def _draft_runner(self, target_runner, **server_args):
         draft_pool = make_nsa_pool(target_runner.token_to_kv_pool.size, "fp8", 1, "cpu")
@@ -262,7 +265,8 @@ class TestAttachDraftRuntime(_AttachCase):
             self._attach(draft_runner)
         self.assertIsNone(runtime_of(draft_runner.token_to_kv_pool))
         with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
-            self._attach(draft_runner)
+            self._attach(draft_runner)  # both AFTER hooks of init_attention_backend, in order
+            attach_draft_worker_runtime(None, draft_runner)
         draft = runtime_of(draft_runner.token_to_kv_pool)
         self.assertIsNotNone(draft)
         self.assertIsNot(draft, target)
@@ -274,6 +278,9 @@ class TestAttachDraftRuntime(_AttachCase):
         with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
             with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
                 self._attach(other)
+            with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
+                attach_draft_worker_runtime(None, other)
+        self.assertIsNone(runtime_of(other.token_to_kv_pool))
 
 
 class TestIndexerLayerTable(CustomTestCase):
@@ -315,6 +322,20 @@ class TestHookTargets(CustomTestCase):
             "ModelRunner.init_attention_backend",
         ):
             self.assertTrue(any(t.endswith(expected) for t in registered), expected)
+
+    def test_the_draft_hook_follows_the_targets_attach(self):
+        from sglang_cp_shared_kv import plugin
+        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool
+
+        registered = []
+        registry = SimpleNamespace(register=lambda *entry: registered.append(entry))
+        plugin.register_runtime_hooks(registry)
+        target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
+        hooks = [hook for t, hook, kind in registered if t == target and kind == HookType.AFTER]
+        # Both run after the method, the target's attach first (the draft's needs its runtime).
+        self.assertEqual(hooks, [attach_runtime, cp_shared_kv_draft_pool.attach_draft_worker_runtime])
+        owner, name = target.rsplit(".", 1)
+        self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)))
 
 
 if __name__ == "__main__":
