@@ -47,6 +47,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     )
     from sglang_cp_shared_kv.model_executor import (
         cp_shared_kv_capacity,
+        cp_shared_kv_draft_pool,
         cp_shared_kv_runtime,
         owner_filtered_writes,
         peer_page_reads,
@@ -59,6 +60,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     nsa_host_kv_row_width.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
+    # The MTP draft pool, sharded like the target's (refused at startup until its modes are planned).
+    cp_shared_kv_draft_pool.register_hooks(registry)
     # The plan's host mirror of req_to_token: every writer of the table, and the tree's value pages.
     req_to_page_mirror_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)

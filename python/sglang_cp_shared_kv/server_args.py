@@ -385,8 +385,7 @@ def runtime_problems(server_args) -> list[str]:
         reasons.append(f"{CP_SHARED_KV_FLAG} requires --disable-piecewise-cuda-graph")
     if server_args.nsa_prefill_cp_mode != "round-robin-split":
         reasons.append(f"{CP_SHARED_KV_FLAG} supports only --nsa-prefill-cp-mode round-robin-split")
-    if server_args.speculative_algorithm is not None:
-        reasons.append(f"{CP_SHARED_KV_FLAG} does not support speculative decoding (the draft pool is not sharded)")
+    reasons += speculative_problems(server_args)
     if server_args.enable_two_batch_overlap:
         reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-two-batch-overlap (one plan per forward)")
     if server_args.enable_pdmux:
@@ -408,6 +407,66 @@ def runtime_problems(server_args) -> list[str]:
             f"physical pool size); use flashmla_kv"
         )
     return reasons
+
+
+# ---- speculative decoding (docs/speculative-decoding.md) ----
+# What can be made to work: EAGLE (``NEXTN``, which sglang maps to EAGLE) with top-k 1 and the model's
+# own NextN layer as the draft. Its draft pool is an ``NSATokenToKVPool`` of one layer (KV and indexer
+# K) that stock sglang sizes at the target's physical tokens and indexes by the shared allocator's
+# logical locs, so it is sharded by the same layout as the target's
+# (``model_executor/cp_shared_kv_draft_pool.py``). Still refused for every setting, until each of them
+# is served:
+SPECULATIVE_FORWARD_MODES_SERVED = False
+_SPEC_MODES_TEXT = (
+    "the draft's multi-step decode (one plan per step) and spec v2's draft extend are not planned "
+    "yet, and sglang's speculative writes of req_to_token are not mirrored on the host (target "
+    "verify and the spec v1 draft extend are planned)"
+)
+SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
+
+
+def speculative_problems(server_args) -> list[str]:
+    """One message per speculative setting the shared KV cache cannot serve, each naming its flag.
+
+    Judged after ``__post_init__`` (``NEXTN`` is then ``EAGLE``, and for DeepSeek-V3.2 / GLM-5 an
+    unset ``--speculative-draft-model-path`` is the model path: the built-in NextN layer)."""
+    algorithm = server_args.speculative_algorithm
+    if algorithm is None:
+        return []
+    problems = []
+    if algorithm not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+        problems.append(
+            f"--speculative-algorithm {algorithm}: {CP_SHARED_KV_FLAG} can only serve EAGLE (or "
+            "NEXTN) with the model's built-in NextN layer as the draft"
+        )
+    topk = getattr(server_args, "speculative_eagle_topk", None)
+    if topk is not None and topk > 1:
+        problems.append(
+            f"--speculative-eagle-topk {topk}: {CP_SHARED_KV_FLAG} supports only "
+            "--speculative-eagle-topk 1 (a draft tree branches pages per request)"
+        )
+    if getattr(server_args, "enable_multi_layer_eagle", False):
+        problems.append(
+            f"--enable-multi-layer-eagle: {CP_SHARED_KV_FLAG} supports a single-layer NextN draft only"
+        )
+    draft_path = getattr(server_args, "speculative_draft_model_path", None)
+    if draft_path is not None and draft_path != getattr(server_args, "model_path", None):
+        problems.append(
+            f"--speculative-draft-model-path {draft_path}: {CP_SHARED_KV_FLAG} supports only the "
+            "model's built-in NextN layer as the draft (leave --speculative-draft-model-path unset)"
+        )
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        problems.append(
+            f"--enable-hierarchical-cache with --speculative-algorithm: {CP_SHARED_KV_FLAG} refuses "
+            "this combination; sglang 0.5.11's NSA HiCache controller neither backs up nor restores "
+            "the draft pool, so a prefix loaded back from host would run the draft on stale KV"
+        )
+    if not SPECULATIVE_FORWARD_MODES_SERVED:
+        problems.append(
+            f"--speculative-algorithm {algorithm}: {CP_SHARED_KV_FLAG} does not support speculative "
+            f"decoding yet: {_SPEC_MODES_TEXT}"
+        )
+    return problems
 
 
 # ---- PD disaggregation ----

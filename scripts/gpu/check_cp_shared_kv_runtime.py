@@ -30,6 +30,14 @@ sglang's non-CUDA branch (``act_quant`` + ``set_index_k_scale_buffer``).
 Prints ``ran``, ``rows compared``, ``mismatches`` (clean cases) and ``plants caught``; exits
 non-zero unless every clean case ran with 0 mismatches and every plant run was caught.
 
+``--draft`` gives every rank an MTP draft pool too (one NextN layer, KV and indexer K, sharded by
+the same layout, its own runtime sharing the target's scratch; ``cp_shared_kv_draft_pool``): after
+each forward's target layers the draft layer runs on the same batch and mode (EXTEND, DECODE), then an
+EAGLE step follows (TARGET_VERIFY of the target, DRAFT_EXTEND of the draft over the accepted tokens),
+and the draft's reads and rows are compared with a replicated draft pool. With ``--plants`` the draft plant
+(``runtime_check.DRAFT_PLANTS``: one page of each draft store written by the next rank instead of
+its owner) runs too and must be caught.
+
 ``--sync-debug`` runs every forward (the peer-page plan and table remap, every layer's hooked stores,
 the prefetch, the hooked getters' reads) under ``torch.cuda.set_sync_debug_mode("warn")`` and
 attributes each synchronizing CUDA call to our code, the check's own stand-ins and comparisons, or
@@ -60,6 +68,10 @@ def _cases(args):
             if plant == "prefetch_without_waiting_for_reads" and args.device != "cuda":
                 continue
             cases.append((args.cp_sizes[0], args.dtypes[-1], "prefetch", plant))
+        if args.draft:
+            from sglang_cp_shared_kv.testing.runtime_check import DRAFT_PLANTS
+
+            cases += [(args.cp_sizes[0], args.dtypes[-1], "serial", plant) for plant in DRAFT_PLANTS]
     return cases
 
 
@@ -88,7 +100,12 @@ def _rank_main(rank, world_size, args):
         cp_size, dtype_name, mode, plant = case
         if rank < cp_size:
             group, prefetch_group = groups[cp_size]
-            options = dict(seed=args.seed + cp_size, num_layers=args.layers, physical_pages=args.physical_pages)
+            options = dict(
+                seed=args.seed + cp_size, num_layers=args.layers, physical_pages=args.physical_pages,
+                draft=args.draft, spec=args.draft,
+            )  # fmt: skip
+            if mode == "serial" and plant is not None:  # a draft plant
+                options["plant"] = plant
             if mode == "prefetch":
                 delays = args.device == "cuda"
                 options.update(
@@ -142,6 +159,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=int, default=500)
     parser.add_argument("--plants", action="store_true", help="also run every planted bug")
+    parser.add_argument(
+        "--draft", action="store_true",
+        help="every rank also holds an MTP draft pool (one NextN layer) sharded by the same layout, "
+        "and the story ends with a target verify and a draft extend",
+    )  # fmt: skip
     parser.add_argument(
         "--sync-debug", action="store_true",
         help="count synchronizing CUDA calls on our path during every forward (must be 0)",

@@ -133,13 +133,7 @@ class CpSharedKVRuntime:
         device tensor is read, so launching the forward never waits for the GPU.
         """
         mode = forward_batch.forward_mode
-        seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
-        if mode.is_decode_or_idle():
-            new_token_counts = np.ones_like(seq_lens)
-        elif mode.is_extend() and not (mode.is_target_verify() or mode.is_draft_extend()):
-            new_token_counts = np.asarray(forward_batch.extend_seq_lens_cpu, dtype=np.int64)
-        else:
-            raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
+        seq_lens, new_token_counts = planned_lengths(forward_batch)
         mirror = mirror_of(forward_batch.req_to_token_pool)
         rows = getattr(forward_batch, ROWS_ATTR, None)
         if rows is None and self.in_dummy_run:
@@ -165,7 +159,8 @@ class CpSharedKVRuntime:
             scratch_num_pages=self.scratch_num_pages,
             device=self.pool.device,
         )
-        self.pipeline.begin(self.plan, is_decode=mode.is_decode_or_idle())
+        # Target verify and draft extend run the whole batch on every rank, like decode: serial path.
+        self.pipeline.begin(self.plan, is_decode=not mode.is_context_parallel_extend())
         return self.plan
 
     # ---- writes (see owner_filtered_writes) ----
@@ -271,6 +266,34 @@ class CpSharedKVRuntime:
             )
 
 
+def planned_lengths(forward_batch) -> tuple:
+    """``(tokens each request reads, tokens this forward writes at their end)`` per request, int64
+    NumPy, from host data only.
+
+    * DECODE (and a draft step): one new token, the last of ``seq_lens_cpu``.
+    * EXTEND / MIXED: ``extend_seq_lens_cpu`` new tokens ending at ``seq_lens_cpu``.
+    * TARGET_VERIFY (EAGLE, top-k 1): ``seq_lens_cpu`` are the committed lengths and the draft tokens
+      follow them (sglang's ``prepare_for_verify`` writes them at ``seq_len .. seq_len + n - 1``); the
+      NSA backend sets ``extend_seq_lens_cpu`` to ``n`` per request before this hook runs.
+    * DRAFT_EXTEND (spec v1, after verify): ``extend_seq_lens_cpu`` accepted tokens ending at
+      ``seq_lens_cpu`` (``prepare_extend_after_decode`` sets both).
+
+    Other modes (DRAFT_EXTEND_V2, ...) raise ``ValueError``.
+    """
+    mode = forward_batch.forward_mode
+    seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
+    if mode.is_decode_or_idle():
+        return seq_lens, np.ones_like(seq_lens)
+    if mode.is_target_verify() or mode.is_draft_extend() or mode.is_context_parallel_extend():
+        if forward_batch.extend_seq_lens_cpu is None:
+            raise ValueError(f"{FLAG}: forward mode {mode.name} without extend_seq_lens_cpu")
+        new_token_counts = np.asarray(forward_batch.extend_seq_lens_cpu, dtype=np.int64)
+        if mode.is_target_verify():
+            return seq_lens + new_token_counts, new_token_counts
+        return seq_lens, new_token_counts
+    raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
+
+
 # ---- startup ----
 
 
@@ -329,7 +352,13 @@ def attach_runtime(result, model_runner, *args, **kwargs):
 
     reasons = runtime_problems(model_runner.server_args)
     if model_runner.is_draft_worker:
-        reasons.append(f"{FLAG} does not support speculative decoding (draft worker)")
+        # The draft pool's runtime is attached by cp_shared_kv_draft_pool's hook on the same method
+        # (registered with these); here the draft worker is only refused.
+        if model_runner.server_args.speculative_algorithm is None:
+            reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        return None
     if type(pool) is not NSATokenToKVPool:
         reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
     if reasons:

@@ -17,6 +17,11 @@ Not real:
   thread stores when the decode's metadata arrives), status messages to the decode are recorded.
 * ``decode_expected_responses`` runs the stock decode-side ``_resolve_rank_mapping`` on a stub to
   learn how many prefill senders a stock decode instance waits for.
+
+With a draft pool (MTP), both sides register it after the target's, as stock 0.5.11 does
+(``disaggregation/prefill.py`` and ``decode.py`` append ``draft_token_to_kv_pool``'s KV buffers to
+``kv_data_ptrs`` and, for an NSA draft pool, its indexer buffers to ``state_data_ptrs``): the
+transfer then moves the draft's pages with the target's, by the same page pairs.
 """
 
 from __future__ import annotations
@@ -134,12 +139,30 @@ def shard_of(replicated: NSATokenToKVPool, layout: CpSharedKVLayout, physical_pa
     """Rank ``layout.cp_rank``'s physical pool as owner-filtered writes leave it: each owned logical
     page ``q`` at physical page ``q // cp_size``; unowned pages of ``replicated`` nowhere; every other
     byte random."""
-    shard = build_nsa_pool(physical_pages)
+    shard = build_nsa_pool(physical_pages, layer_num=replicated.layer_num)
     fill_random(shard, generator)
     physical = np.arange(1, physical_pages + 1)
     logical = np.array([layout.logical_page_of(int(p)) for p in physical])
     copy_pages(replicated, logical, shard, physical)
     return shard
+
+
+def kv_buf_infos(pool: NSATokenToKVPool, draft_pool: Optional[NSATokenToKVPool] = None):
+    """KV buffers a KV manager registers: the target's layers, then the draft's (stock order)."""
+    ptrs, lens, item_lens = pool.get_contiguous_buf_infos()
+    if draft_pool is not None:
+        draft = draft_pool.get_contiguous_buf_infos()
+        ptrs, lens, item_lens = ptrs + draft[0], lens + draft[1], item_lens + draft[2]
+    return ptrs, lens, item_lens
+
+
+def state_buf_infos(pool: NSATokenToKVPool, draft_pool: Optional[NSATokenToKVPool] = None):
+    """Indexer-K state buffers: the target's, then the NSA draft pool's (stock order)."""
+    ptrs, lens, item_lens = pool.get_state_buf_infos()
+    if draft_pool is not None:
+        draft = draft_pool.get_state_buf_infos()
+        ptrs, lens, item_lens = ptrs + draft[0], lens + draft[1], item_lens + draft[2]
+    return ptrs, lens, item_lens
 
 
 @dataclass
@@ -149,20 +172,25 @@ class DecodeInstance:
     pool: NSATokenToKVPool
     metadata: MetadataBuffers
     statuses: List[Tuple[int, int, int]] = field(default_factory=list)  # (room, status, prefill rank)
+    draft_pool: Optional[NSATokenToKVPool] = None  # the MTP draft's pool (stock decode with MTP on)
 
     @classmethod
-    def build(cls, pages: int, metadata_slots: int = 4) -> "DecodeInstance":
-        return cls(build_nsa_pool(pages), MetadataBuffers(metadata_slots, 8, torch.float32))
+    def build(cls, pages: int, metadata_slots: int = 4, draft: bool = False) -> "DecodeInstance":
+        return cls(
+            build_nsa_pool(pages),
+            MetadataBuffers(metadata_slots, 8, torch.float32),
+            draft_pool=build_nsa_pool(pages, layer_num=1) if draft else None,
+        )
 
     def regions(self) -> List[Tuple[int, int]]:
-        ptrs, lens, _ = self.pool.get_contiguous_buf_infos()
-        state_ptrs, state_lens, _ = self.pool.get_state_buf_infos()
+        ptrs, lens, _ = kv_buf_infos(self.pool, self.draft_pool)
+        state_ptrs, state_lens, _ = state_buf_infos(self.pool, self.draft_pool)
         aux_ptrs, aux_lens, _ = self.metadata.get_buf_infos()
         return [(p, p + n) for p, n in zip(ptrs + state_ptrs + aux_ptrs, lens + state_lens + aux_lens)]
 
     def register_info(self) -> KVArgsRegisterInfo:
-        kv_ptrs, _, kv_item_lens = self.pool.get_contiguous_buf_infos()
-        state_ptrs, _, state_item_lens = self.pool.get_state_buf_infos()
+        kv_ptrs, _, kv_item_lens = kv_buf_infos(self.pool, self.draft_pool)
+        state_ptrs, _, state_item_lens = state_buf_infos(self.pool, self.draft_pool)
         aux_ptrs, _, _ = self.metadata.get_buf_infos()
         return KVArgsRegisterInfo(
             room="None",
@@ -247,8 +275,10 @@ def build_prefill_rank(
     decode: DecodeInstance,
     shared_kv: bool = True,
     all_cp_ranks: bool = True,
+    draft_pool: Optional[NSATokenToKVPool] = None,
 ) -> PrefillRank:
-    """One prefill CP rank's KV manager over ``pool``, connected to ``decode``'s buffers."""
+    """One prefill CP rank's KV manager over ``pool`` (and the MTP ``draft_pool``), connected to
+    ``decode``'s buffers."""
     server_args = SimpleNamespace(enable_nsa_prefill_cp_shared_kv=shared_kv, dp_size=1)
     metadata = MetadataBuffers(4, 8, torch.float32)
     engine = CopyingTransferEngine({DECODE_SESSION: decode.regions()})
@@ -258,10 +288,12 @@ def build_prefill_rank(
     kv_args.pp_rank = 0
     kv_args.system_dp_rank = 0
     kv_args.prefill_start_layer = pool.start_layer
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = pool.get_contiguous_buf_infos()
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = kv_buf_infos(pool, draft_pool)
     kv_args.page_size = pool.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = metadata.get_buf_infos()
-    kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens = pool.get_state_buf_infos()
+    kv_args.state_data_ptrs, kv_args.state_data_lens, kv_args.state_item_lens = state_buf_infos(
+        pool, draft_pool
+    )
     kv_args.state_type = "nsa"
 
     m = CpSharedKVMooncakeKVManager.__new__(CpSharedKVMooncakeKVManager)

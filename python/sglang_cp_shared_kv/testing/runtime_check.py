@@ -11,6 +11,19 @@ small serving story through sglang's own store methods with our hooks applied (`
    with ``hicache`` the prefix page is being loaded back layer by layer (``LayerWiseLoadBack``);
 3. DECODE of the three requests (one opens a new page) plus a padded request (req_to_token row 0).
 
+With ``draft`` the rank also holds an MTP draft pool (one NextN layer, KV and indexer K) sharded by
+the same layout, with its own runtime sharing the target's scratch (``cp_shared_kv_draft_pool``):
+after each forward's target layers the draft runs its layer on the same batch and mode, as sglang's
+EAGLE worker runs its draft extend after a prefill (mode EXTEND); its DECODE is a decode of the draft
+layer (the written token is the last one read), not one of EAGLE's draft steps, which write beyond
+what they read (not planned yet). Its reads and, at the end, its rows are compared with a replicated one-layer pool like the target's.
+With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
+
+4. TARGET_VERIFY of the three requests, target layers only: ``DRAFT_TOKENS`` draft tokens each after
+   the committed tokens (``seq_lens_cpu`` committed, as sglang's ``prepare_for_verify`` leaves it);
+5. DRAFT_EXTEND, the draft layer only, over the tokens each request accepted (the rest dropped), as
+   sglang's ``prepare_extend_after_decode`` leaves the batch.
+
 Layers in ``skip_index_layers`` behave like sglang's ``skip_topk`` layers: no indexer store, no
 indexer read. With a ``prefetch_group`` the runtime gets a second scratch slot and forward 2 runs
 the layer-ahead prefetch (``peer_page_prefetch``).
@@ -29,6 +42,7 @@ show that the check catches it. Used by the gloo unit test and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -48,6 +62,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
@@ -71,6 +86,11 @@ PLANTS = (
     "prefetch_without_waiting_for_reads",
     # a mixed page is taken whole from the prefetch: the store skips it (fill-only locs)
     "mixed_page_from_prefetch",
+)
+# Deliberate bugs of the draft pool's runtime (need ``draft``):
+DRAFT_PLANTS = (
+    # the first page of each draft store goes to the next rank instead of its owner
+    "draft_page_to_wrong_owner",
 )
 
 
@@ -210,6 +230,30 @@ def apply_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
         raise ValueError(f"unknown plant {plant!r}; one of {PLANTS}")
 
 
+def apply_draft_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
+    """Switch on one of ``DRAFT_PLANTS`` on the draft pool's runtime."""
+    if plant not in DRAFT_PLANTS:
+        return
+    layout, row_maps = runtime.layout, runtime.row_maps
+
+    def first_page_to_the_next_rank(plan, logical_locs):
+        maps = row_maps(plan, logical_locs)
+        page = int(logical_locs[0]) // PAGE_SIZE  # harness only: a host read is fine here
+        owner = page % layout.cp_size
+        on_page = logical_locs // PAGE_SIZE == page
+        slots = (logical_locs % PAGE_SIZE).long()
+        rows = maps.physical_rows.clone()
+        if layout.cp_rank == (owner + 1) % layout.cp_size:  # writes it over one of its own pages
+            rows = torch.where(on_page, layout.physical_page_of(page) * PAGE_SIZE + slots, rows)
+        elif layout.cp_rank == owner:  # and the owner does not write it
+            rows = torch.where(on_page, slots, rows)
+        return dataclasses.replace(
+            maps, physical_rows=rows, physical_page_slot=(rows // PAGE_SIZE, rows % PAGE_SIZE)
+        )
+
+    runtime.row_maps = first_page_to_the_next_rank
+
+
 def apply_hooks() -> None:
     """Patch sglang with our write and read hooks (process-wide: call in a dedicated process).
 
@@ -259,10 +303,16 @@ class _Story:
         self.seq_lens[dst] = num_tokens
 
 
-def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device):
+DRAFT_TOKENS = 4  # EAGLE top-k 1, 3 steps: speculative_num_draft_tokens
+ACCEPTED_TOKENS = (2, 4, 1)  # per request of the verify forward
+
+
+def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device, seq_lens_cpu=None):
+    if seq_lens_cpu is None:
+        seq_lens_cpu = [story.seq_lens[r] if r else 1 for r in reqs]
     return SimpleNamespace(
         forward_mode=mode,
-        seq_lens_cpu=torch.tensor([story.seq_lens[r] if r else 1 for r in reqs]),
+        seq_lens_cpu=torch.tensor(seq_lens_cpu),
         extend_seq_lens_cpu=list(new_counts),
         req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=device),
         req_to_token_pool=story.req_to_token_pool,
@@ -326,6 +376,8 @@ def run_rank(
     plant: Optional[str] = None,
     read_delay_ms: float = 0,
     sync_debug: bool = False,
+    draft: bool = False,
+    spec: bool = False,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
 
@@ -337,6 +389,8 @@ def run_rank(
     frame: ``ours`` must stay 0; ``stock`` (sglang's own setters and kernels, the replica's
     stores included) and ``harness`` (this check's stand-ins and comparisons) are reported.
     """
+    if spec and not draft:
+        raise ValueError("spec forwards need the draft pool (draft=True)")
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
     # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
@@ -357,7 +411,15 @@ def run_rank(
         prefetch_group=prefetch_group,
         indexer_layer_ids=indexer_layers,
     )
-    apply_plant(runtime, plant)
+    draft_shard = draft_replica = None
+    if draft:
+        draft_shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, 1, device)
+        draft_replica = make_nsa_pool((replica_pages - 1) * PAGE_SIZE, dtype_name, 1, device)
+        apply_draft_plant(attach_draft_runtime(draft_shard, shard), plant)
+    if plant not in DRAFT_PLANTS:
+        apply_plant(runtime, plant)
+    elif not draft:
+        raise ValueError(f"plant {plant!r} needs draft=True (it is applied to the draft's runtime)")
     rng = random.Random(seed)
     data = torch.Generator().manual_seed(seed)
     story = _Story(layout, physical_pages, rng, device)
@@ -368,10 +430,17 @@ def run_rank(
     counter = CudaSyncCounter()
     exempted_before = sync_debug_exemptions.exempted
 
-    def run_forward(mode, reqs, new_counts, out_locs, load_back_pages=(), delay_ms=0.0):
-        batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device)
-        replica_batch = _forward_batch(story, mode, reqs, new_counts, out_locs, replica, device)
-        seq_lens = batch.seq_lens_cpu.tolist()
+    def run_forward(
+        mode, reqs, new_counts, out_locs, load_back_pages=(), delay_ms=0.0, seq_lens_cpu=None,
+        models=("target", "draft"),
+    ):  # fmt: skip
+        """``seq_lens_cpu``: what the batch says (default: every token read); ``models``: which of the
+        target's layers and the draft's layer run (the draft's only with ``draft``)."""
+        batch = _forward_batch(story, mode, reqs, new_counts, out_locs, shard, device, seq_lens_cpu)
+        replica_batch = _forward_batch(
+            story, mode, reqs, new_counts, out_locs, replica, device, seq_lens_cpu
+        )
+        seq_lens = [story.seq_lens[r] if r else 1 for r in reqs]  # tokens each request reads
         logical_table = story.req_to_token[batch.req_pool_indices, : max(seq_lens)]
         num_tokens = len(out_locs)
         # Everything a layer needs is on the device before the first layer: no host wait inside.
@@ -390,8 +459,39 @@ def run_rank(
             load_back = LayerWiseLoadBack(shard, pages, delay_ms=delay_ms)
             load_back.arm()
         backend.forward_metadata = nsa_metadata_for(logical_table)
+        draft_inputs = None
+        run_draft = draft and "draft" in models
+        if run_draft:
+            draft_inputs = tuple(
+                torch.randn(num_tokens, *shape, generator=data).to(torch.bfloat16).to(device)
+                for shape in ((1, 512), (1, 64), (128,))
+            )
         with counter if sync_debug else contextlib.nullcontext():
-            _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms)
+            if "target" in models:
+                _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms)
+            elif load_back is not None:
+                load_back.disarm()
+            if run_draft:
+                _run_draft_layer(
+                    mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table, seq_lens_cpu
+                )
+
+    def _run_draft_layer(mode, reqs, new_counts, out_locs, draft_inputs, reads, logical_table, seq_lens_cpu):
+        """The NextN layer (layer id 0 of its own one-layer pool) on the same batch and mode."""
+        draft_batch = _forward_batch(
+            story, mode, reqs, new_counts, out_locs, draft_shard, device, seq_lens_cpu
+        )
+        replica_batch = _forward_batch(
+            story, mode, reqs, new_counts, out_locs, draft_replica, device, seq_lens_cpu
+        )
+        draft_backend = SimpleNamespace(forward_metadata=nsa_metadata_for(logical_table))
+        peer_page_reads.remap_forward_metadata(None, draft_backend, draft_batch)
+        nope, rope, key = draft_inputs
+        for pool_batch in (draft_batch, replica_batch):
+            pool = pool_batch.token_to_kv_pool
+            Indexer._store_index_k_cache(indexer, pool_batch, 0, key, act_quant=act_quant)
+            pool.set_mla_kv_buffer(SimpleNamespace(layer_id=0), pool_batch.out_cache_loc, nope, rope)
+        _check_reads(0, reads, draft_backend.forward_metadata, draft_shard, draft_replica, result)
 
     def _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
@@ -435,8 +535,27 @@ def run_rank(
     # 3. Decode; request 2 opens a new page; one padded request (row 0).
     out_locs = story.append(1, 1) + story.append(2, 1) + story.append(3, 1) + [0]
     run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
+    if spec:
+        # 4. Target verify: the draft tokens follow each request's committed tokens.
+        reqs = [1, 2, 3]
+        committed = [story.seq_lens[r] for r in reqs]
+        out_locs = [loc for r in reqs for loc in story.append(r, DRAFT_TOKENS)]
+        run_forward(
+            ForwardMode.TARGET_VERIFY, reqs, [DRAFT_TOKENS] * len(reqs), out_locs,
+            seq_lens_cpu=committed, models=("target",),
+        )  # fmt: skip
+        # 5. Draft extend over the accepted tokens; the rejected ones are no longer read.
+        out_locs = []
+        for r, start, accepted in zip(reqs, committed, ACCEPTED_TOKENS):
+            story.seq_lens[r] = start + accepted
+            out_locs += story.req_to_token[r, start : start + accepted].tolist()
+        run_forward(
+            ForwardMode.DRAFT_EXTEND, reqs, list(ACCEPTED_TOKENS), out_locs, models=("draft",)
+        )
 
     _check_shard(layout, shard, replica, num_layers, result)
+    if draft:
+        _check_shard(layout, draft_shard, draft_replica, 1, result)
     if sync_debug:
         result.syncs = counter.counts() if counter.available else None
         result.sync_sites = [f"{owner}: {site}" for owner, site in counter.sites]

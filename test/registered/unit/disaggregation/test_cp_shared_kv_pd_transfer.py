@@ -31,7 +31,7 @@ class Scenario:
     """One request: random logical pages (as the shared-KV allocator could hand out), random decode
     pages, a random chunking, and a replicated prefill pool of random bytes."""
 
-    def __init__(self, cp_size, seed, tokens=None):
+    def __init__(self, cp_size, seed, tokens=None, draft=False):
         rng = np.random.default_rng(seed)
         self.cp_size = cp_size
         self.generator = torch.Generator().manual_seed(seed)
@@ -47,15 +47,31 @@ class Scenario:
         self.chunk_ends = sorted(set(int(c) for c in cuts)) + [self.tokens]
         self.replicated = pd.build_nsa_pool(cp_size * (PHYSICAL_PAGES + 1))
         pd.fill_random(self.replicated, self.generator)
+        # The MTP draft's one-layer pool (KV and indexer K), indexed by the same logical pages.
+        self.replicated_draft = None
+        if draft:
+            self.replicated_draft = pd.build_nsa_pool(cp_size * (PHYSICAL_PAGES + 1), layer_num=1)
+            pd.fill_random(self.replicated_draft, self.generator)
 
-    def run(self, shared_kv, all_cp_ranks=True, decode=None):
-        """Every CP rank prefills the request and sends; returns the decode instance and the ranks."""
-        decode = decode or pd.DecodeInstance.build(DECODE_PAGES)
+    def run(self, shared_kv, all_cp_ranks=True, decode=None, draft_owner_shift=0):
+        """Every CP rank prefills the request and sends; returns the decode instance and the ranks.
+
+        ``draft_owner_shift`` (a planted bug): rank ``r``'s draft shard holds rank ``r + shift``'s pages."""
+        draft = self.replicated_draft is not None
+        decode = decode or pd.DecodeInstance.build(DECODE_PAGES, draft=draft)
         ranks = []
         for rank in range(self.cp_size):
+            draft_pool = self.replicated_draft
             if shared_kv:
                 layout = CpSharedKVLayout(self.cp_size, rank, PAGE)
                 pool = pd.shard_of(self.replicated, layout, PHYSICAL_PAGES, self.generator)
+                if draft:  # sharded by the same layout as the target's
+                    draft_layout = CpSharedKVLayout(
+                        self.cp_size, (rank + draft_owner_shift) % self.cp_size, PAGE
+                    )
+                    draft_pool = pd.shard_of(
+                        self.replicated_draft, draft_layout, PHYSICAL_PAGES, self.generator
+                    )
             else:
                 pool = self.replicated  # stock CP prefill: every rank holds the whole KV
             prefill = pd.build_prefill_rank(
@@ -65,6 +81,7 @@ class Scenario:
                 decode=decode,
                 shared_kv=shared_kv,
                 all_cp_ranks=all_cp_ranks,
+                draft_pool=draft_pool,
             )
             pd.connect_decode(prefill, decode, ROOM, self.dst_pages, aux_index=1)
             pd.send_request(
@@ -210,6 +227,42 @@ class TestSharedKVPDTransfer(CustomTestCase):
         scenario.run(shared_kv=True, decode=decode)
         self.assertTrue(decode.failed(ROOM))
         self.assertTrue(pools_equal(decode.pool, pd.build_nsa_pool(DECODE_PAGES)))
+
+
+class TestDraftPoolTransfer(CustomTestCase):
+    """PD prefill with MTP: each CP rank sends the draft KV and draft indexer-K pages it owns (the
+    draft pool sharded by the target's layout), by the target's page pairs, and a stock decode
+    instance with MTP on ends up with the complete draft pool, exactly what stock sends from
+    replicated pools. Planted: every rank's draft shard holding the next rank's pages (caught)."""
+
+    def _expected(self, scenario):
+        target = pd.build_nsa_pool(DECODE_PAGES)
+        pd.copy_pages(scenario.replicated, scenario.logical_pages, target, scenario.dst_pages)
+        draft = pd.build_nsa_pool(DECODE_PAGES, layer_num=1)
+        pd.copy_pages(scenario.replicated_draft, scenario.logical_pages, draft, scenario.dst_pages)
+        return target, draft
+
+    def test_decode_receives_the_complete_draft_pool(self):
+        for cp_size in (2, 8):
+            for seed in range(2):
+                scenario = Scenario(cp_size, seed=700 + 10 * cp_size + seed, draft=True)
+                reference = scenario.stock_reference()
+                decode, ranks = scenario.run(shared_kv=True)
+                msg = f"cp {cp_size} seed {seed} chunks {scenario.chunk_ends}"
+                for rank in ranks:
+                    self.assertEqual(rank.engine.errors, [], msg)
+                target, draft = self._expected(scenario)
+                self.assertTrue(pools_equal(decode.pool, target), msg)
+                self.assertTrue(pools_equal(decode.draft_pool, draft), msg)
+                self.assertTrue(pools_equal(reference.draft_pool, draft), msg)  # stock, replicated
+                self.assertEqual(decode.senders_done(ROOM), set(range(cp_size)), msg)
+
+    def test_draft_pages_from_the_wrong_owner_are_caught(self):
+        scenario = Scenario(2, seed=7, tokens=6 * PAGE, draft=True)
+        decode, _ = scenario.run(shared_kv=True, draft_owner_shift=1)
+        target, draft = self._expected(scenario)
+        self.assertTrue(pools_equal(decode.pool, target))  # the target is unaffected
+        self.assertFalse(pools_equal(decode.draft_pool, draft))
 
 
 class TestOneBadRequestFailsAlone(CustomTestCase):

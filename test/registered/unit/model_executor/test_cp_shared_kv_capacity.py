@@ -119,6 +119,36 @@ class TestCpSharedKVCapacity(CustomTestCase):
         self.assertIsNot(draft.token_to_kv_pool, target.token_to_kv_pool)
         self.assertIs(draft.token_to_kv_pool_allocator, target.token_to_kv_pool_allocator)
 
+    def test_the_draft_pool_sglang_builds_is_exactly_one_shard_of_the_logical_capacity(self):
+        """The MTP draft's pool (sized by stock from the target's physical config) holds a physical
+        row for every logical loc the shared allocator can hand out, on its owner, each exactly once:
+        sharded by the target's layout it needs no byte more or less than stock allocates."""
+        from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import draft_pool_problems
+
+        for cp_size in (2, 8):
+            for cp_rank in (0, cp_size - 1):
+                target = StandInRunner()
+                target.num_effective_layers, target.end_layer = 3, 3  # several target layers
+                init_memory_pool(target, cp_size=cp_size, cp_rank=cp_rank)
+                draft = StandInRunner(draft_of=target)  # one NextN layer
+                init_memory_pool(draft, cp_size=cp_size, cp_rank=cp_rank)
+                msg = f"cp {cp_size} rank {cp_rank}"
+                self.assertEqual(draft_pool_problems(target.token_to_kv_pool, draft.token_to_kv_pool), [], msg)
+                self.assertEqual(draft.token_to_kv_pool.layer_num, 1, msg)
+                allocator = target.token_to_kv_pool_allocator
+                locs = allocator.alloc(allocator.available_size())  # every logical loc there is
+                self.assertEqual(len(locs), cp_size * PHYSICAL_TOKENS, msg)
+                layout = allocator.layout
+                owned = locs[layout.owned_by_this_rank(locs)]
+                rows = layout.physical_locs_or_dummy(owned)
+                self.assertEqual(len(owned), PHYSICAL_TOKENS, msg)  # 1 / cp_size of them is ours
+                # ... at distinct real rows (page 0 is the dummy page) inside the draft's buffers
+                self.assertEqual(len(torch.unique(rows)), PHYSICAL_TOKENS, msg)
+                self.assertGreaterEqual(int(rows.min()), PAGE_SIZE, msg)
+                self.assertLess(int(rows.max()), draft.token_to_kv_pool.kv_buffer[0].shape[0], msg)
+                pages = torch.unique(rows // PAGE_SIZE)
+                self.assertLess(int(pages.max()), draft.token_to_kv_pool.index_k_with_scale_buffer[0].shape[0], msg)
+
     def test_non_nsa_pool_and_routed_experts_are_refused(self):
         runner = StandInRunner()
         runner.model_config.hf_config.architectures = ["DeepseekV2ForCausalLM"]  # plain MLA pool

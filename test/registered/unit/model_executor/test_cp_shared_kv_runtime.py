@@ -9,6 +9,7 @@ from unittest import mock
 import torch
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
@@ -16,6 +17,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_worker_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
@@ -70,6 +72,44 @@ class TestUnsupportedServerArgs(CustomTestCase):
         self.assertEqual(unsupported_server_args(trtllm), [])
 
 
+class TestPlannedLengths(CustomTestCase):
+    """What the plan reads and writes per request in each forward mode (host data only). Planted,
+    each caught: TARGET_VERIFY without the draft tokens; DRAFT_EXTEND_V2 planned as DRAFT_EXTEND."""
+
+    @staticmethod
+    def _batch(mode, seq_lens, extend=None):
+        return SimpleNamespace(
+            forward_mode=mode, seq_lens_cpu=torch.tensor(seq_lens), extend_seq_lens_cpu=extend
+        )
+
+    def test_lengths_per_mode(self):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import planned_lengths
+
+        cases = {
+            # mode: (seq_lens_cpu, extend_seq_lens_cpu) -> (tokens read, tokens written at the end)
+            ForwardMode.DECODE: (([70, 129], None), ([70, 129], [1, 1])),
+            ForwardMode.EXTEND: (([70, 129], [6, 129]), ([70, 129], [6, 129])),
+            ForwardMode.MIXED: (([70, 129], [6, 1]), ([70, 129], [6, 1])),
+            # committed lengths; 4 draft tokens each follow them
+            ForwardMode.TARGET_VERIFY: (([70, 129], [4, 4]), ([74, 133], [4, 4])),
+            # lengths after verify; the accepted tokens end there
+            ForwardMode.DRAFT_EXTEND: (([72, 133], [2, 4]), ([72, 133], [2, 4])),
+        }
+        for mode, ((seq_lens, extend), (reads, writes)) in cases.items():
+            with self.subTest(mode=mode.name):
+                got_reads, got_writes = planned_lengths(self._batch(mode, seq_lens, extend))
+                self.assertEqual(got_reads.tolist(), reads)
+                self.assertEqual(got_writes.tolist(), writes)
+        for mode in (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
+            with self.subTest(mode=mode.name):
+                with self.assertRaisesRegex(ValueError, f"forward mode {mode.name}"):
+                    planned_lengths(self._batch(mode, [70], [4]))
+        with self.assertRaisesRegex(ValueError, "without extend_seq_lens_cpu"):
+            planned_lengths(self._batch(ForwardMode.TARGET_VERIFY, [70], None))
+
+
 class _Attention(torch.nn.Module):
     """The attributes ``indexer_layer_ids_of`` reads from sglang's ``DeepseekV2AttentionMLA``."""
 
@@ -79,7 +119,9 @@ class _Attention(torch.nn.Module):
         self.indexer = torch.nn.Identity()
 
 
-class TestAttachRuntime(CustomTestCase):
+class _AttachCase(CustomTestCase):
+    """Stand-in model runners and ``attach_runtime`` as a TP worker runs it."""
+
     CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
 
     def _model_runner(self, pool, allocator, **overrides):
@@ -123,6 +165,8 @@ class TestAttachRuntime(CustomTestCase):
             2 * pool.size, PAGE_SIZE, torch.int64, "cpu", pool, False, 2, cp_rank
         )
 
+
+class TestAttachRuntime(_AttachCase):
     def test_attaches_once_with_a_logical_size_scratch(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
         runner = self._model_runner(pool, self._allocator(pool))
@@ -194,6 +238,51 @@ class TestAttachRuntime(CustomTestCase):
             self.assertIsNone(runtime_of(runner.token_to_kv_pool))
 
 
+class TestAttachDraftRuntime(_AttachCase):
+    """The MTP draft worker's ``attach_runtime`` (after the target's). Planted, caught: the draft
+    worker attached like a target (a runtime with a scratch of its own); the draft hook attaching
+    despite a refused setting."""
+
+    def _draft_runner(self, target_runner, **server_args):
+        draft_pool = make_nsa_pool(target_runner.token_to_kv_pool.size, "fp8", 1, "cpu")
+        runner = self._model_runner(draft_pool, target_runner.token_to_kv_pool_allocator, **server_args)
+        runner.is_draft_worker = True
+        runner.req_to_token_pool = target_runner.req_to_token_pool  # shared, as EAGLEWorker does
+        return runner
+
+    def test_draft_pool_gets_a_runtime_sharing_the_targets_scratch_once_spec_is_accepted(self):
+        from sglang_cp_shared_kv import server_args as cp_server_args
+
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        target_runner = self._model_runner(pool, self._allocator(pool))
+        self._attach(target_runner)
+        target = runtime_of(pool)
+        mirror = mirror_of(target_runner.req_to_token_pool)
+        spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1)
+        draft_runner = self._draft_runner(target_runner, **spec)
+        # Refused today: the speculative forward modes are not all planned.
+        with self.assertRaisesRegex(ValueError, "--speculative-algorithm EAGLE"):
+            self._attach(draft_runner)
+        self.assertIsNone(runtime_of(draft_runner.token_to_kv_pool))
+        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+            self._attach(draft_runner)  # both AFTER hooks of init_attention_backend, in order
+            attach_draft_worker_runtime(None, draft_runner)
+        draft = runtime_of(draft_runner.token_to_kv_pool)
+        self.assertIsNotNone(draft)
+        self.assertIsNot(draft, target)
+        self.assertIs(draft.scratch, target.scratch)
+        self.assertEqual(draft.layout, target.layout)
+        self.assertIs(mirror_of(target_runner.req_to_token_pool), mirror)  # not re-attached
+        # top-k 2 stays refused whatever is served
+        other = self._draft_runner(target_runner, speculative_algorithm="EAGLE", speculative_eagle_topk=2)
+        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+            with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
+                self._attach(other)
+            with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
+                attach_draft_worker_runtime(None, other)
+        self.assertIsNone(runtime_of(other.token_to_kv_pool))
+
+
 class TestIndexerLayerTable(CustomTestCase):
     def test_sglang_attention_still_carries_the_flags_the_table_reads(self):
         # indexer_layer_ids_of reads layer_id, indexer and skip_topk from sglang's NSA attention.
@@ -233,6 +322,20 @@ class TestHookTargets(CustomTestCase):
             "ModelRunner.init_attention_backend",
         ):
             self.assertTrue(any(t.endswith(expected) for t in registered), expected)
+
+    def test_the_draft_hook_follows_the_targets_attach(self):
+        from sglang_cp_shared_kv import plugin
+        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool
+
+        registered = []
+        registry = SimpleNamespace(register=lambda *entry: registered.append(entry))
+        plugin.register_runtime_hooks(registry)
+        target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
+        hooks = [hook for t, hook, kind in registered if t == target and kind == HookType.AFTER]
+        # Both run after the method, the target's attach first (the draft's needs its runtime).
+        self.assertEqual(hooks, [attach_runtime, cp_shared_kv_draft_pool.attach_draft_worker_runtime])
+        owner, name = target.rsplit(".", 1)
+        self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)))
 
 
 if __name__ == "__main__":

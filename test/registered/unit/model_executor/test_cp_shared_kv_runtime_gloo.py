@@ -103,6 +103,43 @@ class TestRuntimeAcrossRanks(_GlooCase):
         self.assertEqual([r[3] for r in rows], [0, 0])
 
 
+class TestDraftPoolAcrossRanks(_GlooCase):
+    """An MTP draft pool (one NextN layer, KV and indexer K) sharded by the target's layout, with its
+    own runtime sharing the target's scratch: its rows land on their owners and every draft read
+    equals a replicated draft pool's, in EXTEND (the draft extend after a prefill, over a cached
+    prefix and a mixed page) and DECODE, while the target's reads stay exact. Planted: one page of
+    each draft store written by the next rank instead of its owner (caught)."""
+
+    def test_two_ranks_fp8(self):
+        rows = self._run_group(2, "fp8", draft=True)
+        self.assertEqual([r[2] for r in rows], [0, 0])
+
+    def test_four_ranks_bf16_with_the_target_prefetching(self):
+        rows = self._run_group(4, "bf16", prefetch=True, draft=True, **PREFETCH_STORY)
+        self.assertEqual([r[2] for r in rows], [0] * 4)
+        self.assertEqual([r[3] for r in rows], [1] * 4)  # the target's prefetch ran beside the draft
+
+    def test_more_rows_are_compared_than_without_the_draft(self):
+        with_draft = self._run_group(2, "fp8", draft=True)[0][1]
+        without = self._run_group(2, "fp8")[0][1]
+        self.assertGreater(with_draft, without)
+
+    def test_target_verify_and_draft_extend(self):
+        """EAGLE's speculative step after the story: a TARGET_VERIFY forward of the target (draft
+        tokens after the committed ones, pages opened for them) and a DRAFT_EXTEND of the draft over
+        the accepted tokens, read and stored exactly as a replicated pool (cp 2 fp8, cp 4 bf16).
+        Planted in ``planned_lengths``, each caught: verify reading only the committed tokens; draft
+        extend taking every read token as new (its old pages never gathered)."""
+        for world_size, dtype_name in ((2, "fp8"), (4, "bf16")):
+            with self.subTest(world_size=world_size):
+                rows = self._run_group(world_size, dtype_name, draft=True, spec=True)
+                self.assertEqual([r[2] for r in rows], [0] * world_size)
+
+    def test_a_draft_page_on_the_wrong_owner_is_caught(self):
+        rows = self._run_group(2, "fp8", draft=True, plant="draft_page_to_wrong_owner")
+        self.assertGreater(sum(r[2] for r in rows), 0)
+
+
 class TestPrefetchGroup(CustomTestCase):
     def test_every_rank_creates_every_cp_group_and_keeps_its_own(self):
         rows = run_ranks(_group_rank, 4, (), start_method="forkserver", timeout_s=TIMEOUT_S,

@@ -93,10 +93,11 @@ class TestMetadataRemap(CustomTestCase):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
         self.assertIs(backend.forward_metadata, metadata)
 
-    def test_speculative_forward_modes_are_refused(self):
+    def test_unplanned_speculative_forward_modes_are_refused(self):
+        # TARGET_VERIFY and DRAFT_EXTEND are planned (test_cp_shared_kv_runtime.TestPlannedLengths).
         runtime = _runtime()
-        with self.assertRaisesRegex(ValueError, "TARGET_VERIFY"):
-            runtime.begin_forward(_forward_batch(runtime.pool, ForwardMode.TARGET_VERIFY))
+        with self.assertRaisesRegex(ValueError, "DRAFT_EXTEND_V2"):
+            runtime.begin_forward(_forward_batch(runtime.pool, ForwardMode.DRAFT_EXTEND_V2))
 
 
 class TestGettersServeTheScratch(CustomTestCase):

@@ -1,0 +1,106 @@
+"""The MTP draft's KV pool under shared KV: sharded by the target's layout, served by its own runtime.
+
+sglang 0.5.11's EAGLE worker gives the draft model runner the target's ``req_to_token_pool`` and
+token allocator and its own KV pool, built from the target's ``memory_pool_config``
+(``EAGLEWorker.__init__``, ``ModelRunnerKVCacheMixin.init_memory_pool``). For DeepSeek-V3.2 / GLM-5
+the draft is the NextN layer, whose attention has an NSA indexer, so that pool is an
+``NSATokenToKVPool`` of one layer with indexer K. Under shared KV the config still holds the
+target's *physical* tokens (the capacity hook publishes the logical capacity on the target runner
+only), while the shared allocator hands out *logical* locs. The draft pool is therefore exactly one
+rank's shard of a one-layer logical pool: every logical loc the allocator can hand out has a
+physical row on its owner (``CpSharedKVLayout``), and no byte more is needed than stock allocates.
+
+So the draft pool is sharded like the target's: a second ``CpSharedKVRuntime`` attaches to it, and
+the owner-filtered writes, the per-forward plan and the gather of the hooks serve it unchanged
+(they find the runtime through ``runtime_of(forward_batch.token_to_kv_pool)``). It shares the
+target's gather scratch (slot 0, one layer at the logical capacity): target and draft forwards run
+one after the other on the same stream, and every forward plans and assembles its own layers before
+reading them. The draft runs the serial path (one layer: nothing to prefetch behind).
+
+Replicating the draft pool at the logical capacity was the alternative; docs/speculative-decoding.md
+gives the numbers against it (memory stock never reserved, and the PD transfer and HiCache pair the
+draft's pages with the target's physical pages).
+
+``attach_draft_worker_runtime`` (AFTER ``ModelRunner.init_attention_backend``, next to the target's
+``attach_runtime``) attaches it on the draft worker; the startup rules refuse speculative decoding
+until every speculative forward mode is planned, so today it is never reached in a server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.plugins.hook_registry import HookType
+
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    FLAG,
+    CpSharedKVRuntime,
+    runtime_of,
+)
+from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
+
+logger = logging.getLogger(__name__)
+
+
+def draft_pool_problems(target_pool, draft_pool) -> list[str]:
+    """Why ``draft_pool`` cannot be sharded by the target's layout (empty: it can).
+
+    The layout maps logical page ``q`` to physical page ``q // cp_size`` on every pool it serves, so
+    the draft pool must hold the same physical pages as the target's, in the same row formats (the
+    shared scratch stores both)."""
+    if type(draft_pool) is not NSATokenToKVPool:
+        return [f"{FLAG}: the draft pool must be an NSATokenToKVPool, got {type(draft_pool).__name__}"]
+    problems = []
+    for name in ("size", "page_size", "dtype", "kv_cache_dim", "index_head_dim"):
+        draft_value, target_value = getattr(draft_pool, name), getattr(target_pool, name)
+        if draft_value != target_value:
+            problems.append(
+                f"{FLAG}: the draft pool's {name} is {draft_value}, the target's {target_value}; a "
+                f"draft pool sharded by the target's layout needs the same"
+            )
+    return problems
+
+
+def attach_draft_runtime(draft_pool: NSATokenToKVPool, target_pool: NSATokenToKVPool) -> CpSharedKVRuntime:
+    """Attach a runtime to ``draft_pool`` with the layout, CP group and scratch of ``target_pool``'s."""
+    target = runtime_of(target_pool)
+    if target is None:
+        raise ValueError(f"{FLAG}: the target pool has no runtime; attach the target's first")
+    if runtime_of(draft_pool) is not None:
+        raise ValueError(f"{FLAG}: the draft pool already has a runtime")
+    problems = draft_pool_problems(target_pool, draft_pool)
+    if problems:
+        raise ValueError("; ".join(problems))
+    # indexer_layer_ids None: the NextN layer computes its own top-k (skip_topk is False for it).
+    return CpSharedKVRuntime(draft_pool, target.layout, target.scratch, target.cp_group)
+
+
+def attach_draft_worker_runtime(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.init_attention_backend`` on a draft worker (MTP), flag on.
+
+    The draft shares the target's allocator, whose pool is the target's, whose runtime attached when
+    the target worker initialized; the host mirror of the shared ``req_to_token`` is already there."""
+    if not cp_shared_kv_enabled(model_runner.server_args) or not model_runner.is_draft_worker:
+        return None
+    draft_pool = model_runner.token_to_kv_pool
+    if runtime_of(draft_pool) is not None:
+        return None
+    reasons = runtime_problems(model_runner.server_args)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    attach_draft_runtime(draft_pool, model_runner.token_to_kv_pool_allocator.get_kvcache())
+    logger.info(
+        "CP shared KV runtime on the draft pool: %d physical tokens, %d layer(s), the target's layout",
+        draft_pool.size,
+        draft_pool.layer_num,
+    )
+    return None
+
+
+def register_hooks(registry) -> None:
+    registry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
+        attach_draft_worker_runtime,
+        HookType.AFTER,
+    )
