@@ -58,7 +58,10 @@ import time
 PLANTS = ("none", "drop-partial", "lse-base", "wrong-owner")
 DECODE_IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
 KV_DTYPE_OF_IMPL = {"flashmla_kv": "fp8", "flashmla_sparse": "bf16", "fa3": "bf16"}
-LSE_TOL = 2e-2  # natural-log LSE of a kernel vs the float32 reference (bf16 inputs)
+# Natural-log LSE of a kernel vs the float32 reference, per KV dtype. fp8: FlashMLA's fp8 decode
+# scores dequantized rows with its own rounding; its LSE was up to 2.6e-2 off at cp 4/8 on an H200
+# (bf16: 1.7e-5) while the merged outputs stayed within 4.6e-3. A wrong base is off by 4 or more.
+LSE_TOL = {"fp8": 6e-2, "bf16": 2e-2}
 HEADS = 64
 INDEX_HEADS = 32
 PAGE = 64
@@ -404,7 +407,7 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
         and result["nan"] == 0
         and result["rel_err"] <= REL_TOL
         and result["rel_err_gather_form"] <= REL_TOL
-        and result["lse_err"] <= LSE_TOL
+        and result["lse_err"] <= LSE_TOL[kv_dtype]
         and result.get("sglang_ties_ok", n) == n
     )
     return result
@@ -509,7 +512,7 @@ def main(argv=None) -> int:
                 f"attended rows={result['union_ok']}/{n} "
                 + (f"sglang top-k up-to-ties={result['sglang_ties_ok']}/{n} " if "sglang_ties_ok" in result else "")
                 + f"max rel err={result['rel_err']:.2e} (all-gather form {result['rel_err_gather_form']:.2e}, "
-                f"tol {REL_TOL:.0e}) lse err={result['lse_err']:.1e} (tol {LSE_TOL:.0e}) "
+                f"tol {REL_TOL:.0e}) lse err={result['lse_err']:.1e} (tol {LSE_TOL[KV_DTYPE_OF_IMPL[result['decode_impl']]]:.0e}) "
                 f"nan={result['nan']} empty-partial lse={result['empty_lse']} [{elapsed:.1f}s] {verdict}",
                 flush=True,
             )
