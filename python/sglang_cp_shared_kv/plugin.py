@@ -6,7 +6,8 @@ builds anything. Two tiers of hooks:
 * Server-argument hooks are always registered: they add ``--enable-nsa-prefill-cp-shared-kv`` and
   validate it. With the flag off they only add the (default False) flag.
 * Runtime hooks (capacity, allocator, CP HiRadixCache, owner-filtered writes, peer-page reads, the
-  host mirror of ``req_to_token``, load-back quota, PD prefill transfer classes) are registered
+  host mirror of ``req_to_token``, load-back quota, prefill admission within the gather scratch, PD
+  prefill transfer classes) are registered
   only in processes started after the flag was validated on: the validation sets ``CP_SHARED_KV_ENV`` in the launching process, and
   spawned scheduler processes inherit it. With the flag off no runtime hook exists, so the serving
   path is stock sglang.
@@ -38,7 +39,7 @@ def register() -> None:
 def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
     from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
-    from sglang_cp_shared_kv.managers import prefill_load_back_quota
+    from sglang_cp_shared_kv.managers import prefill_load_back_quota, prefill_scratch_admission
     from sglang_cp_shared_kv.mem_cache import (
         cp_hiradix_cache,
         nsa_host_kv_row_width,
@@ -56,6 +57,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     # The host pools sglang's NSA assembler builds for the CP cache must hold whole fp8 NSA rows.
     nsa_host_kv_row_width.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
+    # Prefill batches within a gather scratch sized for prefill only (decode per owner).
+    prefill_scratch_admission.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
     # The plan's host mirror of req_to_token: every writer of the table, and the tree's value pages.
     req_to_page_mirror_writers.register_hooks(registry)

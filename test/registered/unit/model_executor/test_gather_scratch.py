@@ -123,7 +123,11 @@ class TestReservationHook(CustomTestCase):
     CONTEXT_LEN, CHUNK = 131072, 8192
     SLOT1 = (CONTEXT_LEN + CHUNK) * 5 // 4  # a multiple of the page size
 
-    def _model_runner(self, max_total_tokens=None, is_draft_worker=False, flag=True):
+    def _model_runner(
+        self, max_total_tokens=None, is_draft_worker=False, flag=True, decode_backend="fa3"
+    ):
+        """``decode_backend``: fa3 (not served per owner, so decode gathers: slot 0 holds the
+        logical capacity) or flashmla_kv (decode per owner: slot 0 sized for prefill)."""
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
             server_args=SimpleNamespace(
@@ -131,6 +135,10 @@ class TestReservationHook(CustomTestCase):
                 max_total_tokens=max_total_tokens,
                 enable_nsa_prefill_cp_shared_kv=flag,
                 chunked_prefill_size=self.CHUNK,
+                max_prefill_tokens=16384,
+                nsa_decode_backend=decode_backend,
+                enable_mixed_chunk=False,
+                disaggregation_mode="null",
             ),
             model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             calculate_mla_kv_cache_dim=lambda: 656,
@@ -160,6 +168,17 @@ class TestReservationHook(CustomTestCase):
         # (128K context + 8K chunk) about 0.13 GB.
         self.assertAlmostEqual(slot0 / available, 8 * 788 / self.CELL, delta=0.01)
         self.assertAlmostEqual(scratch_bytes(self.SLOT1, 656, PAGE) / (1 << 30), 0.125, delta=0.01)
+
+    def test_per_owner_decode_reserves_a_prefill_sized_slot_0(self):
+        available = 40 << 30
+        full = available - self._run(self._model_runner(), available)
+        left = self._run(self._model_runner(decode_backend="flashmla_kv"), available)
+        # Slot 0: one 128K request plus one 8K chunk, as slot 1's auto size without the padding.
+        slot0 = scratch_bytes(self.CONTEXT_LEN + self.CHUNK, 656, PAGE)
+        self.assertEqual(available - left, slot0 + scratch_bytes(self.SLOT1, 656, PAGE))
+        # GLM-5 fp8 at cp 8: the full-capacity slot 0 was ~11% of the budget; now ~0.6%.
+        self.assertLess((available - left) / available, 0.01)
+        self.assertGreater(full / available, 0.1)
 
     def test_user_token_cap_bounds_the_reservation(self):
         left = self._run(self._model_runner(max_total_tokens=64 * 1000), 40 << 30)

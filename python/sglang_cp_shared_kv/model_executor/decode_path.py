@@ -1,0 +1,72 @@
+"""Which path decode takes on a shared-KV server, decided at startup from server args and environment.
+
+Decode runs per owner (``per_owner_decode``: each rank scores and attends over its own pool, no
+page gather) unless something rules it out; otherwise every decode forward gathers the pages it
+reads into the gather scratch, which must then hold one layer of the whole logical capacity.
+
+The decision is needed before the model runner exists (the scratch is reserved before sglang sizes
+the pool, and the CUDA-graph rule is judged on ``ServerArgs``), so it is taken here from the same
+inputs on every rank: ``SGLANG_CP_SHARED_KV_DECODE`` (``per_owner``, the default, or ``gather``),
+the NSA decode impl sglang resolved into ``--nsa-decode-backend``, ``SGLANG_NSA_FUSE_TOPK``, and
+the PD mode (a ``--disaggregation-mode prefill`` server never decodes). ``per_owner_decode.attach``
+takes the same decision again when it attaches; a decode forward that reaches the gather while the
+scratch was sized for prefill raises (``CpSharedKVRuntime.begin_forward``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+
+DECODE_PATH_ENV = "SGLANG_CP_SHARED_KV_DECODE"
+PER_OWNER = "per_owner"
+GATHER = "gather"
+
+
+def configured_decode_path() -> str:
+    """``SGLANG_CP_SHARED_KV_DECODE`` (default ``per_owner``); a ``ValueError`` for anything else."""
+    raw = os.environ.get(DECODE_PATH_ENV)
+    value = PER_OWNER if raw is None or not raw.strip() else raw.strip().lower()
+    if value not in (PER_OWNER, GATHER):
+        raise ValueError(f"{DECODE_PATH_ENV} must be {PER_OWNER!r} or {GATHER!r}, got {raw!r}")
+    return value
+
+
+# NSA decode impls (``--nsa-decode-backend``) that ``per_owner_decode`` serves; kept equal to what it
+# attaches for (a unit test compares them), here so that startup rules need not import the runtime.
+PER_OWNER_DECODE_IMPLS = ("flashmla_kv",)
+
+
+def is_pd_prefill_server(server_args) -> bool:
+    return getattr(server_args, "disaggregation_mode", None) == "prefill"
+
+
+def decode_gather_reason(server_args) -> Optional[str]:
+    """Why decode forwards of this server gather pages (a sentence naming the setting), or None
+    when they all run per owner. A PD prefill server runs no decode forward: None."""
+    if is_pd_prefill_server(server_args):
+        return None
+    if configured_decode_path() == GATHER:
+        return f"{DECODE_PATH_ENV}={GATHER}"
+    impl = server_args.nsa_decode_backend
+    if impl not in PER_OWNER_DECODE_IMPLS:
+        served = ", ".join(PER_OWNER_DECODE_IMPLS)
+        return f"--nsa-decode-backend {impl} (per-owner decode serves {served})"
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_NSA_FUSE_TOPK.get():
+        return "SGLANG_NSA_FUSE_TOPK is off (per-owner decode needs the fused top-k)"
+    return None
+
+
+def decode_runs_per_owner(server_args) -> bool:
+    return decode_gather_reason(server_args) is None
+
+
+def gather_decode_error(reason: str) -> str:
+    return (
+        f"{FLAG}: a decode forward reached the page gather ({reason}), but the gather scratch was "
+        f"sized for prefill batches only; {DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
+    )
