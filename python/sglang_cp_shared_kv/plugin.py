@@ -50,6 +50,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         cp_shared_kv_runtime,
         owner_filtered_writes,
         peer_page_reads,
+        per_owner_decode_graphs,
     )
 
     cp_shared_kv_capacity.register_hooks(registry)
@@ -64,5 +65,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     req_to_page_mirror_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)
     peer_page_reads.register_hooks(registry)
+    # Decode CUDA graphs over per-owner decode's static tables (inert without both).
+    per_owner_decode_graphs.register_hooks(registry)
     disaggregation_utils.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

@@ -43,7 +43,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
     mirror_of,
 )
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
-from sglang_cp_shared_kv.model_executor.decode_path import gather_decode_error
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     SCRATCH_LAYER,
     SCRATCH_LAYER_ID,
@@ -140,7 +140,11 @@ class CpSharedKVRuntime:
         """
         mode = forward_batch.forward_mode
         if mode.is_decode() and not self.scratch_serves_decode and not self.in_dummy_run:
-            raise ValueError(gather_decode_error("per-owner decode did not take this forward"))
+            raise ValueError(
+                f"{FLAG}: a decode forward reached the page gather (per-owner decode did not take "
+                f"it), but the gather scratch was sized for prefill batches only; "
+                f"{DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
+            )
         seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
         if mode.is_decode_or_idle():
             new_token_counts = np.ones_like(seq_lens)
@@ -180,12 +184,12 @@ class CpSharedKVRuntime:
 
     def store_mla_kv(self, original, layer, logical_locs, cache_k_nope, cache_k_rope) -> None:
         """``set_mla_kv_buffer`` of the whole batch: once into the layer's slot, owned rows to the pool."""
-        self._refuse_graph_capture()
         plan = self.plan
-        if plan is None:  # no forward planned yet: nothing can read the scratch
+        if plan is None:  # nothing reads the scratch (per-owner decode, captured or not)
             physical_locs = self.layout.physical_locs_or_dummy(logical_locs)
             original(self.pool, layer, physical_locs, cache_k_nope, cache_k_rope)
             return
+        self._refuse_graph_capture()
         layer_id = layer.layer_id
         slot, prefetched = self.pipeline.slot_for_store(layer_id, KV)
         maps = self.row_maps(plan, logical_locs)
@@ -209,11 +213,10 @@ class CpSharedKVRuntime:
         ``forward_batch.token_to_kv_pool``) on all three of its branches, so both are swapped
         around the call and restored afterwards.
         """
-        self._refuse_graph_capture()
         logical_locs = forward_batch.out_cache_loc
         pool = forward_batch.token_to_kv_pool
         plan = self.plan
-        if plan is None:  # no forward planned yet: physical rows only
+        if plan is None:  # physical rows only (per-owner decode, captured or not)
             try:
                 forward_batch.out_cache_loc = self.layout.physical_locs_or_dummy(logical_locs)
                 self.writing_physical = True
@@ -222,6 +225,7 @@ class CpSharedKVRuntime:
                 self.writing_physical = False
                 forward_batch.out_cache_loc = logical_locs
             return
+        self._refuse_graph_capture()
         slot, prefetched = self.pipeline.slot_for_store(layer_id, INDEX)
         maps = self.row_maps(plan, logical_locs)
         try:

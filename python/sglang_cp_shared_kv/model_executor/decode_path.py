@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
-
 DECODE_PATH_ENV = "SGLANG_CP_SHARED_KV_DECODE"
 PER_OWNER = "per_owner"
 GATHER = "gather"
@@ -65,8 +63,31 @@ def decode_runs_per_owner(server_args) -> bool:
     return decode_gather_reason(server_args) is None
 
 
-def gather_decode_error(reason: str) -> str:
-    return (
-        f"{FLAG}: a decode forward reached the page gather ({reason}), but the gather scratch was "
-        f"sized for prefill batches only; {DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
-    )
+# Decode under CUDA graphs (``per_owner_decode_graphs``) is opt-in until its capture and replay have
+# been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
+GRAPH_DECODE_ENV = "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"
+
+
+def graph_decode_opted_in() -> bool:
+    return os.environ.get(GRAPH_DECODE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
+    """Why this server cannot run decode CUDA graphs (a message naming the settings), or None.
+
+    Decode graphs replay fixed shapes: per-owner decode has them (static owner tables, fixed-size
+    exchanges), the page gather does not (its size follows the batch's pages)."""
+    if server_args.disable_cuda_graph:
+        return None
+    if not graph_decode_opted_in():
+        return (
+            f"{flag} requires --disable-cuda-graph (decode CUDA graphs per owner are opt-in with "
+            f"{GRAPH_DECODE_ENV}=1 until checked on GPUs)"
+        )
+    reason = decode_gather_reason(server_args)
+    if reason is not None:
+        return (
+            f"{flag} requires --disable-cuda-graph while decode gathers pages ({reason}): graphs "
+            f"cannot replay the per-forward, variable-size page gather"
+        )
+    return None

@@ -42,7 +42,6 @@ from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
 )
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
-    all_gather_candidates,
     local_candidates,
     owned_attention_indices,
     select_global,
@@ -116,7 +115,7 @@ class PerOwnerDecode:
         Every rank calls it once per top-k layer (one all-gather), whatever it owns."""
         positions, rows = self.forward.columns(logits.shape[1])
         candidates = local_candidates(logits, positions, rows, topk)
-        selection = select_global(all_gather_candidates(candidates.keys, self.group))
+        selection = select_global(self.all_gather(candidates.keys))  # [cp_size, B, k] keys
         return owned_attention_indices(selection, candidates, self.cp_rank)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
