@@ -127,8 +127,17 @@ def kernels_in_this_process(stack: ExitStack, device: str) -> dict:
     return names
 
 
-def run_rank(rank: int, world_size: int, seq_lens, topk: int, device: str) -> dict:
-    """This rank's decode layer; returns its output, indices, stored rows and what it observed."""
+GRAPH_MODES = ("eager", "graph-replay", "graph-stale")
+
+
+def run_rank(rank: int, world_size: int, seq_lens, topk: int, device: str, mode: str = "eager") -> dict:
+    """This rank's decode layer; returns its output, indices, stored rows and what it observed.
+
+    ``mode``: ``eager`` runs the backend's metadata hook; ``graph-replay`` instead goes through the
+    decode-graph hooks as a captured graph sees them: static tables built at "capture" from
+    capture-time contents (every request on the dummy row, length 1), then the batch copied into the
+    backend's static metadata and refreshed by the replay hook, and the layer run over the static
+    tables; ``graph-stale`` skips that refresh (the check must then fail)."""
     from sglang.srt.layers.attention.nsa import nsa_indexer
     from sglang.srt.layers.attention.nsa_backend import (
         NativeSparseAttnBackend,
@@ -205,7 +214,10 @@ def run_rank(rank: int, world_size: int, seq_lens, topk: int, device: str) -> di
             forward_mode=ForwardMode.DECODE, token_to_kv_pool=pool, hisparse_coordinator=None,
             out_cache_loc=case.last_locs,
         )
-        peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+        if mode == "eager":
+            peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+        else:
+            _capture_then_replay(backend, per_owner_decode.per_owner_of(pool), stale=mode == "graph-stale")
         planned = runtime.plan is not None
         layer = SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, head_dim=576)
         k_nope = case.new_kv[:, None, :512].contiguous()
@@ -231,6 +243,40 @@ def run_rank(rank: int, world_size: int, seq_lens, topk: int, device: str) -> di
             "stored_locs": case.last_locs[own_last].cpu(),
             "stored_rows": kv_bytes[physical_last[own_last], 0].cpu(),
         }
+
+
+def _capture_then_replay(backend, state, stale: bool) -> None:
+    """The decode-graph hooks around ``backend.forward_metadata`` (the batch to run): capture with
+    sglang's capture-time contents, then the replay's copy into the static metadata and refresh."""
+    import dataclasses
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_cp_shared_kv.model_executor import per_owner_decode, per_owner_decode_graphs as graphs
+
+    real = backend.forward_metadata
+    bs, width = real.real_page_table.shape
+    backend.decode_cuda_graph_metadata = {
+        "page_table": torch.zeros((bs, width * PAGE), dtype=torch.int32, device=real.real_page_table.device)
+    }
+    setattr(backend, per_owner_decode._STATE_ATTR, state)
+    setattr(backend, graphs._BOUND_ATTR, True)
+    graphs.init_cuda_graph_state_after(None, backend, bs, bs)
+    schedule = real.paged_mqa_schedule_metadata
+    static = dataclasses.replace(
+        real,
+        real_page_table=torch.zeros_like(real.real_page_table),
+        cache_seqlens_int32=torch.ones_like(real.cache_seqlens_int32),
+        paged_mqa_schedule_metadata=None if schedule is None else schedule.clone(),
+    )
+    backend.forward_metadata = static
+    graphs.capture_metadata_after(None, backend, bs, bs, None, None, None, ForwardMode.DECODE, None)
+    # Replay: sglang copies the batch into its static metadata, then the hook refreshes ours.
+    static.real_page_table.copy_(real.real_page_table)
+    static.cache_seqlens_int32.copy_(real.cache_seqlens_int32)
+    if schedule is not None:
+        static.paged_mqa_schedule_metadata.copy_(schedule)
+    if not stale:
+        graphs.replay_metadata_after(None, backend, bs)
 
 
 def replicated_reference(case, results, topk: int, logits_fn=None, attention_fn=None):

@@ -8,6 +8,9 @@ through the owner-filtered hook, sglang's paged indexer (deep_gemm replaced by i
 and sglang's ``_forward_flashmla_kv`` (FlashMLA replaced by its torch reference). The parent checks
 every rank's output equals the others' and the replicated attention's (bf16 tolerance), that the
 ranks' indices cover the replicated selection exactly once, and that the scratch stayed untouched.
+The same layer also runs through the decode-graph hooks (``per_owner_decode_graphs``: static owner
+tables made at capture from capture-time contents, refreshed by the replay hook): it passes, and
+fails when the refresh is left out (a stale static buffer).
 
 Planted bugs, each made this test fail (then reverted): the attention hook returning the partial
 without the merge; the indexer hook keeping the logical ``real_page_table``; ``serves_physical``
@@ -22,7 +25,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 
-register_cpu_ci(est_time=120, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=240, suite="stage-a-test-cpu")
 
 PAGE = hooked.PAGE
 TOPK = 128
@@ -57,6 +60,18 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         pool = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
         scratch = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
         return CpSharedKVRuntime(pool, CpSharedKVLayout(1, 0, PAGE), scratch, single_process_group())
+
+    def test_graph_hooks_serve_the_replayed_batch(self):
+        """Through the decode-graph hooks (tables built at capture from capture-time contents,
+        refreshed by the replay hook) the layer gives the replicated output; without the refresh
+        (a stale static buffer) it does not."""
+        for mode, should_pass in (("graph-replay", True), ("graph-stale", False)):
+            results = run_ranks(hooked.run_rank, 2, (SEQ_LENS, TOPK, "cpu", mode))
+            case = hooked.make_case(2, SEQ_LENS, "cpu")
+            expected, locs = hooked.replicated_reference(case, results, TOPK)
+            comparison = hooked.compare(case, results, expected, locs, rel_tol=2e-2)
+            with self.subTest(mode=mode):
+                self.assertEqual(hooked.passed(comparison), should_pass, comparison)
 
     def test_attaches_only_for_flashmla_kv_with_fused_top_k(self):
         from sglang.srt.environ import envs
