@@ -17,6 +17,13 @@ replicated pool (selection equal up to ties, outputs within 2e-2 relative L2, bf
 ``--plant stale-tables`` leaves rank 1's owner tables unrefreshed before the second replay (a
 static buffer not refreshed on replay); the check must then FAIL on batch B.
 
+Then (``--hooked-cp-sizes``, default 2) one decode layer runs through sglang's own decode methods
+with our hooks, on gloo ranks sharing the device (``testing/per_owner_decode_hooked.py``), through
+the decode-graph hooks: owner tables built at "capture" from capture-time contents, the batch copied
+into the backend's static metadata, the replay hook's refresh, the layer over the static tables
+(not captured: gloo cannot be). It must match the replicated pool, and must NOT once the refresh is
+left out (``graph-stale``, run in the same go as a built-in plant).
+
 Kernels: ``deep_gemm.fp8_paged_mqa_logits`` with its schedule (refreshed outside the graph, as
 sglang does) and ``sgl_kernel.flash_mla.flash_mla_with_kvcache`` (sparse, fp8 KV) with its tile
 metadata (refreshed likewise) on CUDA; torch references on CPU (``--device cpu``), where no graph
@@ -48,6 +55,13 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--cp-sizes", default="2,4,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--plant", choices=PLANTS, default="none")
+    parser.add_argument(
+        "--hooked-cp-sizes",
+        default="2",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="also run one decode layer through sglang's methods and the decode-graph hooks on gloo "
+        "ranks sharing the device; '' skips it",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -155,6 +169,35 @@ def run_cp(args, cp_size, kernels) -> list:
     return results
 
 
+HOOKED_SEQ_LENS = (6000, 2048, 700, 3001)
+
+
+def run_hooked(args, cp_size) -> list:
+    """(graph-replay passes, graph-stale fails) through sglang's decode methods and our hooks."""
+    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+
+    verdicts = []
+    for mode, should_pass in (("graph-replay", True), ("graph-stale", False)):
+        start = time.monotonic()
+        seq_lens = list(HOOKED_SEQ_LENS)
+        results = run_ranks(hooked.run_rank, cp_size, (seq_lens, TOPK, args.device, mode), timeout_s=600)
+        case = hooked.make_case(cp_size, seq_lens, args.device)
+        expected, locs = hooked.replicated_reference(case, results, TOPK)
+        comparison = hooked.compare(case, results, expected, locs, REL_TOL)
+        ok = hooked.passed(comparison) == should_pass
+        kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
+        print(
+            f"hooked cp={cp_size} {mode} ({kernels_used}): max rel err={comparison['rel_err']:.2e}, "
+            f"{'passes' if hooked.passed(comparison) else 'fails'} (must "
+            f"{'pass' if should_pass else 'fail'}) [{time.monotonic() - start:.1f}s] "
+            f"{'PASS' if ok else 'FAIL'}",
+            flush=True,
+        )
+        verdicts.append(ok)
+    return verdicts
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -173,6 +216,11 @@ def main(argv=None) -> int:
         for ok in run_cp(args, cp_size, kernels):
             passed += ok
             failed += not ok
+    if args.plant == "none":
+        for cp_size in args.hooked_cp_sizes:
+            for ok in run_hooked(args, cp_size):
+                passed += ok
+                failed += not ok
     print(f"check: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1
 
