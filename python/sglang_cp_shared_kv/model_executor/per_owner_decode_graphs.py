@@ -30,9 +30,11 @@ group is the TP group's ``GroupCoordinator`` itself (``attn_cp_size == tp_size``
 ``_ATTN_CP = _TP``), so ``coordinator_collectives`` issues the candidate all-gather and the LSE
 merge through that coordinator: PyNccl (enabled inside ``graph_capture``) during capture, and
 ``torch.distributed`` on its device group when eager, exactly as sglang's own TP collectives in a
-captured decode. ``torch.distributed`` collectives on a process group of ours are not used under
-capture: ProcessGroupNCCL runs them on its internal stream with event handshakes and work objects
-that its watchdog tracks, which is not what sglang's capture path sets up or tests.
+captured decode. torch 2.11's ProcessGroupNCCL would also let a capture record its collectives (it
+only refuses NCCL older than 2.9.6), but it runs them on its own internal stream, joined to the
+capture stream by events, with work objects its watchdog tracks; sglang's graph runner never
+captures through that path (its own table: torch.distributed "disabled" in graph mode), so it is
+not used here.
 """
 
 from __future__ import annotations
