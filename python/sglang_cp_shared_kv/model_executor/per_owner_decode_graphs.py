@@ -115,9 +115,15 @@ class OwnerTableBuffers:
         static.owned_seq_lens.copy_(fresh.owned_seq_lens)
         schedule = None if schedule_fn is None else schedule_fn(static.owned_seq_lens)
         held = self.schedules.get(bs)
-        if schedule is None or held is None or held.shape != schedule.shape:
+        if schedule is None or held is None:
             # First build for ``bs`` (capture): the tensor the graph will read from now on.
             self.schedules[bs] = None if schedule is None else schedule.clone()
+        elif held.shape != schedule.shape:
+            # Replacing it would leave the captured graph reading the old one.
+            raise ValueError(
+                f"per-owner decode graphs: the indexer schedule of batch size {bs} changed shape "
+                f"({tuple(held.shape)} -> {tuple(schedule.shape)})"
+            )
         else:
             held.copy_(schedule)
         return static
