@@ -21,6 +21,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
     prefetch_slot_tokens,
     reserve_scratch_bytes,
     scratch_bytes,
+    slot0_scratch_tokens,
 )
 from sglang_cp_shared_kv.testing.runtime_check import KV_DIMS, make_nsa_pool
 
@@ -97,18 +98,22 @@ class TestReservation(CustomTestCase):
             unreserved = _pool_tokens(available, cell)
             row = _kv_row_bytes(dtype_name)
             requested = rng.choice([0, rng.randrange(1, 4 * cp_size * unreserved + 2)])
+            # Slot 0 at the logical capacity (decode gathers) or prefill-sized (decode per owner).
+            prefill = rng.choice([None, rng.randrange(1, 2 * cp_size * unreserved + 2)])
             reserve = reserve_scratch_bytes(
-                available, unreserved, cp_size, row, PAGE, requested_prefetch_slot_tokens=requested
+                available, unreserved, cp_size, row, PAGE, requested_prefetch_slot_tokens=requested,
+                prefill_slot0_tokens=prefill,
             )
             pool_tokens = _pool_tokens(available - reserve, cell)
             slot1 = prefetch_slot_tokens(requested, cp_size * pool_tokens, PAGE)
-            allocated = scratch_bytes(cp_size * pool_tokens, row, PAGE)
+            slot0 = slot0_scratch_tokens(prefill, cp_size * pool_tokens, PAGE)
+            allocated = scratch_bytes(slot0, row, PAGE)
             allocated += scratch_bytes(slot1, row, PAGE) if slot1 else 0
             self.assertLessEqual(allocated, reserve)
             self.assertGreater(pool_tokens, 0)
             # Exact when the pool gets the unreserved size: the reservation is both slots' bytes.
             slot1 = prefetch_slot_tokens(requested, cp_size * unreserved, PAGE)
-            exact = scratch_bytes(cp_size * unreserved, row, PAGE)
+            exact = scratch_bytes(slot0_scratch_tokens(prefill, cp_size * unreserved, PAGE), row, PAGE)
             exact += scratch_bytes(slot1, row, PAGE) if slot1 else 0
             self.assertEqual(reserve, exact)
 
