@@ -6,8 +6,8 @@ builds anything. Two tiers of hooks:
 * Server-argument hooks are always registered: they add ``--enable-nsa-prefill-cp-shared-kv`` and
   validate it. With the flag off they only add the (default False) flag.
 * Runtime hooks (capacity, allocator, CP HiRadixCache, owner-filtered writes, peer-page reads,
-  per-owner decode, the host mirror of ``req_to_token``, load-back quota, PD prefill transfer
-  classes) are registered
+  per-owner decode and its CUDA graphs, the host mirror of ``req_to_token``, load-back quota,
+  prefill admission within the gather scratch, PD prefill transfer classes) are registered
   only in processes started after the flag was validated on: the validation sets ``CP_SHARED_KV_ENV`` in the launching process, and
   spawned scheduler processes inherit it. With the flag off no runtime hook exists, so the serving
   path is stock sglang.
@@ -39,7 +39,7 @@ def register() -> None:
 def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
     from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
-    from sglang_cp_shared_kv.managers import prefill_load_back_quota
+    from sglang_cp_shared_kv.managers import prefill_load_back_quota, prefill_scratch_admission
     from sglang_cp_shared_kv.mem_cache import (
         cp_hiradix_cache,
         nsa_host_kv_row_width,
@@ -52,6 +52,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         owner_filtered_writes,
         peer_page_reads,
         per_owner_decode,
+        per_owner_decode_graphs,
     )
 
     cp_shared_kv_capacity.register_hooks(registry)
@@ -59,6 +60,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     # The host pools sglang's NSA assembler builds for the CP cache must hold whole fp8 NSA rows.
     nsa_host_kv_row_width.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
+    # Prefill batches within a gather scratch sized for prefill only (decode per owner).
+    prefill_scratch_admission.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
     # The MTP draft pool, sharded like the target's (refused at startup until its modes are planned).
     cp_shared_kv_draft_pool.register_hooks(registry)
@@ -71,5 +74,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     # runtime's (cp_shared_kv_runtime above): AFTER hooks run in registration order, so the runtime
     # exists when it runs.
     per_owner_decode.register_hooks(registry)
+    # Decode CUDA graphs over per-owner decode's static tables (inert without both).
+    per_owner_decode_graphs.register_hooks(registry)
     disaggregation_utils.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

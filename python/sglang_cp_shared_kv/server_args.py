@@ -31,7 +31,7 @@ import logging
 import os
 
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_cp_shared_kv.model_executor.decode_mode import configured_decode_mode
+from sglang_cp_shared_kv.model_executor.decode_path import configured_decode_path
 
 logger = logging.getLogger(__name__)
 
@@ -373,12 +373,12 @@ def _model_problems(server_args) -> list[str]:
 def runtime_problems(server_args) -> list[str]:
     """What the shared-KV runtime (owner-filtered writes, per-forward peer-page gather) cannot serve.
     The runtime checks them again when it attaches to the pool (``cp_shared_kv_runtime``)."""
+    from sglang_cp_shared_kv.model_executor.decode_path import cuda_graph_problem
+
     reasons = []
-    if not server_args.disable_cuda_graph:
-        reasons.append(
-            f"{CP_SHARED_KV_FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
-            f"variable-size page gather"
-        )
+    graph_problem = cuda_graph_problem(server_args, CP_SHARED_KV_FLAG)
+    if graph_problem is not None:
+        reasons.append(graph_problem)
     if not server_args.disable_piecewise_cuda_graph:
         # sglang already turns them off for GLM-5 / DeepseekV32 architectures; a V3.2 checkpoint
         # that resolves to DeepseekV3ForCausalLM would capture extend forwards in graphs.
@@ -393,7 +393,7 @@ def runtime_problems(server_args) -> list[str]:
     if server_args.enable_torch_compile:
         reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-torch-compile")
     try:
-        configured_decode_mode()  # read once more where per-owner decode attaches
+        configured_decode_path()  # read once more where per-owner decode attaches
     except ValueError as error:
         reasons.append(str(error))
     if (

@@ -43,6 +43,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
     mirror_of,
 )
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     SCRATCH_LAYER,
     SCRATCH_LAYER_ID,
@@ -60,6 +61,7 @@ from sglang_cp_shared_kv.model_executor.peer_page_prefetch import (
     create_prefetch_group,
     indexer_layer_ids_of,
 )
+from sglang_cp_shared_kv.model_executor.prefill_scratch import ScratchSizing, scratch_sizing
 from sglang_cp_shared_kv.model_executor.scratch_rows import (
     BatchRowMaps,
     batch_row_maps,
@@ -95,11 +97,15 @@ class CpSharedKVRuntime:
         prefetch_slot: Optional[NSATokenToKVPool] = None,
         prefetch_group: Optional[dist.ProcessGroup] = None,
         indexer_layer_ids: Optional[frozenset] = None,
+        scratch_serves_decode: bool = True,
     ):
-        """``scratch``: slot 0 (logical capacity); ``prefetch_slot`` / ``prefetch_group``: slot 1
-        and the process group of the layer-ahead prefetch (both or neither; neither: serial
-        path only); ``indexer_layer_ids``: layers that store indexer K (None: all)."""
-        if scratch.size < layout.cp_size * pool.size:
+        """``scratch``: slot 0; ``prefetch_slot`` / ``prefetch_group``: slot 1 and the process
+        group of the layer-ahead prefetch (both or neither; neither: serial path only);
+        ``indexer_layer_ids``: layers that store indexer K (None: all); ``scratch_serves_decode``:
+        slot 0 holds the logical capacity, so decode forwards may gather (False: sized for prefill
+        batches only, decode runs per owner; see ``prefill_scratch``)."""
+        self.scratch_serves_decode = scratch_serves_decode
+        if self.scratch_serves_decode and scratch.size < layout.cp_size * pool.size:
             raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")
         if (prefetch_slot is None) != (prefetch_group is None):
             raise ValueError(f"{FLAG}: the prefetch needs both its scratch slot and its group")
@@ -133,6 +139,12 @@ class CpSharedKVRuntime:
         device tensor is read, so launching the forward never waits for the GPU.
         """
         mode = forward_batch.forward_mode
+        if mode.is_decode() and not self.scratch_serves_decode and not self.in_dummy_run:
+            raise ValueError(
+                f"{FLAG}: a decode forward reached the page gather (per-owner decode did not take "
+                f"it), but the gather scratch was sized for prefill batches only; "
+                f"{DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
+            )
         seq_lens, new_token_counts = planned_lengths(forward_batch)
         mirror = mirror_of(forward_batch.req_to_token_pool)
         rows = getattr(forward_batch, ROWS_ATTR, None)
@@ -167,12 +179,12 @@ class CpSharedKVRuntime:
 
     def store_mla_kv(self, original, layer, logical_locs, cache_k_nope, cache_k_rope) -> None:
         """``set_mla_kv_buffer`` of the whole batch: once into the layer's slot, owned rows to the pool."""
-        self._refuse_graph_capture()
         plan = self.plan
-        if plan is None:  # no forward planned yet: nothing can read the scratch
+        if plan is None:  # nothing reads the scratch (per-owner decode, captured or not)
             physical_locs = self.layout.physical_locs_or_dummy(logical_locs)
             original(self.pool, layer, physical_locs, cache_k_nope, cache_k_rope)
             return
+        self._refuse_graph_capture()
         layer_id = layer.layer_id
         slot, prefetched = self.pipeline.slot_for_store(layer_id, KV)
         maps = self.row_maps(plan, logical_locs)
@@ -196,11 +208,10 @@ class CpSharedKVRuntime:
         ``forward_batch.token_to_kv_pool``) on all three of its branches, so both are swapped
         around the call and restored afterwards.
         """
-        self._refuse_graph_capture()
         logical_locs = forward_batch.out_cache_loc
         pool = forward_batch.token_to_kv_pool
         plan = self.plan
-        if plan is None:  # no forward planned yet: physical rows only
+        if plan is None:  # physical rows only (per-owner decode, captured or not)
             try:
                 forward_batch.out_cache_loc = self.layout.physical_locs_or_dummy(logical_locs)
                 self.writing_physical = True
@@ -209,6 +220,7 @@ class CpSharedKVRuntime:
                 self.writing_physical = False
                 forward_batch.out_cache_loc = logical_locs
             return
+        self._refuse_graph_capture()
         slot, prefetched = self.pipeline.slot_for_store(layer_id, INDEX)
         maps = self.row_maps(plan, logical_locs)
         try:
@@ -321,6 +333,7 @@ def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **k
         kv_row_bytes,
         page_size,
         requested_prefetch_slot_tokens=_requested_prefetch_slot_tokens(model_runner),
+        prefill_slot0_tokens=_scratch_sizing(model_runner).prefill_tokens,
     )
     logger.info(
         "CP shared KV: reserved %.2f GB of %.2f GB KV memory for the gather scratch",
@@ -328,6 +341,10 @@ def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **k
         available_bytes / (1 << 30),
     )
     return available_bytes - reserve
+
+
+def _scratch_sizing(model_runner) -> ScratchSizing:
+    return scratch_sizing(model_runner.server_args, model_runner.model_config.context_len)
 
 
 def _requested_prefetch_slot_tokens(model_runner) -> int:
@@ -373,7 +390,21 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     from sglang.srt.distributed.parallel_state import get_world_group
 
     cp_group = get_attention_cp_group()
-    scratch = create_gather_scratch(pool, layout.cp_size)
+    sizing = _scratch_sizing(model_runner)
+    scratch = create_gather_scratch(pool, layout.cp_size, sizing.prefill_tokens)
+    logger.info(
+        "CP shared KV gather scratch slot 0: %s (%s)",
+        "prefill batches only, admission caps them" if sizing.prefill_only else "logical capacity",
+        sizing.reason,
+    )
+    context_len = model_runner.model_config.context_len
+    if sizing.prefill_only and scratch.size < context_len:
+        logger.warning(
+            "CP shared KV: the gather scratch holds %d tokens, less than the context length %d: "
+            "requests whose context does not fit are rejected",
+            scratch.size,
+            context_len,
+        )
     prefetch_slot = create_prefetch_slot(
         pool, layout.cp_size, _requested_prefetch_slot_tokens(model_runner)
     )
@@ -394,6 +425,7 @@ def attach_runtime(result, model_runner, *args, **kwargs):
         prefetch_slot=prefetch_slot,
         prefetch_group=prefetch_group,
         indexer_layer_ids=indexer_layer_ids,
+        scratch_serves_decode=not sizing.prefill_only,
     )
     # The plan's page ids come from this host mirror, fed by every writer of req_to_token.
     ReqToPageMirror.attach(model_runner.req_to_token_pool, pool.page_size)

@@ -4,16 +4,19 @@ Each slot is a real ``NSATokenToKVPool`` with ``layer_num=1``, so sglang's own s
 read and write it with the pool's exact row formats (bf16 576-wide rows, fp8 656-byte rows,
 132-byte indexer rows per token).
 
-* Slot 0 has ``cp_size x`` the physical pool's token count (= the logical capacity), so every
-  forward fits: a batch cannot reference more pages than exist (see ``build_peer_page_plan``).
-  Decode and every forward that does not prefetch use it for all layers.
+* Slot 0 is used for all layers by every forward that does not prefetch. Its size comes from
+  ``prefill_scratch.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
+  pool's token count (= the logical capacity), so every forward fits (a batch cannot reference
+  more pages than exist, see ``build_peer_page_plan``); when decode runs per owner, what one
+  prefill batch may reference (admission caps batches to it).
 * Slot 1 (``prefetch_slot_tokens``) lets a prefill forward gather layer ``l+1`` while layer ``l``
   reads slot 0 (``peer_page_prefetch``). It only has to hold what one prefill forward references,
   so by default it is sized from the context length plus the chunked-prefill budget (+25% for
   owner padding), capped at the logical capacity; a forward that does not fit runs the serial path.
 
-Layers reuse the slots one after another, so the scratch costs about ``cp_size / num_layers`` of
-the physical pool for slot 0 plus slot 1's share, not a replica. Its memory is reserved before
+Layers reuse the slots one after another, so the scratch costs at most ``cp_size / num_layers`` of
+the physical pool for slot 0 (a fixed, prefill-sized amount when decode runs per owner) plus slot
+1's share, not a replica. Its memory is reserved before
 sglang sizes the pool (``reserve_scratch_bytes``): without that the pool would take the whole
 profiled budget and the scratch would not fit.
 """
@@ -110,16 +113,19 @@ def reserve_scratch_bytes(
     page_size: int,
     index_head_dim: int = NSA_INDEX_HEAD_DIM,
     requested_prefetch_slot_tokens: int = 0,
+    prefill_slot0_tokens: Optional[int] = None,
 ) -> int:
     """KV-budget bytes to hold back for both scratch slots.
 
     ``unreserved_physical_tokens`` is what the pool would get from the whole ``available_bytes``;
-    the pool sized from what remains is no larger, so both of its slots fit the reservation (slot
-    1 is capped at the logical capacity, which can only shrink).
+    the pool sized from what remains is no larger, so both of its slots fit the reservation (both
+    are capped at the logical capacity, which can only shrink). ``prefill_slot0_tokens``: slot 0's
+    prefill-only size (``ScratchSizing.prefill_tokens``); None: the logical capacity.
     """
     logical_tokens = cp_size * unreserved_physical_tokens
     slot1_tokens = prefetch_slot_tokens(requested_prefetch_slot_tokens, logical_tokens, page_size)
-    reserve = scratch_bytes(logical_tokens, kv_row_bytes, page_size, index_head_dim)
+    slot0_tokens = slot0_scratch_tokens(prefill_slot0_tokens, logical_tokens, page_size)
+    reserve = scratch_bytes(slot0_tokens, kv_row_bytes, page_size, index_head_dim)
     if slot1_tokens > 0:
         reserve += scratch_bytes(slot1_tokens, kv_row_bytes, page_size, index_head_dim)
     if reserve >= available_bytes:
@@ -131,9 +137,21 @@ def reserve_scratch_bytes(
     return reserve
 
 
-def create_gather_scratch(pool: NSATokenToKVPool, cp_size: int) -> NSATokenToKVPool:
-    """Allocate slot 0 for ``pool`` (one layer, ``cp_size * pool.size`` tokens)."""
-    return _scratch_pool(pool, cp_size * pool.size, "slot 0")
+def slot0_scratch_tokens(prefill_tokens: Optional[int], logical_tokens: int, page_size: int) -> int:
+    """Slot 0's tokens: the logical capacity, or ``prefill_tokens`` rounded up to pages and capped
+    at it (see ``prefill_scratch``)."""
+    if prefill_tokens is None:
+        return logical_tokens
+    return min(-(-prefill_tokens // page_size) * page_size, logical_tokens)
+
+
+def create_gather_scratch(
+    pool: NSATokenToKVPool, cp_size: int, prefill_tokens: Optional[int] = None
+) -> NSATokenToKVPool:
+    """Allocate slot 0 for ``pool``: one layer of ``cp_size * pool.size`` tokens, or of
+    ``slot0_scratch_tokens(prefill_tokens, ...)`` when decode does not gather."""
+    tokens = slot0_scratch_tokens(prefill_tokens, cp_size * pool.size, pool.page_size)
+    return _scratch_pool(pool, tokens, "slot 0")
 
 
 def create_prefetch_slot(

@@ -1,9 +1,12 @@
 """The per-layer collective that copies owned, referenced pages of one layer into the scratch.
 
-Each rank packs its ``n`` planned pages (``PeerPagePlan.send_physical_pages``, padded with its dummy
-page 0) straight into its own slice of the scratch's gathered region, then one in-place all-gather
-over the attention CP group fills the other ranks' slices. Whether the collective runs depends only
-on the shared plan, so every rank enters it, including a rank that owns none of the pages.
+Each rank packs its planned pages (``PeerPagePlan.send_physical_pages``) straight into its own
+slice of the scratch's gathered region; then the other ranks' slices are filled over the attention
+CP group: one in-place all-gather of ``n`` pages per rank in the plan's padded layout (the usual
+case), one broadcast per owner that sends anything in its exact layout (owners unbalanced inside a
+batch that a prefill-sized scratch could not hold padded). Whether and which collectives run
+depends only on the shared plan, so every rank enters the same ones in the same order, including
+a rank that owns none of the pages.
 """
 
 from __future__ import annotations
@@ -30,9 +33,15 @@ def gather_peer_pages(
     if n == 0:
         return
     cp_size, cp_rank = plan.layout.cp_size, plan.layout.cp_rank
-    region = scratch_pages[1 : 1 + cp_size * n]
-    own = region[cp_rank * n : (cp_rank + 1) * n]
-    torch.index_select(physical_pages, 0, plan.send_physical_pages, out=own)
+    region = scratch_pages[1 : 1 + plan.gathered_region_pages]
+    slices = plan.owner_slices()
+    start, count = slices[cp_rank]
+    own = region[start : start + count]
+    if count:
+        torch.index_select(physical_pages, 0, plan.send_physical_pages, out=own)
+    if plan.exact_layout:
+        _broadcast_owner_slices(region, slices, group)
+        return
     if region.is_cuda and dist.get_backend(group) == dist.Backend.GLOO:
         # gloo moves host memory; this happens when CP ranks share one GPU (scripts/gpu checks).
         # The bounce syncs by design: exempt it (only it) from the checks' sync debugging.
@@ -42,6 +51,22 @@ def gather_peer_pages(
             region.copy_(host)
         return
     dist.all_gather_into_tensor(region, own, group=group)
+
+
+def _broadcast_owner_slices(region: torch.Tensor, slices, group: dist.ProcessGroup) -> None:
+    """Exact layout: each owner with pages broadcasts its slice (in rank order, on every rank)."""
+    staged = region.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+    for owner, (start, count) in enumerate(slices):
+        if count == 0:
+            continue
+        part = region[start : start + count]
+        if staged:  # gloo moves host memory (CP ranks sharing one GPU in the checks)
+            with sync_debug_exempt():
+                host = part.cpu()
+                dist.broadcast(host, group=group, group_src=owner)
+                part.copy_(host)
+        else:
+            dist.broadcast(part, group=group, group_src=owner)
 
 
 def as_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -11,7 +11,12 @@ them, in *scratch pages*:
     pages 1 + cp_size*n ..          pages filled locally (see below)
 
 ``n`` is the largest number of gathered pages one rank owns. Owner-major order lets a single
-in-place all-gather of ``n`` pages per rank fill the gathered region directly.
+in-place all-gather of ``n`` pages per rank fill the gathered region directly (the *padded*
+layout). When the owners are unbalanced inside the batch and that does not fit the scratch, the
+*exact* layout packs each owner's ``c_r`` pages back to back (rank r's j-th page is
+``1 + c_0 + .. + c_{r-1} + j``) and the region is filled by one broadcast per owner: the batch then
+needs exactly ``1 + referenced pages`` scratch pages, whatever the owners, which is what lets a
+prefill-sized scratch bound its batches by their page counts alone (``prefill_scratch``).
 
 A page is *filled locally* when every referenced token in it is written by this forward: each rank
 sees the whole batch's KV and indexer K in the write hooks (NSA prefill CP all-gathers the chunk
@@ -52,15 +57,35 @@ class PeerPagePlan:
     # Same, but only for locally filled pages: write hooks map through it so a local fill never
     # touches the gathered region (gathered pages map to the dummy page).
     fill_lookup: torch.Tensor
-    # n: gathered pages each rank sends (the largest owner's count; others pad with page 0).
+    # n: gathered pages each rank sends (the largest owner's count; in the padded layout the others
+    # pad with page 0).
     gather_pages_per_rank: int
-    # This rank's physical pages to send, in owner-major order, padded with physical page 0. int64 [n].
+    # This rank's physical pages to send, in owner-major order; padded with physical page 0 to n
+    # in the padded layout, exactly this rank's count in the exact layout. int64.
     send_physical_pages: torch.Tensor
     num_fill_pages: int
+    # Gathered pages of each owner (host ints, identical on every rank).
+    gather_page_counts: tuple = ()
+    # True: owners' pages back to back, one broadcast per owner (see the module docstring).
+    exact_layout: bool = False
+
+    @property
+    def gathered_region_pages(self) -> int:
+        if self.exact_layout:
+            return sum(self.gather_page_counts)
+        return self.layout.cp_size * self.gather_pages_per_rank
 
     @property
     def scratch_pages_used(self) -> int:
-        return 1 + self.layout.cp_size * self.gather_pages_per_rank + self.num_fill_pages
+        return 1 + self.gathered_region_pages + self.num_fill_pages
+
+    def owner_slices(self) -> list:
+        """(first page, page count) of each owner's part of the gathered region (region-relative)."""
+        if not self.exact_layout:
+            n = self.gather_pages_per_rank
+            return [(r * n, n) for r in range(self.layout.cp_size)]
+        starts = np.cumsum((0,) + tuple(self.gather_page_counts[:-1]))
+        return [(int(start), int(count)) for start, count in zip(starts, self.gather_page_counts)]
 
     def remap_token_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
         """Token locs of a kernel table (``page_table_1``) -> scratch token locs (dtype kept)."""
@@ -104,16 +129,14 @@ def build_peer_page_plan(
         request_pages, old_page_counts, cp_size
     )
     counts = np.bincount(layout.owner_of_page(gathered), minlength=cp_size)
-    if 1 + cp_size * int(counts.max()) + fill.shape[0] > scratch_num_pages:
-        # Owners are unbalanced inside this batch. Gather everything instead: a rank owns at most
-        # its physical page count, so cp_size * n then fits a scratch sized from logical capacity.
-        gathered, fill = referenced, referenced[:0]
-        counts = np.bincount(layout.owner_of_page(gathered), minlength=cp_size)
     n = int(counts.max())
-    if 1 + cp_size * n + fill.shape[0] > scratch_num_pages:
+    # Owners unbalanced inside this batch: pack them exactly (1 + referenced pages in all).
+    exact = 1 + cp_size * n + fill.shape[0] > scratch_num_pages
+    if exact and 1 + referenced.shape[0] > scratch_num_pages:
         raise RuntimeError(
-            f"--enable-nsa-prefill-cp-shared-kv: a forward needs {1 + cp_size * n + fill.shape[0]} "
-            f"scratch pages, the scratch has {scratch_num_pages}"
+            f"--enable-nsa-prefill-cp-shared-kv: a forward references {referenced.shape[0]} pages, "
+            f"the gather scratch holds {scratch_num_pages - 1} (admission caps prefill batches to "
+            f"the scratch; a decode forward that gathers needs the full-capacity scratch)"
         )
 
     # Owner-major scratch positions of the gathered pages (gathered is sorted, so each owner's
@@ -127,15 +150,18 @@ def build_peer_page_plan(
     num_gathered, num_fill = gathered.shape[0], fill.shape[0]
     own = slice(first_of_owner[layout.cp_rank], first_of_owner[layout.cp_rank] + counts[layout.cp_rank])
     send = layout.physical_page_of(gathered[own])
+    region_start = first_of_owner[owners] if exact else owners * n
+    region_pages = num_gathered if exact else cp_size * n
+    send_length = int(counts[layout.cp_rank]) if exact else n
 
-    # One staging array: [referenced page ids | their scratch pages | send list padded to n].
+    # One staging array: [referenced page ids | their scratch pages | send list (padded to n)].
     # Gathered pages come first in both halves, so the fill pages are a suffix of each.
     num_referenced = num_gathered + num_fill
-    staged = np.zeros(2 * num_referenced + n, dtype=np.int64)
+    staged = np.zeros(2 * num_referenced + send_length, dtype=np.int64)
     staged[:num_gathered] = gathered
     staged[num_gathered:num_referenced] = fill
-    staged[num_referenced : num_referenced + num_gathered] = 1 + owners * n + slot
-    staged[num_referenced + num_gathered : 2 * num_referenced] = 1 + cp_size * n + np.arange(num_fill)
+    staged[num_referenced : num_referenced + num_gathered] = 1 + region_start + slot
+    staged[num_referenced + num_gathered : 2 * num_referenced] = 1 + region_pages + np.arange(num_fill)
     staged[2 * num_referenced : 2 * num_referenced + send.shape[0]] = send
     on_device = _to_device(staged, device)
 
@@ -155,6 +181,8 @@ def build_peer_page_plan(
         gather_pages_per_rank=n,
         send_physical_pages=on_device[2 * num_referenced :],
         num_fill_pages=num_fill,
+        gather_page_counts=tuple(int(c) for c in counts),
+        exact_layout=bool(exact),
     )
 
 

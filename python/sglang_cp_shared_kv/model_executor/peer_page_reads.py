@@ -16,7 +16,9 @@
   and the getters then serve the physical buffers (``serves_physical``).
 * Readers this runtime does not serve raise: ``get_index_k_continuous`` /
   ``get_index_k_scale_continuous`` (in-seq-split CP and the non-CUDA indexer), ``get_mla_kv_buffer``
-  (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend.
+  (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend
+  unless decode graphs run per owner (``per_owner_decode_graphs`` made the backend's static owner
+  tables).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.per_owner_decode import begin_forward as begin_per_owner
 from sglang_cp_shared_kv.model_executor.per_owner_decode import serves_physical
@@ -91,7 +94,9 @@ def refuse_when_served(name: str):
     return refuse
 
 
-def refuse_cuda_graph(*args, **kwargs):
+def refuse_cuda_graph(backend, *args, **kwargs):
+    if per_owner_decode_graphs.buffers_of(backend) is not None:
+        return None  # decode graphs per owner (per_owner_decode_graphs): static tables, no gather
     raise ValueError(
         f"{FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
         f"variable-size page gather"

@@ -52,13 +52,12 @@ from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
     process_group_collectives,
 )
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.decode_mode import (  # noqa: F401  (DECODE_MODE_ENV re-exported)
-    DECODE_GATHER,
-    DECODE_MODE_ENV,
-    configured_decode_mode,
+from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (DECODE_PATH_ENV re-exported)
+    DECODE_PATH_ENV,
+    GATHER,
+    configured_decode_path,
 )
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
-    all_gather_candidates,
     compact_owned_indices,
     local_candidates,
     owned_attention_indices,
@@ -137,7 +136,7 @@ class PerOwnerDecode:
         Every rank calls it once per top-k layer (one all-gather), whatever it owns."""
         positions, rows = self.forward.columns(logits.shape[1])
         candidates = local_candidates(logits, positions, rows, topk)
-        selection = select_global(all_gather_candidates(candidates.keys, self.group))
+        selection = select_global(self.all_gather(candidates.keys))  # [cp_size, B, k] keys
         return owned_attention_indices(selection, candidates, self.cp_rank)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -297,10 +296,10 @@ def attach(runtime, decode_impl: Optional[str]) -> Optional[PerOwnerDecode]:
     """Decide once (same inputs on every rank) whether decode runs per owner, and attach if so."""
     from sglang.srt.environ import envs
 
-    mode = configured_decode_mode()
+    mode = configured_decode_path()
     reason = None
-    if mode == DECODE_GATHER:
-        reason = f"{DECODE_MODE_ENV}={DECODE_GATHER}"
+    if mode == GATHER:
+        reason = f"{DECODE_PATH_ENV}={GATHER} (the default; per_owner opts in)"
     elif decode_impl not in SERVED_DECODE_IMPLS:
         served = ", ".join(repr(impl) for impl in SERVED_DECODE_IMPLS)
         reason = f"NSA decode impl {decode_impl!r} (per-owner decode serves {served})"

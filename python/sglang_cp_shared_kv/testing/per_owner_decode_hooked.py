@@ -69,6 +69,10 @@ class Scenario:
     # "decode": per_owner_decode's forward hooks + attach(); "plugin": the plugin's runtime hooks,
     # per-owner decode attached by ModelRunner.init_attention_backend's AFTER hooks.
     hooks: str = "decode"
+    # "eager": the backend's metadata hook; "graph-replay": the decode-graph hooks as a captured graph
+    # sees them (static tables built at capture from capture-time contents, then the batch copied into
+    # the static metadata and refreshed by the replay hook); "graph-stale": without that refresh.
+    graph: str = "eager"
     plant: str = "none"
     seed: int = 7
 
@@ -283,13 +287,18 @@ def _forward_metadata(scenario: Scenario, batch, step: int, names: dict, device:
 
 
 def _attach(scenario: Scenario, runtime, pool, backend):
-    """Attach per-owner decode as the scenario's hooks do; returns the state (None: gather)."""
-    from sglang_cp_shared_kv.model_executor import per_owner_decode
+    """Attach per-owner decode as the scenario's hooks do (opted in, as a server would be with
+    ``SGLANG_CP_SHARED_KV_DECODE=per_owner``); returns the state (None: gather)."""
+    import os
 
-    if scenario.hooks == "decode":
-        return per_owner_decode.attach(runtime, scenario.decode_impl)
-    init_attention_backend(pool, backend)
-    return per_owner_decode.per_owner_of(pool)
+    from sglang_cp_shared_kv.model_executor import per_owner_decode
+    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+
+    with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
+        if scenario.hooks == "decode":
+            return per_owner_decode.attach(runtime, scenario.decode_impl)
+        init_attention_backend(pool, backend)
+        return per_owner_decode.per_owner_of(pool)
 
 
 def init_attention_backend(pool, backend) -> None:
@@ -429,7 +438,10 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
                 forward_mode=ForwardMode.DECODE, token_to_kv_pool=pool, hisparse_coordinator=None,
                 out_cache_loc=case.last_locs[step],
             )
-            peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+            if scenario.graph == "eager":
+                peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+            else:
+                _capture_then_replay(backend, state, stale=scenario.graph == "graph-stale")
             planned.append(runtime.plan is not None)
             indices = None
             step_outs, step_indices = [], []
@@ -474,6 +486,39 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             "stored_locs": all_last[own_last].cpu(),
             "stored_rows": stored,  # [layer] rows of stored_locs
         }
+
+
+def _capture_then_replay(backend, state, stale: bool) -> None:
+    """The decode-graph hooks around ``backend.forward_metadata`` (the batch to run): capture with
+    sglang's capture-time contents, then the replay's copy into the static metadata and refresh."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_cp_shared_kv.model_executor import per_owner_decode
+    from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs as graphs
+
+    real = backend.forward_metadata
+    bs, width = real.real_page_table.shape
+    backend.decode_cuda_graph_metadata = {
+        "page_table": torch.zeros((bs, width * PAGE), dtype=torch.int32, device=real.real_page_table.device)
+    }
+    setattr(backend, per_owner_decode._STATE_ATTR, state)
+    setattr(backend, graphs._BOUND_ATTR, True)
+    graphs.init_cuda_graph_state_after(None, backend, bs, bs)
+    schedule = real.paged_mqa_schedule_metadata
+    static = dataclasses.replace(
+        real,
+        real_page_table=torch.zeros_like(real.real_page_table),
+        cache_seqlens_int32=torch.ones_like(real.cache_seqlens_int32),
+        paged_mqa_schedule_metadata=None if schedule is None else schedule.clone(),
+    )
+    backend.forward_metadata = static
+    graphs.capture_metadata_after(None, backend, bs, bs, None, None, None, ForwardMode.DECODE, None)
+    # Replay: sglang copies the batch into its static metadata, then the hook refreshes ours.
+    static.real_page_table.copy_(real.real_page_table)
+    static.cache_seqlens_int32.copy_(real.cache_seqlens_int32)
+    if schedule is not None:
+        static.paged_mqa_schedule_metadata.copy_(schedule)
+    if not stale:
+        graphs.replay_metadata_after(None, backend, bs)
 
 
 def replicated_reference(case, results, logits_fn=None, attention_fn=None):

@@ -99,6 +99,7 @@ class RankResult:
     rows_compared: int = 0
     mismatches: int = 0
     prefetch_forwards: int = 0
+    exact_layout_forwards: int = 0  # plans that packed owners exactly (per-owner broadcasts)
     _pending: list = field(default_factory=list)
     # With sync_debug: synchronizing CUDA calls during the forwards, by owner (CudaSyncCounter), and
     # where; the gloo bounces exempted (sync_debug.exempted).
@@ -378,11 +379,15 @@ def run_rank(
     sync_debug: bool = False,
     draft: bool = False,
     spec: bool = False,
+    scratch_tokens: Optional[int] = None,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
 
     ``prefetch_group``: a second group over the same ranks; turns on the layer-ahead prefetch with
     a second slot of ``prefetch_slot_tokens`` tokens (default: the logical capacity).
+
+    ``scratch_tokens``: slot 0 sized for prefill batches only (as with per-owner decode); the
+    story then runs its two extend forwards and no decode forward (decode would not gather).
 
     ``sync_debug``: the forwards' plan, table remap, every layer's stores and the reads run inside a
     ``CudaSyncCounter``, which attributes each synchronizing CUDA call to its innermost package
@@ -405,11 +410,12 @@ def run_rank(
     runtime = CpSharedKVRuntime(
         shard,
         layout,
-        create_gather_scratch(shard, cp_size),
+        create_gather_scratch(shard, cp_size, scratch_tokens),
         group,
         prefetch_slot=prefetch_slot,
         prefetch_group=prefetch_group,
         indexer_layer_ids=indexer_layers,
+        scratch_serves_decode=scratch_tokens is None,
     )
     draft_shard = draft_replica = None
     if draft:
@@ -496,6 +502,7 @@ def run_rank(
     def _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
         result.prefetch_forwards += runtime.pipeline.prefetching
+        result.exact_layout_forwards += runtime.plan.exact_layout
         metadata = backend.forward_metadata
         for layer_id in range(num_layers):
             layer = SimpleNamespace(layer_id=layer_id)
@@ -533,8 +540,9 @@ def run_rank(
         delay_ms=read_delay_ms,
     )
     # 3. Decode; request 2 opens a new page; one padded request (row 0).
-    out_locs = story.append(1, 1) + story.append(2, 1) + story.append(3, 1) + [0]
-    run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
+    if scratch_tokens is None:
+        out_locs = story.append(1, 1) + story.append(2, 1) + story.append(3, 1) + [0]
+        run_forward(ForwardMode.DECODE, [1, 2, 3, 0], [1, 1, 1, 1], out_locs)
     if spec:
         # 4. Target verify: the draft tokens follow each request's committed tokens.
         reqs = [1, 2, 3]

@@ -40,6 +40,7 @@ _KV_POOL = re.compile(r"KV Cache is allocated\. #tokens: (\d+), KV size: ([0-9.]
 _HOST_KV = re.compile(r"Allocating ([0-9.]+) GB host memory for hierarchical KV cache")
 _HOST_INDEXER = re.compile(r"Allocating ([0-9.]+) GB host memory for NSA indexer")
 _MAX_TOTAL = re.compile(r"max_total_num_tokens=(\d+)")
+_SCRATCH_SLOT0 = re.compile(r"CP shared KV gather scratch slot 0: (\d+) logical tokens x 1 layer")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class CapacityLines:
     host_kv_gb: Dict[Optional[int], float] = field(default_factory=dict)
     host_indexer_gb: Dict[Optional[int], float] = field(default_factory=dict)
     scheduler_max_total_num_tokens: Optional[int] = None  # logical, from TP0's line
+    # Tokens of the gather scratch's slot 0 (shared KV only).
+    scratch_slot0_tokens: Dict[Optional[int], int] = field(default_factory=dict)
 
 
 def tp_rank_of(line: str) -> Optional[int]:
@@ -99,6 +102,8 @@ def parse_capacity_lines(lines: Sequence[str]) -> CapacityLines:
             out.host_kv_gb[rank] = float(m.group(1))
         elif m := _HOST_INDEXER.search(line):
             out.host_indexer_gb[rank] = float(m.group(1))
+        elif m := _SCRATCH_SLOT0.search(line):
+            out.scratch_slot0_tokens[rank] = int(m.group(1))
         elif (m := _MAX_TOTAL.search(line)) and "chunked_prefill_size=" in line:
             out.scheduler_max_total_num_tokens = int(m.group(1))
     return out

@@ -177,6 +177,9 @@ def capacity_figures(
         "host_memory_gb_per_rank": host_gb,
         "host_pool_tokens_per_rank": {k: int(v) for k, v in sorted(host_total_tokens_by_rank.items())},
     }
+    slot0 = sorted(set(v for k, v in lines.scratch_slot0_tokens.items() if k is not None))
+    if slot0:
+        figures["scratch_slot0_tokens_per_rank"] = slot0
     if logical is not None and len(physical) == 1:
         figures["logical_over_physical"] = round(logical / physical[0], 3)
     return figures
@@ -222,18 +225,24 @@ def shared_physical_bounds(
     kv_bytes_per_token: int,
     kv_row_bytes: int,
     page_size: int,
+    slot0_tokens: Optional[int] = None,
 ) -> Tuple[int, int]:
     """Pages per rank a shared-KV server may get beside a stock server with the same flags.
 
-    The runtime reserves ``scratch_bytes(cp_size * P0)`` of the KV budget before sglang sizes the
-    pool (docs/runtime.md, "Scratch budget"), ``P0`` being stock's pool from that budget (capped by
-    ``--max-total-tokens``), so the shared-KV pool is ``P0`` less the scratch's share, page-rounded:
-    ``kv_bytes_per_token`` is one token of every layer (KV row + indexer row). Where stock's pool
-    was capped, its budget is unknown and the pool may still reach the cap.
+    The runtime reserves ``scratch_bytes(slot 0)`` of the KV budget before sglang sizes the pool
+    (docs/runtime.md, "Scratch budget"): slot 0 is ``cp_size * P0`` when decode gathers, ``P0``
+    being stock's pool from that budget (capped by ``--max-total-tokens``), or a fixed,
+    prefill-sized ``slot0_tokens`` (what the server logged, when below its logical capacity). The
+    shared-KV pool is ``P0`` less the scratch's share, page-rounded: ``kv_bytes_per_token`` is one
+    token of every layer (KV row + indexer row). Where stock's pool was capped, its budget is
+    unknown and the pool may still reach the cap.
     """
     from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
 
-    share_tokens = scratch_bytes(cp_size * stock_physical_tokens, kv_row_bytes, page_size) / kv_bytes_per_token
+    reserved = cp_size * stock_physical_tokens
+    if slot0_tokens is not None:
+        reserved = min(slot0_tokens, reserved)
+    share_tokens = scratch_bytes(reserved, kv_row_bytes, page_size) / kv_bytes_per_token
     # Stock's budget is P0 .. P0 + one page of tokens, so the pool is known to within one page.
     low = int((stock_physical_tokens - share_tokens) // page_size) * page_size
     capped = cap_tokens is not None and stock_physical_tokens >= cap_tokens
@@ -257,7 +266,12 @@ def scratch_share_failures(
     stock = stock_figures.get("physical_device_tokens_per_rank") or []
     if len(shared) != 1 or len(stock) != 1:
         return [] if not shared or not stock else [f"pools differ between ranks: {shared} / {stock}"]
-    low, high = shared_physical_bounds(stock[0], cap_tokens, cp_size, kv_bytes_per_token, kv_row_bytes, page_size)
+    slot0 = shared_figures.get("scratch_slot0_tokens_per_rank") or []
+    # Slot 0 below cp_size x the pool: prefill-sized, a fixed reservation (else the logical capacity).
+    prefill_slot0 = slot0[0] if len(slot0) == 1 and slot0[0] < cp_size * shared[0] else None
+    low, high = shared_physical_bounds(
+        stock[0], cap_tokens, cp_size, kv_bytes_per_token, kv_row_bytes, page_size, prefill_slot0
+    )
     if not low <= shared[0] <= high:
         return [
             f"physical pool per rank is {shared[0]} tokens; stock's {stock[0]} less the gather scratch's "

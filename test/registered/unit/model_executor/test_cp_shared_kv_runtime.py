@@ -8,6 +8,8 @@ from unittest import mock
 
 import torch
 
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -38,6 +40,9 @@ def _server_args(**overrides):
         kv_cache_dtype="fp8_e4m3",
         nsa_prefill_backend="flashmla_kv",
         nsa_decode_backend="flashmla_kv",
+        enable_mixed_chunk=False,
+        max_prefill_tokens=16384,
+        disaggregation_mode="null",
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -125,6 +130,8 @@ class _AttachCase(CustomTestCase):
     CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
 
     def _model_runner(self, pool, allocator, **overrides):
+        """Decode gathers (fa3 is not served per owner) unless ``overrides`` say otherwise."""
+        overrides.setdefault("nsa_decode_backend", "fa3")
         model = torch.nn.ModuleList([_Attention(0, False), _Attention(1, True)])
         return SimpleNamespace(
             token_to_kv_pool=pool,
@@ -164,6 +171,18 @@ class _AttachCase(CustomTestCase):
         return CPSharedPagedTokenToKVPoolAllocator(
             2 * pool.size, PAGE_SIZE, torch.int64, "cpu", pool, False, 2, cp_rank
         )
+
+    def test_per_owner_decode_gets_a_prefill_sized_scratch_and_gathering_decode_raises(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        runner = self._model_runner(pool, self._allocator(pool), nsa_decode_backend="flashmla_kv")
+        self._attach(runner, prefetch_slot=None)
+        runtime = runtime_of(pool)
+        # Context 100 + chunk 28 = 128 tokens (2 pages), below the logical 384.
+        self.assertEqual(runtime.scratch.size, 2 * PAGE_SIZE)
+        self.assertFalse(runtime.scratch_serves_decode)
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE)
+        with self.assertRaisesRegex(ValueError, "SGLANG_CP_SHARED_KV_DECODE=gather"):
+            runtime.begin_forward(batch)
 
 
 class TestAttachRuntime(_AttachCase):

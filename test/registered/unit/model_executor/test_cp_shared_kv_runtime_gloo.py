@@ -37,7 +37,10 @@ def _rank(rank, world_size, dtype_name, prefetch, options):
             rank, world_size, dist.group.WORLD, device="cpu", dtype_name=dtype_name,
             act_quant=act_quant_torch, seed=world_size, prefetch_group=prefetch_group, **options,
         )
-    return rank, result.rows_compared, result.mismatches, result.prefetch_forwards
+    return (
+        rank, result.rows_compared, result.mismatches, result.prefetch_forwards,
+        result.exact_layout_forwards,
+    )
 
 
 def _group_rank(rank, world_size):
@@ -138,6 +141,18 @@ class TestDraftPoolAcrossRanks(_GlooCase):
     def test_a_draft_page_on_the_wrong_owner_is_caught(self):
         rows = self._run_group(2, "fp8", draft=True, plant="draft_page_to_wrong_owner")
         self.assertGreater(sum(r[2] for r in rows), 0)
+
+
+class TestPrefillSizedScratch(_GlooCase):
+    """Slot 0 sized for prefill only (decode per owner): at cp 4 the chunk over a cached prefix
+    gathers 2 pages of 2 owners; padded (1 + 4 x 1 + 1 pages) they exceed a 5-page scratch, so
+    the plan packs them exactly and the owners broadcast them, bit-exact against the replica.
+    (Plant seen failing: the first owner's broadcast landing one page off.)"""
+
+    def test_exact_layout_four_ranks_fp8(self):
+        rows = self._run_group(4, "fp8", scratch_tokens=4 * 64)
+        self.assertEqual([r[2] for r in rows], [0] * 4)
+        self.assertEqual([r[4] for r in rows], [1] * 4)
 
 
 class TestPrefetchGroup(CustomTestCase):

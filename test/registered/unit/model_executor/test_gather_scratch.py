@@ -21,6 +21,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
     prefetch_slot_tokens,
     reserve_scratch_bytes,
     scratch_bytes,
+    slot0_scratch_tokens,
 )
 from sglang_cp_shared_kv.testing.runtime_check import KV_DIMS, make_nsa_pool
 
@@ -97,18 +98,22 @@ class TestReservation(CustomTestCase):
             unreserved = _pool_tokens(available, cell)
             row = _kv_row_bytes(dtype_name)
             requested = rng.choice([0, rng.randrange(1, 4 * cp_size * unreserved + 2)])
+            # Slot 0 at the logical capacity (decode gathers) or prefill-sized (decode per owner).
+            prefill = rng.choice([None, rng.randrange(1, 2 * cp_size * unreserved + 2)])
             reserve = reserve_scratch_bytes(
-                available, unreserved, cp_size, row, PAGE, requested_prefetch_slot_tokens=requested
+                available, unreserved, cp_size, row, PAGE, requested_prefetch_slot_tokens=requested,
+                prefill_slot0_tokens=prefill,
             )
             pool_tokens = _pool_tokens(available - reserve, cell)
             slot1 = prefetch_slot_tokens(requested, cp_size * pool_tokens, PAGE)
-            allocated = scratch_bytes(cp_size * pool_tokens, row, PAGE)
+            slot0 = slot0_scratch_tokens(prefill, cp_size * pool_tokens, PAGE)
+            allocated = scratch_bytes(slot0, row, PAGE)
             allocated += scratch_bytes(slot1, row, PAGE) if slot1 else 0
             self.assertLessEqual(allocated, reserve)
             self.assertGreater(pool_tokens, 0)
             # Exact when the pool gets the unreserved size: the reservation is both slots' bytes.
             slot1 = prefetch_slot_tokens(requested, cp_size * unreserved, PAGE)
-            exact = scratch_bytes(cp_size * unreserved, row, PAGE)
+            exact = scratch_bytes(slot0_scratch_tokens(prefill, cp_size * unreserved, PAGE), row, PAGE)
             exact += scratch_bytes(slot1, row, PAGE) if slot1 else 0
             self.assertEqual(reserve, exact)
 
@@ -123,7 +128,11 @@ class TestReservationHook(CustomTestCase):
     CONTEXT_LEN, CHUNK = 131072, 8192
     SLOT1 = (CONTEXT_LEN + CHUNK) * 5 // 4  # a multiple of the page size
 
-    def _model_runner(self, max_total_tokens=None, is_draft_worker=False, flag=True):
+    def _model_runner(
+        self, max_total_tokens=None, is_draft_worker=False, flag=True, decode_backend="fa3"
+    ):
+        """``decode_backend``: fa3 (not served per owner, so decode gathers: slot 0 holds the
+        logical capacity) or flashmla_kv (decode per owner: slot 0 sized for prefill)."""
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
             server_args=SimpleNamespace(
@@ -131,6 +140,10 @@ class TestReservationHook(CustomTestCase):
                 max_total_tokens=max_total_tokens,
                 enable_nsa_prefill_cp_shared_kv=flag,
                 chunked_prefill_size=self.CHUNK,
+                max_prefill_tokens=16384,
+                nsa_decode_backend=decode_backend,
+                enable_mixed_chunk=False,
+                disaggregation_mode="null",
             ),
             model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             calculate_mla_kv_cache_dim=lambda: 656,
@@ -160,6 +173,17 @@ class TestReservationHook(CustomTestCase):
         # (128K context + 8K chunk) about 0.13 GB.
         self.assertAlmostEqual(slot0 / available, 8 * 788 / self.CELL, delta=0.01)
         self.assertAlmostEqual(scratch_bytes(self.SLOT1, 656, PAGE) / (1 << 30), 0.125, delta=0.01)
+
+    def test_per_owner_decode_reserves_a_prefill_sized_slot_0(self):
+        available = 40 << 30
+        full = available - self._run(self._model_runner(), available)
+        left = self._run(self._model_runner(decode_backend="flashmla_kv"), available)
+        # Slot 0: one 128K request plus one 8K chunk, as slot 1's auto size without the padding.
+        slot0 = scratch_bytes(self.CONTEXT_LEN + self.CHUNK, 656, PAGE)
+        self.assertEqual(available - left, slot0 + scratch_bytes(self.SLOT1, 656, PAGE))
+        # GLM-5 fp8 at cp 8: the full-capacity slot 0 was ~11% of the budget; now ~0.6%.
+        self.assertLess((available - left) / available, 0.01)
+        self.assertGreater(full / available, 0.1)
 
     def test_user_token_cap_bounds_the_reservation(self):
         left = self._run(self._model_runner(max_total_tokens=64 * 1000), 40 << 30)

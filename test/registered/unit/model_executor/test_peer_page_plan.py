@@ -96,22 +96,29 @@ class TestScratchCapacity(CustomTestCase):
     # cp 2: old pages 2, 4, 6 all owned by rank 0 (n = 3) and new pages 3, 5.
     TABLE = _req_to_token([_locs_of_pages([2, 4, 6, 3, 5], 4, 20)])
 
-    def test_unbalanced_batch_falls_back_to_gathering_every_page(self):
-        # Default layout needs 1 + 2*3 + 2 = 9 pages; gathering all 5 pages needs 1 + 2*3 = 7.
-        plans = _plans(2, 4, self.TABLE, [1], [20], [8], scratch_num_pages=7)
+    def test_unbalanced_batch_packs_owners_exactly(self):
+        # Padded layout needs 1 + 2*3 + 2 = 9 pages; owners packed back to back need 1 + 3 + 2 = 6.
+        plans = _plans(2, 4, self.TABLE, [1], [20], [8], scratch_num_pages=8)
         for plan in plans:
-            self.assertEqual(plan.num_fill_pages, 0)
-            self.assertEqual(int(plan.fill_lookup.count_nonzero()), 0)
-            self.assertEqual(plan.scratch_pages_used, 7)
-        self.assertEqual(plans[1].send_physical_pages.tolist(), [1, 2, 0])
+            self.assertTrue(plan.exact_layout)
+            self.assertEqual(plan.gather_page_counts, (3, 0))
+            self.assertEqual(plan.owner_slices(), [(0, 3), (3, 0)])
+            self.assertEqual(plan.scratch_pages_used, 6)
+            self.assertEqual(plan.num_fill_pages, 2)
+            # Old pages 2, 4, 6 at scratch pages 1..3; new pages 3, 5 filled locally after them.
+            self.assertEqual(plan.lookup[[2, 4, 6, 3, 5]].tolist(), [1, 2, 3, 4, 5])
+        self.assertEqual(plans[0].send_physical_pages.tolist(), [1, 2, 3])
+        self.assertEqual(plans[1].send_physical_pages.tolist(), [])
 
     def test_default_layout_when_it_fits(self):
         plans = _plans(2, 4, self.TABLE, [1], [20], [8], scratch_num_pages=9)
+        self.assertFalse(plans[0].exact_layout)
         self.assertEqual(plans[0].num_fill_pages, 2)
+        self.assertEqual(plans[1].send_physical_pages.tolist(), [0, 0, 0])
 
     def test_batch_larger_than_the_scratch_raises(self):
         with self.assertRaisesRegex(RuntimeError, "enable-nsa-prefill-cp-shared-kv"):
-            _plans(2, 4, self.TABLE, [1], [20], [8], scratch_num_pages=6)
+            _plans(2, 4, self.TABLE, [1], [20], [8], scratch_num_pages=5)
 
 
 class TestRemapReadsTheReplicatedRows(CustomTestCase):
@@ -136,11 +143,14 @@ class TestRemapReadsTheReplicatedRows(CustomTestCase):
 
     def test_random_batches(self):
         rng = random.Random(0)
+        layouts = set()
         for cp_size, page_size in [(1, 4), (2, 4), (3, 2), (4, 64), (8, 4)]:
             physical_pages = 8
             num_logical_pages = cp_size * (physical_pages + 1)
-            scratch_num_pages = cp_size * physical_pages + 1
-            for _ in range(20):
+            for trial in range(40):
+                # Every other batch on a scratch of just its worst-case page count (4 requests of
+                # at most 6 pages): too small for most padded layouts, so exact layouts are checked.
+                scratch_num_pages = cp_size * physical_pages + 1 if trial % 2 else 1 + 4 * 6
                 rows, seq_lens, new = self._random_batch(rng, cp_size, page_size, physical_pages)
                 table = _req_to_token(rows, width=6 * page_size)
                 reqs = list(range(1, len(rows) + 1))
@@ -149,6 +159,8 @@ class TestRemapReadsTheReplicatedRows(CustomTestCase):
                     pages=num_logical_pages,
                 )
                 self._check(plans, table, reqs, seq_lens, new, physical_pages)
+                layouts.add(plans[0].exact_layout)
+        self.assertEqual(layouts, {False, True})
 
     def _check(self, plans, table, reqs, seq_lens, new, physical_pages):
         page_size = plans[0].layout.page_size
@@ -165,11 +177,9 @@ class TestRemapReadsTheReplicatedRows(CustomTestCase):
             for plan in plans
         ]
         scratch = torch.full((plans[0].scratch_pages_used, page_size), -1, dtype=torch.int64)
-        n = plans[0].gather_pages_per_rank
-        if n:  # the all-gather, simulated
-            scratch[1 : 1 + len(plans) * n] = torch.cat(
-                [shard[plan.send_physical_pages] for shard, plan in zip(shards, plans)]
-            )
+        # The all-gather (padded layout) or the per-owner broadcasts (exact), simulated.
+        for (start, count), shard, plan in zip(plans[0].owner_slices(), shards, plans):
+            scratch[1 + start : 1 + start + count] = shard[plan.send_physical_pages]
         for rank, plan in enumerate(plans):
             # Every rank fills the rows this forward writes, through its own plan.
             written = torch.cat(

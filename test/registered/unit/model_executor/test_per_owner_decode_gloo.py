@@ -102,7 +102,28 @@ class TestPerOwnerDecodeGloo(CustomTestCase):
                     self.assertEqual([r["empty_partials"] for r in results], [0, 0])
 
 
+class TestPerOwnerDecodeGraphHooks(CustomTestCase):
+    def test_graph_hooks_serve_the_replayed_batch(self):
+        """Through the decode-graph hooks (tables built at capture from capture-time contents,
+        refreshed by the replay hook) the layer gives the replicated output; without the refresh
+        (a stale static buffer) it does not."""
+        for mode, should_pass in (("graph-replay", True), ("graph-stale", False)):
+            scenario = hooked.Scenario(seq_lens=(900, 128, 70, 400), topk=128, graph=mode)
+            _, comparison = hooked.run_scenario(2, scenario, "cpu", rel_tol=2e-2)
+            with self.subTest(mode=mode):
+                self.assertEqual(hooked.passed(comparison), should_pass, comparison)
+
+
 class TestPerOwnerDecodeStartup(CustomTestCase):
+    def setUp(self):
+        # Per-owner decode is opt-in: these tests judge what it does once opted in; the default
+        # (gather) is asserted where the env is cleared explicitly.
+        from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+
+        patcher = mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER})
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
     def _runtime(self, kv_dtype="fp8"):
         from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
         from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
@@ -136,7 +157,7 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
     def test_decode_mode_env(self):
         from sglang_cp_shared_kv.model_executor import per_owner_decode
 
-        env = per_owner_decode.DECODE_MODE_ENV
+        env = per_owner_decode.DECODE_PATH_ENV
         self.assertEqual(env, "SGLANG_CP_SHARED_KV_DECODE")
         with mock.patch.dict(os.environ, {env: "gather"}):
             runtime = self._runtime()
@@ -159,10 +180,10 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
-        env = {} if mode is None else {per_owner_decode.DECODE_MODE_ENV: mode}
+        env = {} if mode is None else {per_owner_decode.DECODE_PATH_ENV: mode}
         with mock.patch.dict(os.environ, env), applied_hooks(plugin.register_runtime_hooks):
             if mode is None:
-                os.environ.pop(per_owner_decode.DECODE_MODE_ENV, None)
+                os.environ.pop(per_owner_decode.DECODE_PATH_ENV, None)
             runtime = self._runtime()
             backend = SimpleNamespace(nsa_decode_impl="flashmla_kv", forward_metadata=None)
             hooked.init_attention_backend(runtime.pool, backend)
@@ -181,16 +202,17 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
                 peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
             return state, begin.called, tables.called
 
-    def test_plugin_decodes_per_owner_by_default_and_gathers_on_request(self):
-        state, planned, per_owner_tables = self._plugin_decode_forward(None)
+    def test_plugin_gathers_by_default_and_decodes_per_owner_on_request(self):
+        for mode in (None, "gather"):
+            state, planned, per_owner_tables = self._plugin_decode_forward(mode)
+            self.assertIsNone(state)
+            self.assertTrue(planned)
+            self.assertFalse(per_owner_tables)
+        state, planned, per_owner_tables = self._plugin_decode_forward("per_owner")
         self.assertIsNotNone(state)
         self.assertEqual(state.decode_impl, "flashmla_kv")
         self.assertTrue(per_owner_tables)
         self.assertFalse(planned)
-        state, planned, per_owner_tables = self._plugin_decode_forward("gather")
-        self.assertIsNone(state)
-        self.assertTrue(planned)
-        self.assertFalse(per_owner_tables)
         with self.assertRaisesRegex(ValueError, "SGLANG_CP_SHARED_KV_DECODE"):
             self._plugin_decode_forward("sometimes")
 

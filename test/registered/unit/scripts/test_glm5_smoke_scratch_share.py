@@ -7,7 +7,8 @@ stock's budget is known only to within a page of tokens), and that a pool two pa
 (e.g. a reservation skipped or made twice) fails.
 
 Planted bug this caught (reverted): the share computed for ``P0`` tokens instead of ``cp * P0``
-(the scratch holds the logical capacity): the sized pools fell outside the bounds.
+(the scratch holds the logical capacity): the sized pools fell outside the bounds. And the logged
+prefill-sized slot 0 ignored (the full-capacity share applied to it): its pool failed.
 """
 
 import random
@@ -55,6 +56,31 @@ class TestScratchShare(CustomTestCase):
                 self.assertTrue(check(shared - 2 * PAGE), (cp, layers, dtype, budget, cap))
             else:  # stock was capped, its budget unknown: the cap bounds the pool
                 self.assertTrue(check(cap + PAGE), (cp, layers, dtype, budget, cap))
+
+    def test_prefill_sized_slot_0_is_judged_by_its_logged_size(self):
+        """With decode per owner slot 0 is a fixed, prefill-sized reservation: the server's own log
+        line gives its size, and the pool sized after that reservation passes, while a pool
+        sized after the full-capacity reservation (the old rule) fails."""
+        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+        from sglang_cp_shared_kv.testing.e2e.smoke_report import capacity_figures
+
+        cp, dtype, cell = 8, "fp8", 78 * kv_bytes_per_token_per_layer("fp8")
+        budget = 30 << 30
+        stock = pages(budget / cell)
+        slot0 = 210944
+        shared = pages((budget - scratch_bytes(slot0, kv_row_bytes(dtype), PAGE)) / cell)
+        full = pages((budget - scratch_bytes(cp * stock, kv_row_bytes(dtype), PAGE)) / cell)
+        lines = parse_capacity_lines([
+            f"[2026-12-01 TP0] KV Cache is allocated. #tokens: {shared}, KV size: 20.00 GB",
+            f"[2026-12-01 TP0] CP shared KV gather scratch slot 0: {slot0} logical tokens x 1 layer (0.15 GB)",
+        ])  # fmt: skip
+        logged = capacity_figures({"max_total_num_tokens": cp * shared}, lines, {})
+        self.assertEqual(logged["scratch_slot0_tokens_per_rank"], [slot0])
+        for pool, ok in ((shared, True), (full, False)):
+            shared_figures = {**logged, "physical_device_tokens_per_rank": [pool]}
+            failures = scratch_share_failures(shared_figures, figures(stock), None, cp, cell,
+                                              kv_row_bytes(dtype), PAGE)  # fmt: skip
+            self.assertEqual(failures == [], ok, (pool, failures))
 
     def test_smoke_judges_its_shared_kv_run_against_its_stock_run(self):
         import json

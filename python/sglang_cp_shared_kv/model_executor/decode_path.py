@@ -1,0 +1,100 @@
+"""Which path decode takes on a shared-KV server, decided at startup from server args and environment.
+
+By default every decode forward gathers the pages it reads into the gather scratch, which must then
+hold one layer of the whole logical capacity. With ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` decode
+runs per owner (``per_owner_decode``: each rank scores and attends over its own pool, no page
+gather) unless something rules it out, and the scratch only has to hold a prefill forward. The
+default is the gather because, measured on an H200 at GLM-5 widths, per-owner decode costs a fixed
+~1.2-1.8 ms per layer eagerly (~0.3-0.7 ms as a CUDA graph) whatever the context, which only pays
+off where the gather moves a lot (large batches of long contexts): docs/runtime.md, section 4.
+
+The decision is needed before the model runner exists (the scratch is reserved before sglang sizes
+the pool, and the CUDA-graph rule is judged on ``ServerArgs``), so it is taken here from the same
+inputs on every rank: ``SGLANG_CP_SHARED_KV_DECODE`` (``gather``, the default, or ``per_owner``),
+the NSA decode impl sglang resolved into ``--nsa-decode-backend``, ``SGLANG_NSA_FUSE_TOPK``, and
+the PD mode (a ``--disaggregation-mode prefill`` server never decodes). ``per_owner_decode.attach``
+takes the same decision again when it attaches; a decode forward that reaches the gather while the
+scratch was sized for prefill raises (``CpSharedKVRuntime.begin_forward``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+DECODE_PATH_ENV = "SGLANG_CP_SHARED_KV_DECODE"
+PER_OWNER = "per_owner"
+GATHER = "gather"
+
+
+DEFAULT_DECODE_PATH = GATHER
+
+
+def configured_decode_path() -> str:
+    """``SGLANG_CP_SHARED_KV_DECODE`` (default ``gather``); a ``ValueError`` for anything else."""
+    raw = os.environ.get(DECODE_PATH_ENV)
+    value = DEFAULT_DECODE_PATH if raw is None or not raw.strip() else raw.strip().lower()
+    if value not in (PER_OWNER, GATHER):
+        raise ValueError(f"{DECODE_PATH_ENV} must be {PER_OWNER!r} or {GATHER!r}, got {raw!r}")
+    return value
+
+
+# NSA decode impls (``--nsa-decode-backend``) that ``per_owner_decode`` serves; kept equal to what it
+# attaches for (a unit test compares them), here so that startup rules need not import the runtime.
+PER_OWNER_DECODE_IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
+
+
+def is_pd_prefill_server(server_args) -> bool:
+    return getattr(server_args, "disaggregation_mode", None) == "prefill"
+
+
+def decode_gather_reason(server_args) -> Optional[str]:
+    """Why decode forwards of this server gather pages (a sentence naming the setting), or None
+    when they all run per owner. A PD prefill server runs no decode forward: None."""
+    if is_pd_prefill_server(server_args):
+        return None
+    if configured_decode_path() == GATHER:
+        return f"{DECODE_PATH_ENV}={GATHER}"
+    impl = server_args.nsa_decode_backend
+    if impl not in PER_OWNER_DECODE_IMPLS:
+        served = ", ".join(PER_OWNER_DECODE_IMPLS)
+        return f"--nsa-decode-backend {impl} (per-owner decode serves {served})"
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_NSA_FUSE_TOPK.get():
+        return "SGLANG_NSA_FUSE_TOPK is off (per-owner decode needs the fused top-k)"
+    return None
+
+
+def decode_runs_per_owner(server_args) -> bool:
+    return decode_gather_reason(server_args) is None
+
+
+# Decode under CUDA graphs (``per_owner_decode_graphs``) is opt-in until its capture and replay have
+# been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
+GRAPH_DECODE_ENV = "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"
+
+
+def graph_decode_opted_in() -> bool:
+    return os.environ.get(GRAPH_DECODE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
+    """Why this server cannot run decode CUDA graphs (a message naming the settings), or None.
+
+    Decode graphs replay fixed shapes: per-owner decode has them (static owner tables, fixed-size
+    exchanges), the page gather does not (its size follows the batch's pages)."""
+    if server_args.disable_cuda_graph:
+        return None
+    if not graph_decode_opted_in():
+        return (
+            f"{flag} requires --disable-cuda-graph (decode CUDA graphs per owner are opt-in with "
+            f"{GRAPH_DECODE_ENV}=1 until checked on GPUs)"
+        )
+    reason = decode_gather_reason(server_args)
+    if reason is not None:
+        return (
+            f"{flag} requires --disable-cuda-graph while decode gathers pages ({reason}): graphs "
+            f"cannot replay the per-forward, variable-size page gather"
+        )
+    return None

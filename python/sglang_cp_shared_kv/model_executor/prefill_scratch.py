@@ -1,0 +1,105 @@
+"""How large slot 0 of the gather scratch is, and how many scratch pages a prefill batch can need.
+
+A forward that gathers reads every page its requests reference, one layer at a time, from the
+scratch. A decode forward that gathers references every running request's whole context, so with
+gathering decode slot 0 must hold one layer of the whole logical capacity (``cp_size x`` the
+physical pool). When decode runs per owner (``decode_path``) only extend forwards gather, and an
+extend forward references, per request, its prefix plus this forward's chunk, i.e. ``len(fill_ids)``
+tokens. Slot 0 then only has to hold what admission lets into one prefill batch:
+
+* size (``scratch_sizing``): ``SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS`` if set, else
+  ``context_len + chunked_prefill_size`` (``+ max_prefill_tokens`` without chunked prefill): one
+  request of the longest context plus one chunk's worth of other requests; rounded up to pages
+  and at most the logical capacity;
+* bound (``prefill_batch_scratch_pages``): ``1 + sum over requests of ceil(len(fill_ids) /
+  page_size)`` scratch pages. A plan needs at most that whatever the owners (``PeerPagePlan``'s
+  exact layout), and admission (``managers.prefill_scratch_admission``) keeps every batch within it.
+
+Slot 0 keeps the full logical capacity (the old size) when a decode forward may gather
+(``SGLANG_CP_SHARED_KV_DECODE=gather``, a decode impl per-owner decode does not serve, the fused
+top-k off) and with ``--enable-mixed-chunk`` (running decode requests, whole contexts, join the
+extend batch). Every input is a server arg or an environment variable of the launching process,
+identical on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason
+
+PREFILL_SCRATCH_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS"
+
+
+@dataclass(frozen=True)
+class ScratchSizing:
+    """Slot 0's size rule. ``prefill_tokens`` None: the whole logical capacity (``reason`` says why)."""
+
+    prefill_tokens: Optional[int]
+    reason: str
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.prefill_tokens is not None
+
+
+def configured_prefill_scratch_tokens() -> Optional[int]:
+    """``SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS`` (None: unset); a ``ValueError`` unless > 0."""
+    raw = os.environ.get(PREFILL_SCRATCH_TOKENS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        tokens = int(raw)
+    except ValueError:
+        tokens = 0
+    if tokens <= 0:
+        raise ValueError(f"{PREFILL_SCRATCH_TOKENS_ENV} must be a token count > 0, got {raw!r}")
+    return tokens
+
+
+def default_prefill_scratch_tokens(
+    context_len: int, chunked_prefill_size: Optional[int], max_prefill_tokens: Optional[int]
+) -> int:
+    """One request of the full context plus one chunk (or, without chunked prefill, one prefill
+    budget) of other requests."""
+    if chunked_prefill_size is not None and chunked_prefill_size > 0:
+        extra = chunked_prefill_size
+    elif max_prefill_tokens is not None and max_prefill_tokens > 0:
+        extra = max_prefill_tokens
+    else:
+        extra = context_len
+    return context_len + extra
+
+
+def scratch_sizing(server_args, context_len: int) -> ScratchSizing:
+    """Slot 0's rule for this server (same on every rank: server args and the environment)."""
+    gather_reason = decode_gather_reason(server_args)
+    if gather_reason is not None:
+        return ScratchSizing(None, f"decode gathers pages: {gather_reason}")
+    if server_args.enable_mixed_chunk:
+        return ScratchSizing(
+            None, "--enable-mixed-chunk: running decode requests join extend batches"
+        )
+    tokens = configured_prefill_scratch_tokens()
+    if tokens is not None:
+        return ScratchSizing(tokens, f"{PREFILL_SCRATCH_TOKENS_ENV}={tokens}")
+    tokens = default_prefill_scratch_tokens(
+        context_len, server_args.chunked_prefill_size, server_args.max_prefill_tokens
+    )
+    return ScratchSizing(
+        tokens,
+        f"context length {context_len} + chunked prefill {server_args.chunked_prefill_size}",
+    )
+
+
+def request_scratch_pages(context_tokens: int, page_size: int) -> int:
+    """Scratch pages one request of ``context_tokens`` (prefix + chunk) can take in a plan."""
+    return -(-max(context_tokens, 0) // page_size)
+
+
+def prefill_batch_scratch_pages(context_tokens: Sequence[int], page_size: int) -> int:
+    """Upper bound of the scratch pages (dummy page 0 included) of an extend batch whose requests
+    reference ``context_tokens`` tokens each; shared prefix pages only make the real need smaller."""
+    return 1 + sum(request_scratch_pages(t, page_size) for t in context_tokens)

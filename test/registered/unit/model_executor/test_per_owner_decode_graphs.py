@@ -1,0 +1,281 @@
+"""Per-owner decode under CUDA graphs, on CPU: static tables refreshed in place, the backend hooks, the
+collectives, and the startup rule that accepts decode graphs only where they can work.
+
+A graph replays the tensors it was captured with, so what matters is that (1) a refresh writes the
+new batch's tables into the same storage, stale columns included, (2) the capture hook points the
+per-owner forward at that storage and the replay hook refreshes it, and (3) the server refuses
+graphs with a clear error wherever decode still gathers.
+
+Plants seen failing (then reverted): the refresh not copying ``owned_seq_lens``
+(``test_refresh_rewrites_the_same_storage``); the replay hook not refreshing
+(``test_capture_then_replay_reads_refreshed_tables``);
+the rule accepting graphs with ``SGLANG_CP_SHARED_KV_DECODE=gather``
+(``test_graphs_refused_wherever_decode_gathers``).
+"""
+
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs as graphs
+from sglang_cp_shared_kv.model_executor.decode_path import (
+    DECODE_PATH_ENV,
+    GRAPH_DECODE_ENV,
+    cuda_graph_problem,
+)
+from sglang_cp_shared_kv.model_executor.owner_decode_tables import build_owner_decode_tables
+from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
+from sglang_cp_shared_kv.model_executor.per_owner_decode import _STATE_ATTR
+from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, runtime_problems
+from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
+
+register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
+
+PAGE = 64
+CP_SIZE = 4
+
+
+def _batch(seed, seq_lens, padded=None):
+    return random_batch(torch.Generator().manual_seed(seed), CP_SIZE, PAGE, seq_lens, padded)
+
+
+def _assert_tables_equal(test, got, expected):
+    test.assertTrue(torch.equal(got.physical_page_table, expected.physical_page_table))
+    test.assertTrue(torch.equal(got.logical_page_column, expected.logical_page_column))
+    test.assertTrue(torch.equal(got.owned_seq_lens, expected.owned_seq_lens))
+
+
+class TestOwnerTableBuffers(CustomTestCase):
+    def test_refresh_rewrites_the_same_storage(self):
+        layout = CpSharedKVLayout(CP_SIZE, 1, PAGE)
+        buffers = graphs.OwnerTableBuffers(max_bs=6, width_pages=12, page_size=PAGE, device="cpu")
+        wide = _batch(0, [700, 64, 1, 650], [False, False, True, False])
+        narrow = _batch(1, [130, 70, 5, 200])  # fewer pages: columns past them must be cleaned
+        first = buffers.refresh(layout, wide.page_table, wide.seq_lens)
+        pointers = [t.data_ptr() for t in (first.physical_page_table, first.owned_seq_lens)]
+        for batch in (narrow, wide, narrow):
+            static = buffers.refresh(layout, batch.page_table, batch.seq_lens)
+            self.assertEqual([t.data_ptr() for t in (static.physical_page_table, static.owned_seq_lens)], pointers)
+            fresh = build_owner_decode_tables(layout, batch.page_table, batch.seq_lens)
+            width = batch.page_table.shape[1]
+            self.assertTrue(torch.equal(static.physical_page_table[:, :width], fresh.physical_page_table))
+            self.assertTrue(torch.equal(static.logical_page_column[:, :width], fresh.logical_page_column))
+            self.assertTrue(torch.equal(static.owned_seq_lens, fresh.owned_seq_lens))
+            self.assertEqual(int(static.physical_page_table[:, width:].abs().sum()), 0)
+            self.assertTrue(bool((static.logical_page_column[:, width:] == -1).all()))
+            # The per-owner forward derives its columns from the static tables: same as fresh.
+            self.assertTrue(torch.equal(static.local_physical_rows(12 * PAGE)[:, : width * PAGE],
+                                        fresh.local_physical_rows(width * PAGE)))
+
+    def test_schedule_is_created_once_then_refreshed_in_place(self):
+        layout = CpSharedKVLayout(CP_SIZE, 0, PAGE)
+        buffers = graphs.OwnerTableBuffers(4, 12, PAGE, "cpu")
+        schedule_fn = lambda lens: torch.cumsum(lens, 0)  # noqa: E731 (stands in for deep_gemm's)
+        a, b = _batch(2, [700, 300, 64, 5]), _batch(3, [90, 650, 1, 400])
+        buffers.refresh(layout, a.page_table, a.seq_lens, schedule_fn)
+        held = buffers.schedules[4]
+        buffers.refresh(layout, b.page_table, b.seq_lens, schedule_fn)
+        self.assertIs(buffers.schedules[4], held)
+        self.assertTrue(torch.equal(held, torch.cumsum(buffers.tables(4).owned_seq_lens, 0)))
+
+    def test_table_wider_than_the_static_one_raises(self):
+        buffers = graphs.OwnerTableBuffers(4, 2, PAGE, "cpu")
+        batch = _batch(4, [700, 1, 1, 1])
+        with self.assertRaisesRegex(ValueError, "exceeds the static"):
+            buffers.refresh(CpSharedKVLayout(CP_SIZE, 0, PAGE), batch.page_table, batch.seq_lens)
+
+
+class TestGraphHooks(CustomTestCase):
+    MAX_BS, CONTEXT = 4, 12 * PAGE
+
+    def _backend(self, bound=True):
+        state = SimpleNamespace(
+            runtime=SimpleNamespace(layout=CpSharedKVLayout(CP_SIZE, 2, PAGE), plan="last prefill's plan"),
+            schedule_fn=None,
+            forward=None,
+        )
+        backend = SimpleNamespace(
+            decode_cuda_graph_metadata={"page_table": torch.zeros(self.MAX_BS, self.CONTEXT, dtype=torch.int32)},
+            real_page_size=PAGE,
+            forward_metadata=None,
+        )
+        setattr(backend, _STATE_ATTR, state)
+        if bound:
+            setattr(backend, graphs._BOUND_ATTR, True)
+        return backend, state
+
+    def _set_batch(self, backend, batch):
+        """What sglang's own capture / replay metadata leaves in ``forward_metadata`` (its static
+        tensors, rewritten in place on replay)."""
+        if backend.forward_metadata is None:
+            backend.forward_metadata = SimpleNamespace(
+                real_page_table=batch.page_table.clone(),
+                cache_seqlens_int32=batch.seq_lens.to(torch.int32),
+                paged_mqa_schedule_metadata=None,
+            )
+            return
+        width = batch.page_table.shape[1]
+        backend.forward_metadata.real_page_table[:, :width].copy_(batch.page_table)
+        backend.forward_metadata.cache_seqlens_int32.copy_(batch.seq_lens)
+
+    def test_capture_then_replay_reads_refreshed_tables(self):
+        backend, state = self._backend()
+        graphs.init_cuda_graph_state_after(None, backend, self.MAX_BS, self.MAX_BS)
+        buffers = graphs.buffers_of(backend)
+        self.assertEqual(buffers.width_pages, 12)
+        capture = _batch(5, [700, 64, 300, 1], [False, False, False, True])
+        capture.page_table = torch.nn.functional.pad(capture.page_table, (0, 12 - capture.page_table.shape[1]))
+        self._set_batch(backend, capture)
+        graphs.capture_metadata_after(None, backend, 4, 4, None, None, None, ForwardMode.DECODE, None)
+        self.assertIsNone(state.runtime.plan)  # the captured stores are owner-filtered only
+        captured = state.forward.tables
+        self.assertEqual(captured.physical_page_table.data_ptr(), buffers.physical_page_table.data_ptr())
+        layout = state.runtime.layout
+        _assert_tables_equal(self, captured, build_owner_decode_tables(layout, backend.forward_metadata.real_page_table, backend.forward_metadata.cache_seqlens_int32))
+
+        replay = _batch(6, [200, 650, 5, 400])
+        self._set_batch(backend, replay)
+        graphs.replay_metadata_after(None, backend, 4)
+        expected = build_owner_decode_tables(
+            layout, backend.forward_metadata.real_page_table, backend.forward_metadata.cache_seqlens_int32
+        )
+        _assert_tables_equal(self, captured, expected)  # the captured views now hold the replay's
+
+    def test_capture_of_anything_but_decode_raises(self):
+        backend, _ = self._backend()
+        graphs.init_cuda_graph_state_after(None, backend, self.MAX_BS, self.MAX_BS)
+        self._set_batch(backend, _batch(7, [64, 64, 64, 64]))
+        with self.assertRaisesRegex(ValueError, "decode only"):
+            graphs.capture_metadata_after(None, backend, 4, 4, None, None, None, ForwardMode.TARGET_VERIFY, None)
+
+    def test_unbound_backend_is_left_alone_and_its_graphs_refused(self):
+        backend, state = self._backend(bound=False)
+        graphs.init_cuda_graph_state_after(None, backend, self.MAX_BS, self.MAX_BS)
+        self.assertIsNone(graphs.buffers_of(backend))
+        with self.assertRaisesRegex(ValueError, "--disable-cuda-graph"):
+            refuse_cuda_graph(backend, 4)
+        bound, _ = self._backend()
+        graphs.init_cuda_graph_state_after(None, bound, self.MAX_BS, self.MAX_BS)
+        self.assertIsNone(refuse_cuda_graph(bound, 4))
+
+
+class TestCollectivesAndBinding(CustomTestCase):
+    def test_coordinator_collectives_shapes(self):
+        calls = []
+
+        class Coordinator:
+            def all_gather_into_tensor(self, out, source):
+                calls.append("all_gather_into_tensor")
+                out.copy_(torch.cat([source, source + 1]))
+
+            def all_reduce(self, tensor):
+                calls.append("all_reduce")
+                return tensor * 2
+
+        all_gather, all_reduce_sum = graphs.coordinator_collectives(Coordinator(), 2)
+        keys = torch.arange(6).view(3, 2)
+        gathered = all_gather(keys)
+        self.assertEqual(tuple(gathered.shape), (2, 3, 2))
+        self.assertTrue(torch.equal(gathered[1], keys + 1))
+        x = torch.ones(3)
+        self.assertTrue(torch.equal(all_reduce_sum(x), 2 * x))
+        self.assertTrue(torch.equal(x, torch.ones(3)))  # the input is not reduced in place
+        self.assertEqual(calls, ["all_gather_into_tensor", "all_reduce"])
+
+    def _runner(self, disable_cuda_graph=False):
+        pool = SimpleNamespace()
+        state = SimpleNamespace(all_gather=None, all_reduce_sum=None)
+        runtime = SimpleNamespace(pool=pool, layout=CpSharedKVLayout(2, 0, PAGE))
+        runner = SimpleNamespace(
+            server_args=SimpleNamespace(disable_cuda_graph=disable_cuda_graph),
+            token_to_kv_pool=pool,
+            attn_backend=SimpleNamespace(),
+        )
+        return runner, runtime, state
+
+    def test_binding_needs_the_cp_group_to_be_the_tp_group(self):
+        runner, runtime, state = self._runner()
+        tp, other = object(), object()
+        with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
+             mock.patch.object(graphs, "per_owner_of", return_value=state), \
+             mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp):
+            with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=other):
+                with self.assertRaisesRegex(ValueError, "TP group"):
+                    graphs.bind_graph_decode(runner)
+            with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=tp):
+                self.assertTrue(graphs.bind_graph_decode(runner))
+        self.assertIs(getattr(runner.attn_backend, _STATE_ATTR), state)
+        self.assertIsNotNone(state.all_gather)
+
+    def test_nothing_bound_without_graphs(self):
+        runner, runtime, state = self._runner(disable_cuda_graph=True)
+        with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
+             mock.patch.object(graphs, "per_owner_of", return_value=state):
+            self.assertFalse(graphs.bind_graph_decode(runner))
+        self.assertFalse(hasattr(runner.attn_backend, _STATE_ATTR))
+
+
+def _server_args(**overrides):
+    args = dict(
+        disable_cuda_graph=False,
+        disable_piecewise_cuda_graph=True,
+        nsa_prefill_cp_mode="round-robin-split",
+        speculative_algorithm=None,
+        enable_two_batch_overlap=False,
+        enable_pdmux=False,
+        enable_torch_compile=False,
+        kv_cache_dtype="fp8_e4m3",
+        nsa_prefill_backend="flashmla_kv",
+        nsa_decode_backend="flashmla_kv",
+        disaggregation_mode="null",
+    )
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+class TestGraphDecodeStartupRule(CustomTestCase):
+    def _problem(self, env=None, **overrides):
+        with mock.patch.dict("os.environ") as environ:
+            for name in (DECODE_PATH_ENV, GRAPH_DECODE_ENV):
+                environ.pop(name, None)
+            environ.update(env or {})
+            return cuda_graph_problem(_server_args(**overrides), CP_SHARED_KV_FLAG), runtime_problems(
+                _server_args(**overrides)
+            )
+
+    def test_default_still_requires_disable_cuda_graph(self):
+        problem, problems = self._problem()
+        self.assertIn("--disable-cuda-graph", problem)
+        self.assertIn(GRAPH_DECODE_ENV, problem)
+        self.assertEqual(problems, [problem])
+        self.assertEqual(self._problem(disable_cuda_graph=True), (None, []))
+
+    def test_opted_in_per_owner_decode_accepts_graphs(self):
+        self.assertEqual(self._problem({GRAPH_DECODE_ENV: "1"}), (None, []))
+
+    def test_graphs_refused_wherever_decode_gathers(self):
+        cases = {
+            f"{DECODE_PATH_ENV}=gather": dict(env={GRAPH_DECODE_ENV: "1", DECODE_PATH_ENV: "gather"}),
+            "--nsa-decode-backend fa3": dict(env={GRAPH_DECODE_ENV: "1"}, nsa_decode_backend="fa3"),
+        }
+        for named, case in cases.items():
+            with self.subTest(named):
+                problem, problems = self._problem(**case)
+                self.assertIn("--disable-cuda-graph", problem)
+                self.assertIn(named, problem)
+                self.assertEqual(problems, [problem])
+
+    def test_piecewise_graphs_stay_refused(self):
+        _, problems = self._problem({GRAPH_DECODE_ENV: "1"}, disable_piecewise_cuda_graph=False)
+        self.assertEqual(len(problems), 1)
+        self.assertIn("--disable-piecewise-cuda-graph", problems[0])
+
+
+if __name__ == "__main__":
+    unittest.main()
