@@ -181,6 +181,8 @@ def run_hooked(args, cp_size) -> list:
         scenario = hooked.Scenario(seq_lens=HOOKED_SEQ_LENS, topk=TOPK, graph=mode)
         results, comparison = hooked.run_scenario(cp_size, scenario, args.device, REL_TOL)
         ok = hooked.passed(comparison) == should_pass
+        if not ok:
+            print(f"hooked cp={cp_size} {mode}: {comparison}", flush=True)
         kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
         print(
             f"hooked cp={cp_size} {mode} ({kernels_used}): max rel err={comparison['rel_err']:.2e}, "

@@ -172,10 +172,13 @@ class _AttachCase(CustomTestCase):
             2 * pool.size, PAGE_SIZE, torch.int64, "cpu", pool, False, 2, cp_rank
         )
 
+
+class TestAttachRuntime(_AttachCase):
     def test_per_owner_decode_gets_a_prefill_sized_scratch_and_gathering_decode_raises(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
         runner = self._model_runner(pool, self._allocator(pool), nsa_decode_backend="flashmla_kv")
-        self._attach(runner, prefetch_slot=None)
+        with mock.patch.dict(os.environ, {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"}):
+            self._attach(runner, prefetch_slot=None)
         runtime = runtime_of(pool)
         # Context 100 + chunk 28 = 128 tokens (2 pages), below the logical 384.
         self.assertEqual(runtime.scratch.size, 2 * PAGE_SIZE)
@@ -184,8 +187,6 @@ class _AttachCase(CustomTestCase):
         with self.assertRaisesRegex(ValueError, "SGLANG_CP_SHARED_KV_DECODE=gather"):
             runtime.begin_forward(batch)
 
-
-class TestAttachRuntime(_AttachCase):
     def test_attaches_once_with_a_logical_size_scratch(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
         runner = self._model_runner(pool, self._allocator(pool))
@@ -344,15 +345,20 @@ class TestHookTargets(CustomTestCase):
 
     def test_the_draft_hook_follows_the_targets_attach(self):
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool
+        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool, per_owner_decode
+        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
 
+        sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
         registered = []
         registry = SimpleNamespace(register=lambda *entry: registered.append(entry))
         plugin.register_runtime_hooks(registry)
         target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
         hooks = [hook for t, hook, kind in registered if t == target and kind == HookType.AFTER]
         # Both run after the method, the target's attach first (the draft's needs its runtime).
-        self.assertEqual(hooks, [attach_runtime, cp_shared_kv_draft_pool.attach_draft_worker_runtime])
+        self.assertEqual(
+            hooks,
+            [attach_runtime, cp_shared_kv_draft_pool.attach_draft_worker_runtime, per_owner_decode.attach_after_runtime],
+        )
         owner, name = target.rsplit(".", 1)
         self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)))
 

@@ -131,8 +131,9 @@ class TestReservationHook(CustomTestCase):
     def _model_runner(
         self, max_total_tokens=None, is_draft_worker=False, flag=True, decode_backend="fa3"
     ):
-        """``decode_backend``: fa3 (not served per owner, so decode gathers: slot 0 holds the
-        logical capacity) or flashmla_kv (decode per owner: slot 0 sized for prefill)."""
+        """``decode_backend``: where decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE=per_owner``
+        and a served impl such as flashmla_kv) slot 0 is sized for prefill; otherwise (the default
+        gather) it holds the logical capacity."""
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
             server_args=SimpleNamespace(
@@ -177,7 +178,8 @@ class TestReservationHook(CustomTestCase):
     def test_per_owner_decode_reserves_a_prefill_sized_slot_0(self):
         available = 40 << 30
         full = available - self._run(self._model_runner(), available)
-        left = self._run(self._model_runner(decode_backend="flashmla_kv"), available)
+        with mock.patch.dict("os.environ", {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"}):
+            left = self._run(self._model_runner(decode_backend="flashmla_kv"), available)
         # Slot 0: one 128K request plus one 8K chunk, as slot 1's auto size without the padding.
         slot0 = scratch_bytes(self.CONTEXT_LEN + self.CHUNK, 656, PAGE)
         self.assertEqual(available - left, slot0 + scratch_bytes(self.SLOT1, 656, PAGE))

@@ -240,10 +240,13 @@ def _server_args(**overrides):
 
 
 class TestGraphDecodeStartupRule(CustomTestCase):
-    def _problem(self, env=None, **overrides):
+    def _problem(self, env=None, opt_in=True, **overrides):
+        """``opt_in``: decode per owner (``SGLANG_CP_SHARED_KV_DECODE=per_owner``) unless ``env`` sets it."""
         with mock.patch.dict("os.environ") as environ:
             for name in (DECODE_PATH_ENV, GRAPH_DECODE_ENV):
                 environ.pop(name, None)
+            if opt_in:
+                environ[DECODE_PATH_ENV] = "per_owner"
             environ.update(env or {})
             return cuda_graph_problem(_server_args(**overrides), CP_SHARED_KV_FLAG), runtime_problems(
                 _server_args(**overrides)
@@ -262,13 +265,14 @@ class TestGraphDecodeStartupRule(CustomTestCase):
     def test_graphs_refused_wherever_decode_gathers(self):
         cases = {
             f"{DECODE_PATH_ENV}=gather": dict(env={GRAPH_DECODE_ENV: "1", DECODE_PATH_ENV: "gather"}),
-            "--nsa-decode-backend fa3": dict(env={GRAPH_DECODE_ENV: "1"}, nsa_decode_backend="fa3"),
+            "--nsa-decode-backend trtllm": dict(env={GRAPH_DECODE_ENV: "1"}, nsa_decode_backend="trtllm"),
+            f"{DECODE_PATH_ENV}=gather (the default)": dict(env={GRAPH_DECODE_ENV: "1"}, opt_in=False),
         }
         for named, case in cases.items():
             with self.subTest(named):
                 problem, problems = self._problem(**case)
                 self.assertIn("--disable-cuda-graph", problem)
-                self.assertIn(named, problem)
+                self.assertIn(named.split(" (")[0], problem)
                 self.assertEqual(problems, [problem])
 
     def test_piecewise_graphs_stay_refused(self):

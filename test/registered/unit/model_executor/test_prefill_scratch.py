@@ -53,10 +53,13 @@ def _server_args(**overrides):
     return SimpleNamespace(**args)
 
 
-def _sizing(env=None, **overrides):
+def _sizing(env=None, opt_in=True, **overrides):
+    """``opt_in``: decode per owner (``SGLANG_CP_SHARED_KV_DECODE=per_owner``) unless ``env`` sets it."""
     with mock.patch.dict("os.environ", clear=False) as environ:
         for name in (DECODE_PATH_ENV, PREFILL_SCRATCH_TOKENS_ENV):
             environ.pop(name, None)
+        if opt_in:
+            environ[DECODE_PATH_ENV] = "per_owner"
         environ.update(env or {})
         return scratch_sizing(_server_args(**overrides), CONTEXT_LEN)
 
@@ -79,8 +82,9 @@ class TestScratchSizing(CustomTestCase):
 
     def test_gathering_decode_keeps_the_logical_capacity(self):
         cases = {
-            "escape hatch": dict(env={DECODE_PATH_ENV: "gather"}),
-            "impl not served": dict(nsa_decode_backend="fa3"),
+            "the default": dict(opt_in=False),
+            "gather set": dict(env={DECODE_PATH_ENV: "gather"}),
+            "impl not served": dict(nsa_decode_backend="trtllm"),
             "mixed chunks": dict(enable_mixed_chunk=True),
         }
         for name, case in cases.items():
