@@ -53,9 +53,15 @@ def decode_gather_reason(server_args) -> Optional[str]:
     when they all run per owner. A PD prefill server runs no decode forward: None."""
     if is_pd_prefill_server(server_args):
         return None
+    return impl_gather_reason(server_args.nsa_decode_backend)
+
+
+def impl_gather_reason(impl: Optional[str]) -> Optional[str]:
+    """Why decode with this NSA decode impl gathers pages, or None when it runs per owner. The one
+    rule: the startup sizing (from ``--nsa-decode-backend``) and ``per_owner_decode.attach`` (from
+    the backend's ``nsa_decode_impl``) both ask it."""
     if configured_decode_path() == GATHER:
-        return f"{DECODE_PATH_ENV}={GATHER}"
-    impl = server_args.nsa_decode_backend
+        return f"{DECODE_PATH_ENV}={GATHER} (the default; {PER_OWNER} opts in)"
     if impl not in PER_OWNER_DECODE_IMPLS:
         served = ", ".join(PER_OWNER_DECODE_IMPLS)
         return f"--nsa-decode-backend {impl} (per-owner decode serves {served})"

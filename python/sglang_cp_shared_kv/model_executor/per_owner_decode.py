@@ -27,9 +27,10 @@ In a decode forward each rank scores and attends over its own physical pool only
      ``cache_seqlens``; ``return_softmax_lse`` gives the natural-log LSE ([H, T] varlen).
 
 Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_IMPLS`` and fused
-top-k, unless ``SGLANG_CP_SHARED_KV_DECODE=gather``. ``attach`` decides once per server from state
-identical on every rank; otherwise decode keeps the page gather, and the log says why. Prefill keeps
-the plan path. Eager only: CUDA-graph decode stays refused.
+top-k, once opted in with ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` (the default is the gather:
+``decode_path``). ``attach`` decides once per server from state identical on every rank; otherwise
+decode keeps the page gather, and the log says why. Prefill keeps the plan path. Decode CUDA
+graphs over it: ``per_owner_decode_graphs`` (opt-in).
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
 from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (DECODE_PATH_ENV re-exported)
     DECODE_PATH_ENV,
-    GATHER,
-    configured_decode_path,
+    impl_gather_reason,
 )
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     compact_owned_indices,
@@ -294,17 +294,7 @@ def _kept_lse(module, name: str, lse_of, lse_kwarg: bool = False):
 
 def attach(runtime, decode_impl: Optional[str]) -> Optional[PerOwnerDecode]:
     """Decide once (same inputs on every rank) whether decode runs per owner, and attach if so."""
-    from sglang.srt.environ import envs
-
-    mode = configured_decode_path()
-    reason = None
-    if mode == GATHER:
-        reason = f"{DECODE_PATH_ENV}={GATHER} (the default; per_owner opts in)"
-    elif decode_impl not in SERVED_DECODE_IMPLS:
-        served = ", ".join(repr(impl) for impl in SERVED_DECODE_IMPLS)
-        reason = f"NSA decode impl {decode_impl!r} (per-owner decode serves {served})"
-    elif not envs.SGLANG_NSA_FUSE_TOPK.get():
-        reason = "SGLANG_NSA_FUSE_TOPK is off (unfused top-k maps positions through page_table_1)"
+    reason = impl_gather_reason(decode_impl)
     if reason is not None:
         logger.info("CP shared KV: decode uses the page gather: %s", reason)
         return None
