@@ -9,7 +9,7 @@ context (tokens per request), the work ONE rank does in one decode layer, timed 
   (``decode_topk_merge.local_candidates``), the global selection from the ``cp_size * k`` candidates
   and this rank's attention indices, ``flash_mla_with_kvcache`` over the owned rows (-1 elsewhere),
   and the merge arithmetic (global LSE, this rank's scaled partial). The exchange is EMULATED in
-  process: the other ranks' candidate keys and LSEs are precomputed tensors concatenated with this
+  process: the other ranks' candidate scores and LSEs are precomputed tensors concatenated with this
   rank's (no collective is timed; ``bench_per_owner_decode_exchange.py`` times the collectives).
   The owner tables are built once per forward and timed separately (``tables``).
 * page gather (the path decode takes without per-owner decode): a device copy of every page of the
@@ -194,7 +194,6 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
     from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
     from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
-        PAD_KEY,
         local_candidates,
         owned_attention_indices,
         select_global,
@@ -225,27 +224,24 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
     positions, rows = tables.local_positions(width), tables.local_physical_rows(width)
     owner_schedule = kernels.schedule(tables.owned_seq_lens)
     owner_metadata = kernels.attention_metadata(nsa_lens)
-    # The other ranks' candidates: this rank's scores at other positions (same distribution, so
-    # the global selection takes about 1/cp of its rows from each rank).
-    own = local_candidates(
-        kernels.logits(q_index, weights, shard_index, tables.physical_page_table, tables.owned_seq_lens,
-                       owner_schedule).float(),
-        positions, rows, topk,
-    ).keys
-    others = torch.stack([torch.where(own == PAD_KEY, PAD_KEY, own ^ (r + 1)) for r in range(cp_size - 1)])
-    other_lses = torch.randn(cp_size - 1, batch, HEADS, generator=g).to(device)
+    owned_lens = tables.owned_seq_lens
+    # The other ranks' candidates: this rank's scores in other orders (each score cp times, so the
+    # global selection takes k / cp rows from each rank).
     first = local_candidates(kernels.logits(q_index, weights, shard_index, tables.physical_page_table,
-                                            tables.owned_seq_lens, owner_schedule), positions, rows, topk)
-    selection = select_global(torch.cat([first.keys[None], others]))
+                                            owned_lens, owner_schedule).float(), owned_lens, positions, rows, topk)
+    shuffles = [torch.randperm(topk, generator=g).to(device) for _ in range(cp_size - 1)]
+    others = torch.stack([first.scores[:, order] for order in shuffles])
+    other_lses = torch.randn(cp_size - 1, batch, HEADS, generator=g).to(device)
+    selection = select_global(torch.cat([first.scores[None], others]), topk)
     attended = int((owned_attention_indices(selection, first, 0) >= 0).sum()) // batch  # setup only
 
     def per_owner_layer():
         logits = kernels.logits(
             q_index, weights, shard_index, tables.physical_page_table, tables.owned_seq_lens, owner_schedule
         )
-        candidates = local_candidates(logits, positions, rows, topk)
-        gathered = torch.cat([candidates.keys[None], others])  # emulated all-gather
-        indices = owned_attention_indices(select_global(gathered), candidates, 0)
+        candidates = local_candidates(logits, owned_lens, positions, rows, topk)
+        gathered = torch.cat([candidates.scores[None], others])  # emulated all-gather
+        indices = owned_attention_indices(select_global(gathered, topk), candidates, 0)
         out, lse = kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata)
         lse_all = merge.global_lse(torch.cat([lse.float()[None], other_lses]))  # emulated all-gather
         return merge.scaled_partial(out, lse, lse_all).to(out.dtype)  # then the sum all-reduce
@@ -255,16 +251,16 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         logits = kernels.logits(
             q_index, weights, shard_index, tables.physical_page_table, tables.owned_seq_lens, owner_schedule
         )
-        candidates = local_candidates(logits, positions, rows, topk)
-        gathered = torch.cat([candidates.keys[None], others])
-        indices = owned_attention_indices(select_global(gathered), candidates, 0)
+        candidates = local_candidates(logits, owned_lens, positions, rows, topk)
+        gathered = torch.cat([candidates.scores[None], others])
+        indices = owned_attention_indices(select_global(gathered, topk), candidates, 0)
         out, lse = kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata)
         return {
             "indexer": lambda: kernels.logits(q_index, weights, shard_index, tables.physical_page_table,
                                               tables.owned_seq_lens, owner_schedule),
-            "local top-k": lambda: local_candidates(logits, positions, rows, topk),
+            "local top-k": lambda: local_candidates(logits, owned_lens, positions, rows, topk),
             "selection": lambda: owned_attention_indices(
-                select_global(torch.cat([candidates.keys[None], others])), candidates, 0),
+                select_global(torch.cat([candidates.scores[None], others]), topk), candidates, 0),
             "attention": lambda: kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata),
             "merge": lambda: merge.scaled_partial(
                 out, lse, merge.global_lse(torch.cat([lse.float()[None], other_lses]))),

@@ -64,12 +64,12 @@ def _rank(rank, args, rendezvous, out_path):
     rows = []
     for batch in args.batches:
         g = torch.Generator().manual_seed(rank)
-        keys = torch.randint(0, 2**62, (batch, shapes.index_topk), generator=g).to(device)
+        scores = torch.randn(batch, shapes.index_topk, generator=g).to(device)
         out = torch.randn(batch, shapes.heads, shapes.kv_lora_rank, generator=g).to(device, torch.bfloat16)
         lse = torch.randn(batch, shapes.heads, generator=g).to(device)
         hidden = torch.randn(batch, shapes.hidden, generator=g).to(device, torch.bfloat16)
         calls = {
-            "candidates": lambda: all_gather_candidates(keys, group),
+            "candidates": lambda: all_gather_candidates(scores, group),
             "all_gather": lambda: merge_by_all_gather(out, lse, all_gather),
             "scaled_sum": lambda: merge_by_scaled_sum(out, lse, all_gather, all_reduce_sum),
             "scaled_sum_after_o_proj": lambda: (all_gather(lse), all_reduce_sum(hidden)),

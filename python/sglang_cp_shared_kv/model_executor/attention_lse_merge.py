@@ -40,13 +40,18 @@ same ops), so replicated layers stay in lockstep.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from sglang_cp_shared_kv.model_executor.sync_debug import sync_debug_exempt
+
 LN2 = math.log(2.0)
+_NEG_INF = float("-inf")
+_LOWEST = torch.finfo(torch.float32).min
 
 
 def natural_lse(lse: torch.Tensor, base: float) -> torch.Tensor:
@@ -61,23 +66,25 @@ def natural_lse(lse: torch.Tensor, base: float) -> torch.Tensor:
 
 def global_lse(lses: torch.Tensor) -> torch.Tensor:
     """Natural LSE of the union from per-rank natural LSEs ``[n, T, H]``; -inf where all are empty."""
-    finite = torch.isfinite(lses)
-    peak = torch.where(finite, lses, float("-inf")).amax(dim=0)
-    safe_peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    total = torch.where(finite, torch.exp(lses - safe_peak), 0.0).sum(dim=0)
-    return torch.where(total > 0, safe_peak + torch.log(total), float("-inf"))
+    return torch.logsumexp(_as_empty_or_finite(lses), dim=0)
 
 
 def partial_weight(lse_r: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``exp(lse_r - lse)`` [T, H] float32: 0 for an empty partial or an empty union."""
-    valid = torch.isfinite(lse_r) & torch.isfinite(lse)
-    return torch.where(valid, torch.exp(torch.where(valid, lse_r - lse, 0.0)), 0.0)
+    # An empty union has every partial empty: exp(-inf - finite) = 0, never -inf - -inf.
+    return torch.exp(_as_empty_or_finite(lse_r) - lse.clamp(min=_LOWEST))
 
 
 def scaled_partial(out_r: torch.Tensor, lse_r: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """This rank's term of the merged output, float32 [T, H, D]; exactly 0 for an empty partial."""
+    """This rank's term of the merged output, float32 [T, H, D]; exactly 0 for an empty partial
+    (whose ``out_r`` may be garbage or NaN, so it is selected away, not multiplied by 0)."""
     weight = partial_weight(lse_r, lse).unsqueeze(-1)
-    return torch.where(weight > 0, out_r.float() * weight, 0.0)
+    return torch.where(weight > 0, out_r * weight, 0.0)
+
+
+def _as_empty_or_finite(lses: torch.Tensor) -> torch.Tensor:
+    """float32 LSEs with every non-finite value (empty: +inf, -inf or NaN) as -inf."""
+    return torch.nan_to_num(lses.float(), nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,15 +127,23 @@ def process_group_collectives(group: dist.ProcessGroup) -> tuple[AllGather, AllR
     staged = dist.get_backend(group) == dist.Backend.GLOO  # gloo moves host memory
 
     def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-        source = (tensor.cpu() if staged else tensor).contiguous()
-        # Ranks concatenated along dim 0 (the shape gloo requires), then viewed rank-major.
-        out = source.new_empty((cp_size * source.shape[0], *source.shape[1:]))
-        dist.all_gather_into_tensor(out, source, group=group)
-        return out.view(cp_size, *source.shape).to(tensor.device)
+        with _host_staging(staged and tensor.is_cuda):
+            source = (tensor.cpu() if staged else tensor).contiguous()
+            # Ranks concatenated along dim 0 (the shape gloo requires), then viewed rank-major.
+            out = source.new_empty((cp_size * source.shape[0], *source.shape[1:]))
+            dist.all_gather_into_tensor(out, source, group=group)
+            return out.view(cp_size, *source.shape).to(tensor.device)
 
     def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-        work = tensor.cpu() if staged else tensor.contiguous().clone()
-        dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
-        return work.to(tensor.device)
+        with _host_staging(staged and tensor.is_cuda):
+            work = tensor.cpu() if staged else tensor.contiguous().clone()
+            dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
+            return work.to(tensor.device)
 
     return all_gather, all_reduce_sum
+
+
+def _host_staging(staged: bool):
+    """gloo moves host memory: CP ranks sharing a GPU in the checks bounce device tensors through
+    the host, a deliberate wait that sync debugging must not count (NCCL groups never stage)."""
+    return sync_debug_exempt() if staged else contextlib.nullcontext()

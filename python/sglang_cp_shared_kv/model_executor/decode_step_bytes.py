@@ -7,7 +7,7 @@ per rank delivers ``(cp - 1) * s``; an all-reduce of ``s`` bytes moves ``2 (cp -
   not own, KV row and indexer row per token: ``layers * context * (cp - 1) / cp * (kv_row + 132)``
   for ``context`` tokens of history in the batch. Grows with the context.
 * Per owner (``decode_topk_merge`` + ``attention_lse_merge``): per layer that computes top-k, one
-  all-gather of ``k`` int64 candidate keys per token; per layer, the merge of the partial attention
+  all-gather of ``k`` float32 candidate scores per token; per layer, the merge of the partial attention
   outputs. Independent of the context.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CANDIDATE_KEY_BYTES = 8  # int64: float32 score and position in one key
+CANDIDATE_SCORE_BYTES = 4  # float32: only the scores travel (rows and positions stay local)
 LSE_BYTES = 4  # float32
 INDEX_K_BYTES_PER_TOKEN = 132  # fp8 K (128) + fp32 scale, as NSATokenToKVPool stores it
 
@@ -50,7 +50,7 @@ def page_gather_bytes(shapes: DecodeShapes, cp_size: int, context_tokens: int) -
 
 
 def candidate_bytes_per_token_layer(shapes: DecodeShapes, cp_size: int) -> int:
-    return (cp_size - 1) * shapes.index_topk * CANDIDATE_KEY_BYTES
+    return (cp_size - 1) * shapes.index_topk * CANDIDATE_SCORE_BYTES
 
 
 def merge_bytes_per_token_layer(shapes: DecodeShapes, cp_size: int, form: str) -> float:

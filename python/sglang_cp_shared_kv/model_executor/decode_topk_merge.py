@@ -1,28 +1,34 @@
 """Per-owner NSA top-k for decode: local candidates, an all-gather, the same global top-k on every rank.
 
 Each rank scores only the tokens it owns (``owner_decode_tables``) and keeps its local top-k as
-fixed-size candidates; the CP group all-gathers them, and every rank selects the global top-k from
-the ``cp_size * k`` candidates. A global top-k element is in its owner's local top-k (fewer than k
-owned tokens beat it), so the global selection over candidates equals the selection over all tokens.
+fixed-size candidates (score, pool row, position); the CP group all-gathers the candidates' float32
+scores, and every rank selects the global top-k from the ``cp_size * k`` candidates. A token scoring
+above the request's k-th score is in its owner's local top-k (fewer than k owned tokens can beat
+it), and the owners' candidates hold enough tokens tied at the k-th score, so the global selection
+over candidates is a top-k over all tokens.
 
-Tie rule: (score descending, request position ascending). A candidate travels as ONE int64 key
-that sorts in exactly that order: the float32 score mapped to an order-preserving int32 in the high
-32 bits, ``2**32 - 1 - position`` in the low 32 bits. Keys are distinct within a request, so
-``torch.topk`` over keys selects one deterministic set, locally and globally, and every rank (same
-gathered bytes, same op) selects the same set. Padding (tokens beyond a request's length, requests
-with fewer than k owned tokens) is ``PAD_KEY`` (the smallest int64), below every real key; it
-decodes to score -inf, position -1.
+Kernels: the local top-k is sglang's own radix select (``sgl_kernel.fast_topk_v2``, what sglang's
+decode top-k runs; it serves k = 2048, GLM-5's and DeepSeek-V3.2's ``index_topk``), with a
+``torch.topk`` reference on CPU and for other k. The global selection needs the k-th score only:
+one more radix select over the gathered scores gives it, then elementwise masks and one cumulative
+sum pick the selection, fixed shapes, no host sync, so decode CUDA graphs capture it.
 
-What this matches: a replicated pool selecting by the same rule (``replicated_topk_positions``)
-bit for bit, given the same per-token scores. sglang's own top-k (``fast_topk_transform_fused``, a
-radix select) keeps every token scoring above the k-th score and, when several tokens tie with the
-k-th score, an arbitrary subset of them (kernel arrival order); for requests of at most k tokens it
-keeps every token. So ours equals sglang's up to which of the tokens tied at the k-th score are
-kept; ``same_selection_up_to_ties`` states that precisely. -0.0 sorts below +0.0 (distinct keys).
+Tie rule: the selection holds every token scoring above the k-th score ``t`` and, of the tokens
+scoring exactly ``t``, the first ones in candidate order (rank ascending, then the rank's local
+top-k output order) until it holds ``k`` (or every token of a shorter request). What this matches:
+sglang's own top-k (a radix select) also keeps every token above ``t`` and an arbitrary subset of
+those tied at ``t``; a replicated pool's selection equals ours up to which tokens tied at ``t`` are
+kept (``same_selection_up_to_ties`` states it precisely). The radix selects may pick different
+tied tokens on different runs, but the global step is a deterministic function of the gathered
+bytes, which are identical on every rank, so every rank selects the same set; their attention
+indices partition it.
 
-Exchange: one ``all_gather_into_tensor`` of ``[B, k]`` int64 per layer that computes top-k
+Padding (tokens beyond a request's owned length, requests with fewer than k owned tokens): score
+``-inf``, row and position -1; never selected. Real indexer scores are finite.
+
+Exchange: one ``all_gather_into_tensor`` of ``[B, k]`` float32 per layer that computes top-k
 (``skip_topk`` layers reuse the indices of the previous layer). Bytes received per rank, per token
-and layer: ``(cp_size - 1) * k * 8`` (see ``decode_step_bytes``).
+and layer: ``(cp_size - 1) * k * 4`` (see ``decode_step_bytes``).
 """
 
 from __future__ import annotations
@@ -32,96 +38,97 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-PAD_KEY = torch.iinfo(torch.int64).min
-_LOW_32 = (1 << 32) - 1
+from sglang_cp_shared_kv.model_executor.attention_lse_merge import process_group_collectives
+
+RADIX_TOPK_K = 2048  # the k sgl_kernel's fast_topk_v2 serves
 
 
-def candidate_keys(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """int64 keys of (float32 score, int position); ``PAD_KEY`` where not ``valid``. Same shape."""
-    bits = scores.float().contiguous().view(torch.int32)
-    # Negative floats order reversed as ints: flip their magnitude bits (sign bit kept).
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
-    keys = ordered * (1 << 32) + (_LOW_32 - positions.long())
-    return torch.where(valid, keys, PAD_KEY)
+def topk_columns(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k] int32 columns of the ``k`` largest ``scores`` [B, L] float32 among each row's first
+    ``lengths[b]`` columns, in no particular order, ties kept arbitrarily; -1 padding where a row
+    has fewer than k. sgl_kernel's radix select on CUDA for k = 2048, ``torch.topk`` otherwise."""
+    if scores.is_cuda and k == RADIX_TOPK_K:
+        from sgl_kernel import fast_topk_v2  # CUDA only (needs libcuda)
 
-
-def score_of_key(keys: torch.Tensor) -> torch.Tensor:
-    """float32 scores of keys; -inf for ``PAD_KEY``."""
-    ordered = torch.div(keys, 1 << 32, rounding_mode="floor").to(torch.int32)
-    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
-    return torch.where(keys == PAD_KEY, float("-inf"), bits.view(torch.float32))
-
-
-def position_of_key(keys: torch.Tensor) -> torch.Tensor:
-    """int32 positions of keys; -1 for ``PAD_KEY``."""
-    positions = _LOW_32 - (keys & _LOW_32)
-    return torch.where(keys == PAD_KEY, -1, positions).to(torch.int32)
-
-
-def top_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest ``k`` keys of each row, descending, and their columns (rows shorter than k are padded
-    with ``PAD_KEY`` and column -1)."""
-    width = keys.shape[-1]
-    if width < k:
-        keys = torch.nn.functional.pad(keys, (0, k - width), value=PAD_KEY)
-    values, columns = torch.topk(keys, k, dim=-1, sorted=True)
-    columns = torch.where(values == PAD_KEY, -1, columns)
-    return values, columns
+        return fast_topk_v2(scores.contiguous(), lengths.to(torch.int32), k)
+    batch, width = scores.shape
+    column = torch.arange(max(width, k), device=scores.device).unsqueeze(0)
+    in_row = column < lengths.unsqueeze(1)
+    padded = torch.nn.functional.pad(scores.float(), (0, max(0, k - width)), value=float("-inf"))
+    columns = torch.topk(torch.where(in_row, padded, float("-inf")), k, dim=1).indices
+    # Column order, padding last: like the radix select, not ordered by score.
+    inside = columns < lengths.unsqueeze(1)
+    columns = torch.where(inside, columns, torch.iinfo(torch.int64).max).sort(dim=1).values
+    return torch.where(columns < lengths.unsqueeze(1), columns, -1).to(torch.int32)
 
 
 @dataclass(frozen=True)
 class LocalCandidates:
-    # [B, k] int64 keys of this rank's top-k owned tokens (PAD_KEY padding).
-    keys: torch.Tensor
+    # [B, k] float32 score of each of this rank's top-k owned tokens; -inf for padding.
+    scores: torch.Tensor
     # [B, k] int32 pool row of each candidate on this rank; -1 for padding.
     physical_rows: torch.Tensor
+    # [B, k] int32 request position of each candidate; -1 for padding.
+    positions: torch.Tensor
 
 
 def local_candidates(
-    logits: torch.Tensor, positions: torch.Tensor, physical_rows: torch.Tensor, k: int
+    logits: torch.Tensor,
+    owned_seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    physical_rows: torch.Tensor,
+    k: int,
 ) -> LocalCandidates:
     """This rank's candidates from its indexer scores.
 
     ``logits``: [B, L] float32 scores of local columns (values past a request's owned length are
-    ignored, the kernel need not clean them); ``positions`` / ``physical_rows``: [B, L] int32 from
-    ``OwnerDecodeTables.local_positions`` / ``local_physical_rows`` (-1 past the owned tokens).
+    ignored, the kernel need not clean them); ``owned_seq_lens``: [B] owned tokens per request;
+    ``positions`` / ``physical_rows``: [B, L] int32 from ``OwnerDecodeTables.local_positions`` /
+    ``local_physical_rows`` (-1 past the owned tokens).
     """
-    keys = candidate_keys(logits, positions, positions >= 0)
-    values, columns = top_keys(keys, k)
-    rows = physical_rows.gather(1, columns.clamp(min=0).long())
-    return LocalCandidates(keys=values, physical_rows=torch.where(columns >= 0, rows, -1))
+    columns = topk_columns(logits, owned_seq_lens, k)
+    valid = columns >= 0
+    index = columns.clamp(min=0).long()
+    return LocalCandidates(
+        scores=torch.where(valid, logits.float().gather(1, index), float("-inf")),
+        physical_rows=torch.where(valid, physical_rows.gather(1, index), -1),
+        positions=torch.where(valid, positions.gather(1, index), -1),
+    )
 
 
 @dataclass(frozen=True)
 class GlobalSelection:
-    # [B, k] rank owning each selected token; -1 for padding (fewer than k tokens in the request).
-    owner: torch.Tensor
-    # [B, k] index of the selected token in its owner's candidate list; -1 for padding.
-    slot: torch.Tensor
-    # [B, k] int32 request positions of the selection, descending key order; -1 for padding.
-    positions: torch.Tensor
+    # [B, cp_size, k] bool: is candidate j of rank r selected for request b (padding never is).
+    # Identical on every rank: a function of the gathered scores only.
+    chosen: torch.Tensor
+
+    def selected_count(self) -> torch.Tensor:
+        """[B] tokens selected per request: min(seq_len, k)."""
+        return self.chosen.sum(dim=(1, 2))
 
 
-def select_global(gathered_keys: torch.Tensor) -> GlobalSelection:
-    """The global top-k from every rank's candidates ``[cp_size, B, k]`` (rank-major, as gathered)."""
-    cp_size, batch, k = gathered_keys.shape
-    flat = gathered_keys.permute(1, 0, 2).reshape(batch, cp_size * k)
-    values, columns = top_keys(flat, k)
-    pad = columns < 0
-    return GlobalSelection(
-        owner=torch.where(pad, -1, torch.div(columns, k, rounding_mode="floor")),
-        slot=torch.where(pad, -1, columns % k),
-        positions=position_of_key(values),
-    )
+def select_global(gathered_scores: torch.Tensor, k: int) -> GlobalSelection:
+    """The global top-k from every rank's candidate scores ``[cp_size, B, k]`` (rank-major, as
+    gathered), by the module's tie rule."""
+    cp_size, batch, width = gathered_scores.shape
+    flat = gathered_scores.permute(1, 0, 2).reshape(batch, cp_size * width)  # candidate order
+    lengths = torch.full((batch,), cp_size * width, dtype=torch.int32, device=flat.device)
+    # The k-th score: the smallest of any top-k (which tied tokens a radix select keeps does not
+    # change it); cp_size * width >= k columns, so no column is padding.
+    kth = flat.gather(1, topk_columns(flat, lengths, k).long()).amin(dim=1, keepdim=True)
+    above = flat > kth
+    tied = flat == kth
+    wanted_ties = k - above.sum(dim=1, keepdim=True)
+    chosen = (above | (tied & (tied.cumsum(dim=1) <= wanted_ties))) & (flat > float("-inf"))
+    return GlobalSelection(chosen=chosen.view(batch, cp_size, width))
 
 
 def owned_attention_indices(
     selection: GlobalSelection, candidates: LocalCandidates, cp_rank: int
 ) -> torch.Tensor:
     """[B, k] int32 attention indices of this rank: its pool row for each selected token it owns,
-    -1 for every other entry (tokens of other owners, padding)."""
-    rows = candidates.physical_rows.gather(1, selection.slot.clamp(min=0).long())
-    return torch.where(selection.owner == cp_rank, rows, -1).to(torch.int32)
+    -1 for every other entry."""
+    return torch.where(selection.chosen[:, cp_rank], candidates.physical_rows, -1).to(torch.int32)
 
 
 def compact_owned_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,36 +142,43 @@ def compact_owned_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return indices.gather(1, order), valid.sum(dim=1, dtype=torch.int32)
 
 
-def all_gather_candidates(keys: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[cp_size, B, k]`` keys of every rank; every rank of ``group`` must call it, in the same order."""
-    cp_size = dist.get_world_size(group)
-    staged = keys.is_cuda and dist.get_backend(group) == dist.Backend.GLOO  # gloo moves host memory
-    source = (keys.cpu() if staged else keys).contiguous()
-    # Ranks concatenated along dim 0 (the shape gloo requires), then viewed rank-major.
-    out = source.new_empty((cp_size * source.shape[0], *source.shape[1:]))
-    dist.all_gather_into_tensor(out, source, group=group)
-    return out.view(cp_size, *source.shape).to(keys.device)
+def all_gather_candidates(scores: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[cp_size, B, k]`` candidate scores of every rank; every rank of ``group`` must call it, in
+    the same order."""
+    return process_group_collectives(group)[0](scores)
+
+
+def selected_positions(selection: GlobalSelection, gathered_positions: torch.Tensor) -> torch.Tensor:
+    """[B, cp_size * k] int32 request positions of the selection (candidate order, -1 where not
+    selected), from every rank's candidate positions ``[cp_size, B, k]``. For checks and audits:
+    the runtime never gathers positions."""
+    cp_size, batch, width = gathered_positions.shape
+    flat = gathered_positions.permute(1, 0, 2).reshape(batch, cp_size * width)
+    return torch.where(selection.chosen.reshape(batch, -1), flat, -1).to(torch.int32)
 
 
 # ---- the replicated reference ----
 
 
 def replicated_topk_positions(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> torch.Tensor:
-    """[B, k] int32 positions a replicated pool selects by the same rule from ``logits`` [B, L]
-    (column = position; columns ``>= seq_lens[b]`` ignored); -1 padding, descending key order."""
+    """[B, k] int32 positions a replicated pool's top-k selects from ``logits`` [B, L] (column =
+    position; columns ``>= seq_lens[b]`` ignored); -1 padding, descending score. Ties at the k-th
+    score: ``torch.topk``'s choice (compare with ``same_selection_up_to_ties``)."""
     batch, width = logits.shape
-    positions = torch.arange(width, device=logits.device).unsqueeze(0).expand(batch, -1)
-    keys = candidate_keys(logits, positions, positions < seq_lens.unsqueeze(1))
-    return position_of_key(top_keys(keys, k)[0])
+    column = torch.arange(max(width, k), device=logits.device).unsqueeze(0)
+    padded = torch.nn.functional.pad(logits.float(), (0, max(0, k - width)), value=float("-inf"))
+    masked = torch.where(column < seq_lens.unsqueeze(1), padded, float("-inf"))
+    columns = torch.topk(masked, k, dim=1).indices
+    return torch.where(columns < seq_lens.unsqueeze(1), columns, -1).to(torch.int32)
 
 
 def same_selection_up_to_ties(
     ours: torch.Tensor, theirs: torch.Tensor, scores: torch.Tensor, seq_lens: torch.Tensor, k: int
 ) -> torch.Tensor:
-    """[B] bool: per request, do two selections (positions, -1 padding, any order) agree up to ties
-    at the k-th score? Both must hold ``min(seq_len, k)`` distinct valid positions, share every
-    position scoring above the k-th score, and pick the rest among positions scoring exactly the k-th.
-    ``scores``: [B, L] float32, column = position."""
+    """[B] bool: per request, do two selections (positions, -1 padding, any order and width) agree
+    up to ties at the k-th score? Both must hold ``min(seq_len, k)`` distinct valid positions, share
+    every position scoring above the k-th score, and pick the rest among positions scoring exactly
+    the k-th. ``scores``: [B, L] float32, column = position."""
     batch, width = scores.shape
     column = torch.arange(width, device=scores.device).unsqueeze(0)
     in_seq = column < seq_lens.unsqueeze(1)

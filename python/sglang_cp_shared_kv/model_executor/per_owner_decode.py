@@ -135,8 +135,9 @@ class PerOwnerDecode:
         """Scores of this rank's owned tokens [B, L] -> its attention indices [B, topk] int32.
         Every rank calls it once per top-k layer (one all-gather), whatever it owns."""
         positions, rows = self.forward.columns(logits.shape[1])
-        candidates = local_candidates(logits, positions, rows, topk)
-        selection = select_global(self.all_gather(candidates.keys))  # [cp_size, B, k] keys
+        owned_lens = self.forward.tables.owned_seq_lens
+        candidates = local_candidates(logits, owned_lens, positions, rows, topk)
+        selection = select_global(self.all_gather(candidates.scores), topk)  # [cp_size, B, k] scores
         return owned_attention_indices(selection, candidates, self.cp_rank)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,10 @@
 The per-forward path never waits for the GPU; the runtime check proves it by running whole forwards
 under sync debugging. One host round trip is deliberate and not part of a serving path: CP ranks that
 share one GPU in the checks talk over gloo, which moves host memory, so the gather bounces the scratch
-region through the host (``peer_page_gather``). ``sync_debug_exempt()`` turns sync debugging off for
-exactly that bounce and restores the previous mode (``exempted`` counts the bounces); it does nothing
-without CUDA.
+region through the host (``peer_page_gather``), and per-owner decode's exchanges bounce their
+candidates and partials (``attention_lse_merge.process_group_collectives``). ``sync_debug_exempt()``
+turns sync debugging off for exactly that bounce and restores the previous mode (``exempted`` counts
+the bounces); it does nothing without CUDA.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     local_candidates,
     owned_attention_indices,
     select_global,
+    selected_positions,
 )
 from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
     OwnerDecodeTables,
@@ -97,6 +98,7 @@ class RankTopk:
     candidates: LocalCandidates
     selection: GlobalSelection
     attention_indices: torch.Tensor  # [B, k] physical rows of this rank, -1 elsewhere
+    positions: torch.Tensor  # [B, cp_size * k] positions of the global selection, -1 elsewhere
 
 
 # logits of rank r's local columns: (rank, tables) -> [B, L] float32
@@ -111,15 +113,19 @@ def per_owner_topk(batch: DecodeBatch, local_logits: LocalLogits, k: int) -> Lis
         logits = local_logits(rank, t)
         width = logits.shape[1]
         candidates.append(
-            local_candidates(logits, t.local_positions(width), t.local_physical_rows(width), k)
+            local_candidates(
+                logits, t.owned_seq_lens, t.local_positions(width), t.local_physical_rows(width), k
+            )
         )
         tables.append(t)
-    gathered = torch.stack([c.keys for c in candidates])
+    gathered = torch.stack([c.scores for c in candidates])  # the all-gather
+    gathered_positions = torch.stack([c.positions for c in candidates])
     out = []
     for rank in range(batch.cp_size):
-        selection = select_global(gathered)
+        selection = select_global(gathered, k)
         indices = owned_attention_indices(selection, candidates[rank], rank)
-        out.append(RankTopk(tables[rank], candidates[rank], selection, indices))
+        positions = selected_positions(selection, gathered_positions)
+        out.append(RankTopk(tables[rank], candidates[rank], selection, indices, positions))
     return out
 
 

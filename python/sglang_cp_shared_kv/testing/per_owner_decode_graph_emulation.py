@@ -27,6 +27,7 @@ from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     owned_attention_indices,
     replicated_topk_positions,
     select_global,
+    selected_positions,
 )
 from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
     OwnerDecodeTables,
@@ -183,9 +184,9 @@ class EmulatedDecodeLayer:
         for rank, t in enumerate(tables):
             logits = self.kernels.logits(self.q_index, self.weights, self.index_shards[rank],
                                          t.physical_page_table, t.owned_seq_lens, schedules[rank])
-            candidates.append(local_candidates(logits.float(), t.local_positions(width),
+            candidates.append(local_candidates(logits.float(), t.owned_seq_lens, t.local_positions(width),
                                                t.local_physical_rows(width), self.topk))
-        selection = select_global(torch.stack([c.keys for c in candidates]))  # the all-gather
+        selection = select_global(torch.stack([c.scores for c in candidates]), self.topk)  # the all-gather
         outs, lses = [], []
         for rank in range(self.cp_size):
             indices = owned_attention_indices(selection, candidates[rank], rank)
@@ -197,7 +198,7 @@ class EmulatedDecodeLayer:
         merged = torch.zeros_like(outs[0])
         for out, lse in zip(outs, lses):  # the sum all-reduce, rank by rank
             merged = merged + merge.scaled_partial(out, lse, lse_all).to(out.dtype)
-        return merged, selection.positions
+        return merged, selected_positions(selection, torch.stack([c.positions for c in candidates]))
 
     # ---- the replicated pool ----
 

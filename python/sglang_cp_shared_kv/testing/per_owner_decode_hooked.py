@@ -39,7 +39,9 @@ from unittest import mock
 
 import torch
 
+from sglang_cp_shared_kv.model_executor.decode_topk_merge import same_selection_up_to_ties
 from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
 
 HEADS, INDEX_HEADS, PAGE = 64, 32, 64
@@ -75,6 +77,9 @@ class Scenario:
     graph: str = "eager"
     plant: str = "none"
     seed: int = 7
+    # Count the host waits for the GPU of every decode step (``CudaSyncCounter``; CUDA only): the
+    # plugin's own must be 0 (gloo's host staging of the collectives is exempted as deliberate).
+    sync_debug: bool = False
 
     def __post_init__(self):
         if self.layers[0] != "topk":
@@ -334,7 +339,10 @@ def _apply_plants(stack: ExitStack, scenario: Scenario, rank: int, state) -> dic
         owned = decode_topk_merge.owned_attention_indices
 
         def padding_reads_row_0(selection, candidates, cp_rank):
-            return torch.where(selection.owner < 0, 0, owned(selection, candidates, cp_rank)).to(torch.int32)
+            # a request with fewer than k tokens: its selection's empty slots read row 0
+            short = selection.selected_count() < candidates.physical_rows.shape[1]
+            padding = (candidates.physical_rows < 0) & short[:, None]
+            return torch.where(padding, 0, owned(selection, candidates, cp_rank)).to(torch.int32)
 
         stack.enter_context(mock.patch.object(per_owner_decode, "owned_attention_indices", padding_reads_row_0))
     elif plant == "padded-row-owned":
@@ -432,6 +440,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
         indexer.index_topk = scenario.topk
         indexer.sm_count = names["deep_gemm"].get_num_sms() if names["deep_gemm"] is not None else 1
         outs, indices_seen, planned, empty_partials = [], [], [], 0
+        syncs = stack.enter_context(CudaSyncCounter()) if scenario.sync_debug else None
         for step in range(scenario.steps):
             backend.forward_metadata = _forward_metadata(scenario, batch, step, names, device)
             forward_batch = SimpleNamespace(
@@ -477,6 +486,8 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             kv = kv.view(torch.uint8) if scenario.kv_dtype == "fp8" else kv
             stored.append(kv[physical_last[own_last], 0].cpu())
         return {
+            "syncs": None if syncs is None else syncs.counts(),
+            "our_sync_sites": [] if syncs is None else [site for owner, site in syncs.sites if owner == "ours"],
             "kernels": {k: v for k, v in names.items() if isinstance(v, str)},
             "out": outs,  # [step][layer] [B, H, 512]
             "indices": indices_seen,  # [step][layer] [B, k] physical rows of this rank, -1 elsewhere
@@ -522,8 +533,9 @@ def _capture_then_replay(backend, state, stale: bool) -> None:
 
 
 def replicated_reference(case, results, logits_fn=None, attention_fn=None):
-    """Per step and layer: (expected output [B, H, 512] float32, selected logical locs [B, k]) of a
-    replicated pool holding the rows the owners stored. ``logits_fn`` / ``attention_fn`` default to
+    """Per step and layer: (expected output [B, H, 512] float32, selected logical locs [B, k], their
+    positions, the indexer scores [B, L] and lengths the selection came from) of a replicated pool holding the rows
+    the owners stored. ``logits_fn`` / ``attention_fn`` default to
     the torch references; ``attention_fn(q, rows, locs, sm_scale, seq_lens, kv_dtype)``."""
     from sglang_cp_shared_kv.model_executor.decode_topk_merge import replicated_topk_positions
 
@@ -538,7 +550,7 @@ def replicated_reference(case, results, logits_fn=None, attention_fn=None):
     expected = []
     for step in range(scenario.steps):
         seq_lens = scenario.step_seq_lens(step).to(batch.page_table.device)
-        step_expected, locs = [], None
+        step_expected, locs, scored = [], None, None
         for layer_id, kind in enumerate(scenario.layers):
             if kind == "topk":
                 args = (case.q_index[step][layer_id], case.weights[step][layer_id],
@@ -550,13 +562,14 @@ def replicated_reference(case, results, logits_fn=None, attention_fn=None):
                 locs = torch.where(
                     positions >= 0, batch.token_locs().gather(1, positions.clamp(min=0).long()), -1
                 )
+                scored = (positions.cpu(), logits.float().cpu(), torch.where(case.real, seq_lens, 0).cpu())
             q = case.q[step][layer_id]
             if attention_fn is None:
                 out, _ = ref.sparse_mla_decode_reference(q.float(), rows_as_float(rows[layer_id]), locs, SM_SCALE)
             else:
                 out, _ = attention_fn(q, rows[layer_id], locs, SM_SCALE, seq_lens, scenario.kv_dtype)
             out = torch.where(case.real[:, None, None], out.float(), 0.0)
-            step_expected.append((out.cpu(), locs.cpu()))
+            step_expected.append((out.cpu(), locs.cpu(), *scored))
         expected.append(step_expected)
     return expected
 
@@ -572,18 +585,26 @@ def compare(case, results, expected, rel_tol: float) -> dict:
         for layer_id in range(len(scenario.layers)):
             first = results[0]["out"][step][layer_id]
             same &= all(torch.equal(r["out"][step][layer_id], first) for r in results)
-            want, locs = expected[step][layer_id]
+            want, locs, positions, scores, lens = expected[step][layer_id]
             finite &= bool(torch.isfinite(first).all())
             padded_zero &= bool((first[~real] == 0).all())
             diff = (first[real].float() - want[real]).flatten(1).norm(dim=1)
             err = diff / want[real].flatten(1).norm(dim=1).clamp_min(1e-12)
             rel_err = max(rel_err, float(err.max()) if err.numel() else 0.0)
+            # The ranks' rows, as request positions, must be one top-k (each token once, up to
+            # ties at the k-th score: the reference's torch.topk and our radix selects may keep
+            # different tied tokens).
+            attended = torch.full((scenario.batch_size, len(results) * scenario.topk), -1, dtype=torch.int64)
+            token_locs = batch.token_locs().cpu()
             for row in range(scenario.batch_size):
-                attended = []
+                position_of = {int(loc): p for p, loc in enumerate(token_locs[row, : int(lens[row])].tolist())}
+                found = []
                 for rank, result in enumerate(results):
                     idx = result["indices"][step][layer_id][row]
-                    attended += batch.shard_rows(rank).cpu()[idx[idx >= 0].long()].tolist()
-                covered &= sorted(attended) == sorted(locs[row][locs[row] >= 0].tolist())
+                    found += [position_of.get(int(loc), -2) for loc in batch.shard_rows(rank).cpu()[idx[idx >= 0].long()]]
+                covered &= -2 not in found  # a row outside the request
+                attended[row, : len(found)] = torch.tensor(found, dtype=torch.int64)
+            covered &= bool(same_selection_up_to_ties(attended, positions, scores, lens, scenario.topk).all())
     stored_ok = True
     locs_all = torch.cat(case.last_locs).cpu()
     real_tokens = locs_all != 0
@@ -609,6 +630,7 @@ def compare(case, results, expected, rel_tol: float) -> dict:
         "scratch_untouched": all(r["scratch_untouched"] for r in results),
         "decode_rows_stored": stored_ok,
         "passed_tolerance": rel_err <= rel_tol,
+        **({"no_syncs_of_ours": all(r["syncs"]["ours"] == 0 for r in results)} if scenario.sync_debug else {}),
     }
 
 

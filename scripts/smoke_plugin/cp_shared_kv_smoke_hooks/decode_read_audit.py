@@ -60,31 +60,33 @@ class DecodeReadAudit:
         self.forward = (layout, page_table_1, seq_lens)
         self.counts["forwards"] += 1
 
-    def check(self, selection, indices, cp_rank: int) -> None:
+    def check(self, selection, candidates, indices, cp_rank: int) -> None:
         if self.forward is None:
             return
         layout, page_table_1, seq_lens = self.forward
         seq_lens = seq_lens.long()
-        rows, owners = expected_attention_indices(layout, page_table_1, seq_lens, selection.positions, cp_rank)
-        selected = selection.positions >= 0
+        mine = selection.chosen[:, cp_rank]  # this rank's candidates in the global selection
+        positions = torch.where(mine, candidates.positions, -1)
+        rows, owners = expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank)
+        selected_per_request = selection.selected_count()
         padding = page_table_1[:, 0].long() // layout.page_size < layout.cp_size
-        want = torch.clamp(seq_lens, max=selection.positions.shape[1])
+        want = torch.clamp(seq_lens, max=candidates.positions.shape[1])
         wrong_rows = indices.long() != rows
-        wrong_owner = selected & (selection.owner.long() != owners)
+        wrong_owner = mine & (owners != cp_rank)
         c = self.counts
         c["layers"] += 1
-        c["selected"] += int(selected.sum())
+        c["selected"] += int(selected_per_request.sum())
         c["attended_rows"] += int((indices >= 0).sum())
         c["wrong_rows"] += int(wrong_rows.sum())
         c["wrong_owner"] += int(wrong_owner.sum())
-        c["missing"] += int(torch.where(padding, 0, (want - selected.sum(dim=1)).clamp(min=0)).sum())
+        c["missing"] += int(torch.where(padding, 0, (want - selected_per_request).clamp(min=0)).sum())
         c["padding_requests"] += int(padding.sum())
         if bool(wrong_rows.any()):
             b, j = (int(x) for x in torch.nonzero(wrong_rows)[0])
             logger.error(
                 "cp-shared-kv smoke decode read audit: rank %d attends %d of %d entries at the wrong "
                 "row (first: request %d, position %d, row %d, expected %d, owner %d)", cp_rank,
-                int(wrong_rows.sum()), wrong_rows.numel(), b, int(selection.positions[b, j]),
+                int(wrong_rows.sum()), wrong_rows.numel(), b, int(positions[b, j]),
                 int(indices[b, j]), int(rows[b, j]), int(owners[b, j]),
             )
         tmp = self.path.with_suffix(".tmp")
@@ -106,7 +108,7 @@ def register_hooks(registry, audit_dir: Path) -> None:
         return None
 
     def after_owned_attention_indices(indices, selection, candidates, cp_rank, *args, **kwargs):
-        audit().check(selection, indices, cp_rank)
+        audit().check(selection, candidates, indices, cp_rank)
         return None
 
     registry.register(f"{_PER_OWNER}.PerOwnerDecode.begin_forward", after_begin_forward, HookType.AFTER)

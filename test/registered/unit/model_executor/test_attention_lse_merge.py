@@ -104,11 +104,11 @@ def _merge_on_rank(rank, world_size, seed):
     out_r, lse_r = sparse_mla_decode_reference(q, kv, per_rank[rank], 1 / math.sqrt(DIM_QK), DIM_V)
     all_gather, all_reduce_sum = process_group_collectives(group)
     out_r = out_r.to(torch.bfloat16)
-    keys = torch.arange(12, dtype=torch.int64).reshape(3, 4) * (rank + 1) - 2**40
+    scores = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1) - 0.5
     return (
         merge_by_all_gather(out_r, lse_r, all_gather),
         merge_by_scaled_sum(out_r, lse_r, all_gather, all_reduce_sum),
-        all_gather_candidates(keys, group),
+        all_gather_candidates(scores, group),
     )
 
 
@@ -124,9 +124,9 @@ class TestExchangesOverGloo(CustomTestCase):
             for rank_result in results[1:]:
                 self.assertTrue(torch.equal(rank_result[form], first))
             torch.testing.assert_close(first.float(), ref_out, rtol=2e-2, atol=2e-2)
-        keys = torch.arange(12, dtype=torch.int64).reshape(3, 4)
-        expected = torch.stack([keys * (r + 1) - 2**40 for r in range(ranks)])
-        for rank_result in results:  # candidate keys arrive rank-major on every rank
+        scores = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        expected = torch.stack([scores * (r + 1) - 0.5 for r in range(ranks)])
+        for rank_result in results:  # candidate scores arrive rank-major on every rank
             self.assertTrue(torch.equal(rank_result[2], expected))
 
 

@@ -21,6 +21,7 @@ from sglang_cp_shared_kv.model_executor.decode_step_bytes import (
     per_owner_bytes,
     step_bytes_table,
 )
+from sglang_cp_shared_kv.model_executor.decode_topk_merge import local_candidates
 from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
@@ -54,9 +55,14 @@ class TestDecodeStepBytes(CustomTestCase):
         received = (cp_size - 1) * sent["gather"] + ring * sent["reduce"]
         self.assertAlmostEqual(received, merge_bytes_per_token_layer(SMALL, cp_size, "scaled_sum") * tokens)
 
-        keys = torch.zeros(tokens, SMALL.index_topk, dtype=torch.int64)
+        # what the runtime all-gathers: the candidates' scores (local_candidates, as select runs it)
+        width = 2 * SMALL.index_topk
+        columns = torch.arange(width, dtype=torch.int32).expand(tokens, -1)
+        sent_scores = local_candidates(
+            torch.randn(tokens, width), torch.full((tokens,), width), columns, columns, SMALL.index_topk
+        ).scores
         self.assertEqual(
-            (cp_size - 1) * keys.numel() * keys.element_size(),
+            (cp_size - 1) * sent_scores.numel() * sent_scores.element_size(),
             candidate_bytes_per_token_layer(SMALL, cp_size) * tokens,
         )
 
@@ -77,7 +83,7 @@ class TestDecodeStepBytes(CustomTestCase):
         """docs/runtime.md shows users the table this module computes (GLM-5, cp 2/8, batch 1/32,
         4K-128K), not numbers typed by hand."""
         table = step_bytes_table()
-        self.assertIn("| 8 | 1 x 128K | 7.05 GB | 11.5 GB | 18.0 MB |", table)
+        self.assertIn("| 8 | 1 x 128K | 7.05 GB | 11.5 GB | 13.6 MB |", table)
         self.assertIn(table, (REPO_ROOT / "docs" / "runtime.md").read_text())
 
 

@@ -1,17 +1,18 @@
 """Per-owner decode top-k: every rank scores only its own pages, and after the candidate exchange
-every rank selects exactly what a replicated pool selects (tie rule: score desc, position asc), and
-attends to exactly its own share of it.
+every rank selects the same top-k, equal to a replicated pool's up to ties at the k-th score (the
+latitude sglang's own radix top-k has), and attends to exactly its own share of it.
 
 Planted bugs, each made one test here fail (then reverted):
-- candidate keys ordering ties by position descending (``_LOW_32 + positions``) -> the tie tests;
+- the global step breaking ties by nothing (every tied candidate kept) -> the tie-rule tests;
 - local candidates not masking columns past the owned length -> the garbage columns win;
 - ``owned_seq_lens`` counting the partial last page as full -> positions past seq_len selected;
-- owner of a global slot computed as ``columns % k`` -> indices of the wrong rank;
+- ``owned_attention_indices`` reading another rank's share of the selection -> indices of the wrong rank;
 - owned pages not excluding logical pages below cp_size -> the padded request selects the dummy page;
+- the k-th score taken as the largest (``amax``) instead of the smallest of a top-k -> every test
+  of the selection;
 - ``compact_owned_indices`` sorting without ``stable=True`` -> the compaction test.
 """
 
-import math
 import unittest
 
 import torch
@@ -19,13 +20,11 @@ import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
-    PAD_KEY,
-    candidate_keys,
     compact_owned_indices,
-    position_of_key,
     replicated_topk_positions,
     same_selection_up_to_ties,
-    score_of_key,
+    select_global,
+    topk_columns,
 )
 from sglang_cp_shared_kv.testing.per_owner_decode_cases import (
     emulated_local_logits,
@@ -41,50 +40,72 @@ def tied_scores(generator, shape, levels=6):
     return (torch.randint(0, levels, shape, generator=generator).float() - 2.0) * 0.75
 
 
-class TestCandidateKeys(CustomTestCase):
-    def test_keys_sort_by_score_desc_then_position_asc_and_round_trip(self):
+class TestTopkColumns(CustomTestCase):
+    def test_largest_within_each_rows_length_and_padding_for_short_rows(self):
         g = torch.Generator().manual_seed(0)
-        scores = torch.cat([tied_scores(g, (200,)), torch.randn(200, generator=g) * 1e3])
-        scores[:3] = torch.tensor([float("-inf"), -0.0, 3.4e38])
-        positions = torch.randperm(400, generator=g).to(torch.int32)
-        keys = candidate_keys(scores, positions, torch.ones(400, dtype=torch.bool))
-        order = torch.argsort(keys, descending=True).tolist()
-        # -0.0 sorts below +0.0 (distinct keys), then position ascending.
-        negative_zero = lambda x: x == 0 and math.copysign(1.0, x) < 0  # noqa: E731
-        expected = sorted(
-            range(400),
-            key=lambda i: (-scores[i].item(), negative_zero(scores[i].item()), positions[i].item()),
-        )
-        self.assertEqual([positions[i].item() for i in order], [positions[i].item() for i in expected])
-        self.assertTrue(torch.equal(position_of_key(keys), positions))
-        self.assertTrue(torch.equal(score_of_key(keys).view(torch.int32), scores.view(torch.int32)))
+        scores = torch.randn(4, 300, generator=g)
+        scores[:, 250:] = 1e9  # stale columns past every length
+        lengths = torch.tensor([250, 40, 0, 200])
+        columns = topk_columns(scores, lengths, 64)
+        self.assertEqual(columns.dtype, torch.int32)
+        for row, n in enumerate(lengths.tolist()):
+            valid = columns[row][columns[row] >= 0]
+            self.assertEqual(valid.numel(), min(n, 64))
+            self.assertTrue((columns[row][valid.numel():] == -1).all())
+            if n:
+                expected = set(torch.topk(scores[row, :n], min(n, 64)).indices.tolist())
+                self.assertEqual(set(valid.tolist()), expected)
 
-    def test_padding_is_below_every_real_key_and_decodes_as_empty(self):
-        scores = torch.tensor([float("-inf"), -3.0e38, 0.0])
-        keys = candidate_keys(scores, torch.tensor([2**31 - 1, 0, 5]), torch.tensor([True, True, False]))
-        self.assertEqual(keys[2].item(), PAD_KEY)
-        self.assertTrue((keys[:2] > PAD_KEY).all())
-        self.assertEqual(position_of_key(keys)[2].item(), -1)
-        self.assertEqual(score_of_key(keys)[2].item(), float("-inf"))
+
+class TestGlobalSelectionTieRule(CustomTestCase):
+    def test_above_the_kth_score_then_ties_in_candidate_order(self):
+        k = 4
+        # [cp 2, B 1, k 4]: scores 5, 3 (x4 tied), 1, -inf padding.
+        gathered = torch.tensor([[[5.0, 3.0, 3.0, 1.0]], [[3.0, 3.0, float("-inf"), float("-inf")]]])
+        chosen = select_global(gathered, k).chosen
+        # 5 above the k-th score 3; of the four 3s the first three in candidate order (rank 0's two,
+        # then rank 1's first).
+        expected = torch.tensor([[[True, True, True, False], [True, False, False, False]]])
+        self.assertTrue(torch.equal(chosen, expected))
+
+    def test_padding_never_selected_and_every_real_candidate_of_a_short_request_is(self):
+        inf = float("-inf")
+        gathered = torch.tensor([[[2.0, inf, inf]], [[inf, inf, inf]], [[0.5, -7.0, inf]]])
+        chosen = select_global(gathered, 3).chosen
+        self.assertTrue(torch.equal(chosen, torch.isfinite(gathered).permute(1, 0, 2)))
+
+    def test_a_function_of_the_gathered_scores_alone(self):
+        g = torch.Generator().manual_seed(7)
+        gathered = tied_scores(g, (4, 6, 32), levels=3)
+        first = select_global(gathered, 32).chosen
+        again = select_global(gathered.clone(), 32).chosen
+        self.assertTrue(torch.equal(first, again))
+        self.assertEqual(first.sum(dim=(1, 2)).tolist(), [32] * 6)
 
 
 class TestPerOwnerSelection(CustomTestCase):
-    def _check(self, batch, logits, k):
-        """Per-owner selection == replicated selection, and the ranks' indices partition it."""
+    def _check(self, batch, logits, k, exact=False):
+        """Every rank's selection is the same, equal to the replicated selection up to ties (exactly
+        when no scores tie), and the ranks' indices partition it."""
         expected = replicated_topk_positions(logits, batch.seq_lens, k)
         ranks = per_owner_topk(batch, emulated_local_logits(batch, logits), k)
-        for rank in ranks:  # every rank selects the same, equal to the replicated pool
-            self.assertTrue(torch.equal(rank.selection.positions, expected))
+        ours = ranks[0].positions
+        for rank in ranks:  # every rank selects the same
+            self.assertTrue(torch.equal(rank.positions, ours))
+        self.assertTrue(same_selection_up_to_ties(ours, expected, logits, batch.seq_lens, k).all())
+        if exact:
+            width = ours.shape[1]
+            pad = lambda p: torch.nn.functional.pad(p.long(), (0, width - p.shape[1]), value=-1)  # noqa: E731
+            self.assertTrue(torch.equal(ours.long().sort(dim=1).values, pad(expected).sort(dim=1).values))
         locs = batch.token_locs()
-        expected_locs = torch.where(expected >= 0, locs.gather(1, expected.clamp(min=0).long()), -1)
-        covered = torch.zeros_like(expected, dtype=torch.int64)
-        for rank_id, rank in enumerate(ranks):
-            owned = rank.attention_indices >= 0
-            covered += owned.long()
-            logical = batch.shard_rows(rank_id)[rank.attention_indices.clamp(min=0).long()]
-            self.assertTrue(torch.equal(logical[owned], expected_locs[owned]))
-        self.assertTrue(torch.equal(covered, (expected >= 0).long()))
-        return expected, ranks
+        selected = torch.where(ours >= 0, locs.gather(1, ours.clamp(min=0).long()), -1)
+        for row in range(ours.shape[0]):
+            attended = []
+            for rank_id, rank in enumerate(ranks):
+                idx = rank.attention_indices[row]
+                attended += batch.shard_rows(rank_id)[idx[idx >= 0].long()].tolist()
+            self.assertEqual(sorted(attended), sorted(selected[row][selected[row] >= 0].tolist()))
+        return ours, ranks
 
     def test_random_batches_with_ties_short_requests_and_stale_columns(self):
         g = torch.Generator().manual_seed(1)
@@ -96,11 +117,11 @@ class TestPerOwnerSelection(CustomTestCase):
             seq_lens[0] = k  # exactly k
             seq_lens[1] = max(1, k // 3)  # shorter than k
             batch = random_batch(g, cp_size, page_size, seq_lens)
-            scores = tied_scores(g, (5, batch.page_table.shape[1] * page_size))
-            with self.subTest(cp_size=cp_size, page_size=page_size, k=k):
-                expected, _ = self._check(batch, scores, k)
-                valid = (expected >= 0).sum(dim=1)
-                self.assertEqual(valid.tolist(), [min(s, k) for s in seq_lens])
+            width = batch.page_table.shape[1] * page_size
+            for name, scores in (("ties", tied_scores(g, (5, width))), ("distinct", torch.randn(5, width, generator=g))):
+                with self.subTest(cp_size=cp_size, page_size=page_size, k=k, scores=name):
+                    ours, _ = self._check(batch, scores, k, exact=name == "distinct")
+                    self.assertEqual((ours >= 0).sum(dim=1).tolist(), [min(s, k) for s in seq_lens])
 
     def test_real_top_k_width(self):
         g = torch.Generator().manual_seed(2)
@@ -125,10 +146,12 @@ class TestPerOwnerSelection(CustomTestCase):
         ranks = per_owner_topk(batch, emulated_local_logits(batch, scores), 32)
         for rank in ranks:
             self.assertTrue((rank.attention_indices[1:] == -1).all())
-            self.assertTrue((rank.selection.positions[1:] == -1).all())
+            self.assertTrue((rank.positions[1:] == -1).all())
             self.assertEqual(int(rank.tables.owned_seq_lens[1:].sum()), 0)
         expected = replicated_topk_positions(scores[:1], batch.seq_lens[:1], 32)
-        self.assertTrue(torch.equal(ranks[0].selection.positions[:1], expected))
+        self.assertTrue(
+            same_selection_up_to_ties(ranks[0].positions[:1], expected, scores[:1], batch.seq_lens[:1], 32).all()
+        )
 
 
 class TestCompactOwnedIndices(CustomTestCase):

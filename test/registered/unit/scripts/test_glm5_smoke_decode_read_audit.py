@@ -22,7 +22,6 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import PAD_KEY
 from sglang_cp_shared_kv.testing import per_owner_decode_cases as cases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
@@ -50,9 +49,9 @@ def _audit_counts(cp_size, seed=3, plant=None, topk=TOPK):
     with mock.patch.object(cases, "build_owner_decode_tables", build_with_plant):
         ranks = cases.per_owner_topk(batch, cases.emulated_local_logits(batch, logits), topk)
     if plant == "lost-candidates":  # rank 0's candidates never reach the merge
-        keys = torch.stack([r.candidates.keys for r in ranks])
-        keys[0] = PAD_KEY
-        selection = cases.select_global(keys)
+        scores = torch.stack([r.candidates.scores for r in ranks])
+        scores[0] = float("-inf")
+        selection = cases.select_global(scores, topk)
         ranks = [
             replace(r, selection=selection, attention_indices=cases.owned_attention_indices(selection, r.candidates, i))
             for i, r in enumerate(ranks)
@@ -62,11 +61,12 @@ def _audit_counts(cp_size, seed=3, plant=None, topk=TOPK):
         for rank, result in enumerate(ranks):
             audit = decode_read_audit.DecodeReadAudit(Path(tmp), rank)
             audit.begin_forward(batch.layout(rank), batch.token_locs(), batch.seq_lens.to(torch.int32))
-            selection = result.selection
-            if plant == "wrong-owner":
-                owner = torch.where(selection.owner >= 0, (selection.owner + 1) % cp_size, -1)
-                selection = replace(selection, owner=owner)
-            audit.check(selection, result.attention_indices, rank)
+            selection, candidates = result.selection, result.candidates
+            if plant == "wrong-owner":  # this rank takes the next rank's selected tokens as its own
+                nxt = (rank + 1) % cp_size
+                selection = replace(selection, chosen=selection.chosen.roll(-1, dims=1))
+                candidates = replace(candidates, positions=ranks[nxt].candidates.positions)
+            audit.check(selection, candidates, result.attention_indices, rank)
             for key, value in audit.counts.items():
                 total[key] += value
         total["ranks"] = cp_size
