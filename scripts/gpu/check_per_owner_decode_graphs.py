@@ -43,7 +43,10 @@ import time
 PLANTS = ("none", "stale-tables")
 HEADS = 64
 TOPK = 2048
-FRESH_TOL = 1e-3
+# Replay vs the same layer run eagerly on fresh tables: sglang's radix top-k returns its columns in
+# an order that varies from run to run, so the attention sums the same rows in another order (bf16
+# roundings, measured 1.1e-3); a stale static buffer gives about 1.
+FRESH_TOL = 1e-2
 REL_TOL = 2e-2
 # Batch A and B: same batch size (one graph), different lengths; 0 is a padded request.
 SEQ_LENS_A = (6000, 2048, 700, 3001, 0)

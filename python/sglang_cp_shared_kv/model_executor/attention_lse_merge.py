@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels
 from sglang_cp_shared_kv.model_executor.sync_debug import sync_debug_exempt
 
 LN2 = math.log(2.0)
@@ -117,8 +118,10 @@ def merge_by_scaled_sum(
     out_r: torch.Tensor, lse_r: torch.Tensor, all_gather: AllGather, all_reduce_sum: AllReduceSum
 ) -> torch.Tensor:
     """Merged output in ``out_r``'s dtype: global LSE from gathered LSEs, then a sum of scaled partials."""
-    lse = global_lse(all_gather(lse_r.float().contiguous()))
-    return all_reduce_sum(scaled_partial(out_r, lse_r, lse).to(out_r.dtype))
+    lses = all_gather(lse_r.float().contiguous())
+    if out_r.is_cuda:  # one fused kernel (global LSE and scaling; per_owner_decode_kernels)
+        return all_reduce_sum(per_owner_decode_kernels.scaled_partial(out_r, lse_r, lses))
+    return all_reduce_sum(scaled_partial(out_r, lse_r, global_lse(lses)).to(out_r.dtype))
 
 
 def process_group_collectives(group: dist.ProcessGroup) -> tuple[AllGather, AllReduceSum]:

@@ -11,7 +11,9 @@ Kernels: the local top-k is sglang's own radix select (``sgl_kernel.fast_topk_v2
 decode top-k runs; it serves k = 2048, GLM-5's and DeepSeek-V3.2's ``index_topk``), with a
 ``torch.topk`` reference on CPU and for other k. The global selection needs the k-th score only:
 one more radix select over the gathered scores gives it, then elementwise masks and one cumulative
-sum pick the selection, fixed shapes, no host sync, so decode CUDA graphs capture it.
+sum pick the selection, fixed shapes, no host sync, so decode CUDA graphs capture it. On CUDA the
+candidate gather and this rank's share of the selection run as one fused kernel each
+(``per_owner_decode_kernels``); the torch forms here are their reference and serve CPU.
 
 Tie rule: the selection holds every token scoring above the k-th score ``t`` and, of the tokens
 scoring exactly ``t``, the first ones in candidate order (rank ascending, then the rank's local
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels
 from sglang_cp_shared_kv.model_executor.attention_lse_merge import process_group_collectives
 
 RADIX_TOPK_K = 2048  # the k sgl_kernel's fast_topk_v2 serves
@@ -87,6 +90,11 @@ def local_candidates(
     ``local_physical_rows`` (-1 past the owned tokens).
     """
     columns = topk_columns(logits, owned_seq_lens, k)
+    if logits.is_cuda:
+        scores, rows, picked_positions = per_owner_decode_kernels.gather_candidates(
+            columns, logits, positions, physical_rows
+        )
+        return LocalCandidates(scores=scores, physical_rows=rows, positions=picked_positions)
     valid = columns >= 0
     index = columns.clamp(min=0).long()
     return LocalCandidates(
@@ -98,29 +106,42 @@ def local_candidates(
 
 @dataclass(frozen=True)
 class GlobalSelection:
-    # [B, cp_size, k] bool: is candidate j of rank r selected for request b (padding never is).
-    # Identical on every rank: a function of the gathered scores only.
-    chosen: torch.Tensor
+    """The global top-k over every rank's candidates, identical on every rank: a function of the
+    gathered scores only."""
+
+    # [cp_size, B, k] float32 candidate scores of every rank, as all-gathered.
+    gathered_scores: torch.Tensor
+    # [B, k] int32 columns, in candidate order (rank r's candidate j is column r * k + j), of one
+    # top-k over the gathered scores: the smallest score among them is the k-th score.
+    kth_columns: torch.Tensor
+
+    def chosen_mask(self) -> torch.Tensor:
+        """[B, cp_size, k] bool: is candidate j of rank r selected for request b (padding never is)."""
+        cp_size, batch, width = self.gathered_scores.shape
+        flat = self.gathered_scores.permute(1, 0, 2).reshape(batch, cp_size * width)
+        kth = flat.gather(1, self.kth_columns.long()).amin(dim=1, keepdim=True)
+        above = flat > kth
+        tied = flat == kth
+        wanted_ties = width - above.sum(dim=1, keepdim=True)
+        chosen = (above | (tied & (tied.cumsum(dim=1) <= wanted_ties))) & (flat > float("-inf"))
+        return chosen.view(batch, cp_size, width)
 
     def selected_count(self) -> torch.Tensor:
         """[B] tokens selected per request: min(seq_len, k)."""
-        return self.chosen.sum(dim=(1, 2))
+        return self.chosen_mask().sum(dim=(1, 2))
 
 
 def select_global(gathered_scores: torch.Tensor, k: int) -> GlobalSelection:
     """The global top-k from every rank's candidate scores ``[cp_size, B, k]`` (rank-major, as
     gathered), by the module's tie rule."""
     cp_size, batch, width = gathered_scores.shape
+    if width != k:
+        raise ValueError(f"candidates hold {width} per rank, the top-k is {k}")
     flat = gathered_scores.permute(1, 0, 2).reshape(batch, cp_size * width)  # candidate order
     lengths = torch.full((batch,), cp_size * width, dtype=torch.int32, device=flat.device)
-    # The k-th score: the smallest of any top-k (which tied tokens a radix select keeps does not
-    # change it); cp_size * width >= k columns, so no column is padding.
-    kth = flat.gather(1, topk_columns(flat, lengths, k).long()).amin(dim=1, keepdim=True)
-    above = flat > kth
-    tied = flat == kth
-    wanted_ties = k - above.sum(dim=1, keepdim=True)
-    chosen = (above | (tied & (tied.cumsum(dim=1) <= wanted_ties))) & (flat > float("-inf"))
-    return GlobalSelection(chosen=chosen.view(batch, cp_size, width))
+    # Which tied tokens a radix select keeps does not change the k-th score (the smallest of any
+    # top-k); cp_size * k >= k columns, so none of them is padding.
+    return GlobalSelection(gathered_scores=gathered_scores, kth_columns=topk_columns(flat, lengths, k))
 
 
 def owned_attention_indices(
@@ -128,7 +149,12 @@ def owned_attention_indices(
 ) -> torch.Tensor:
     """[B, k] int32 attention indices of this rank: its pool row for each selected token it owns,
     -1 for every other entry."""
-    return torch.where(selection.chosen[:, cp_rank], candidates.physical_rows, -1).to(torch.int32)
+    if selection.gathered_scores.is_cuda:
+        return per_owner_decode_kernels.owned_selection(
+            selection.gathered_scores, selection.kth_columns, candidates.physical_rows, cp_rank
+        )
+    chosen = selection.chosen_mask()[:, cp_rank]
+    return torch.where(chosen, candidates.physical_rows, -1).to(torch.int32)
 
 
 def compact_owned_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +180,7 @@ def selected_positions(selection: GlobalSelection, gathered_positions: torch.Ten
     the runtime never gathers positions."""
     cp_size, batch, width = gathered_positions.shape
     flat = gathered_positions.permute(1, 0, 2).reshape(batch, cp_size * width)
-    return torch.where(selection.chosen.reshape(batch, -1), flat, -1).to(torch.int32)
+    return torch.where(selection.chosen_mask().reshape(batch, -1), flat, -1).to(torch.int32)
 
 
 # ---- the replicated reference ----

@@ -65,7 +65,7 @@ class DecodeReadAudit:
             return
         layout, page_table_1, seq_lens = self.forward
         seq_lens = seq_lens.long()
-        mine = selection.chosen[:, cp_rank]  # this rank's candidates in the global selection
+        mine = selection.chosen_mask()[:, cp_rank]  # this rank's candidates in the global selection
         positions = torch.where(mine, candidates.positions, -1)
         rows, owners = expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank)
         selected_per_request = selection.selected_count()

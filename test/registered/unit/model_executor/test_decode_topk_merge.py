@@ -62,7 +62,7 @@ class TestGlobalSelectionTieRule(CustomTestCase):
         k = 4
         # [cp 2, B 1, k 4]: scores 5, 3 (x4 tied), 1, -inf padding.
         gathered = torch.tensor([[[5.0, 3.0, 3.0, 1.0]], [[3.0, 3.0, float("-inf"), float("-inf")]]])
-        chosen = select_global(gathered, k).chosen
+        chosen = select_global(gathered, k).chosen_mask()
         # 5 above the k-th score 3; of the four 3s the first three in candidate order (rank 0's two,
         # then rank 1's first).
         expected = torch.tensor([[[True, True, True, False], [True, False, False, False]]])
@@ -71,14 +71,14 @@ class TestGlobalSelectionTieRule(CustomTestCase):
     def test_padding_never_selected_and_every_real_candidate_of_a_short_request_is(self):
         inf = float("-inf")
         gathered = torch.tensor([[[2.0, inf, inf]], [[inf, inf, inf]], [[0.5, -7.0, inf]]])
-        chosen = select_global(gathered, 3).chosen
+        chosen = select_global(gathered, 3).chosen_mask()
         self.assertTrue(torch.equal(chosen, torch.isfinite(gathered).permute(1, 0, 2)))
 
     def test_a_function_of_the_gathered_scores_alone(self):
         g = torch.Generator().manual_seed(7)
         gathered = tied_scores(g, (4, 6, 32), levels=3)
-        first = select_global(gathered, 32).chosen
-        again = select_global(gathered.clone(), 32).chosen
+        first = select_global(gathered, 32).chosen_mask()
+        again = select_global(gathered.clone(), 32).chosen_mask()
         self.assertTrue(torch.equal(first, again))
         self.assertEqual(first.sum(dim=(1, 2)).tolist(), [32] * 6)
 
