@@ -8,9 +8,10 @@ context (tokens per request), the work ONE rank does in one decode layer, timed 
   rank owns (its block table from ``owner_decode_tables``), the local top-k candidates
   (``decode_topk_merge.local_candidates``), the global selection from the ``cp_size * k`` candidates
   and this rank's attention indices, ``flash_mla_with_kvcache`` over the owned rows (-1 elsewhere),
-  and the merge arithmetic (global LSE, this rank's scaled partial). The exchange is EMULATED in
-  process: the other ranks' candidate scores and LSEs are precomputed tensors concatenated with this
-  rank's (no collective is timed; ``bench_per_owner_decode_exchange.py`` times the collectives).
+  and the merge arithmetic (global LSE, this rank's scaled partial: ``scaled_partial_of_gathered``).
+  The exchange is EMULATED in process: the other ranks' candidate scores and LSEs are precomputed
+  tensors concatenated with this rank's (no collective is timed; ``bench_per_owner_decode_exchange.py``
+  times the collectives).
   The owner tables are built once per forward and timed separately (``tables``).
 * page gather (the path decode takes without per-owner decode): a device copy of every page of the
   batch (KV rows and indexer pages) into a scratch, which stands for the gather's writes of the
@@ -243,8 +244,8 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         gathered = torch.cat([candidates.scores[None], others])  # emulated all-gather
         indices = owned_attention_indices(select_global(gathered, topk), candidates, 0)
         out, lse = kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata)
-        lse_all = merge.global_lse(torch.cat([lse.float()[None], other_lses]))  # emulated all-gather
-        return merge.scaled_partial(out, lse, lse_all).to(out.dtype)  # then the sum all-reduce
+        lses = torch.cat([lse.float()[None], other_lses])  # emulated all-gather
+        return merge.scaled_partial_of_gathered(out, lse, lses)  # then the sum all-reduce
 
     def stages():
         """The per-owner layer in its parts (each on the previous part's inputs, precomputed)."""
@@ -262,8 +263,7 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
             "selection": lambda: owned_attention_indices(
                 select_global(torch.cat([candidates.scores[None], others]), topk), candidates, 0),
             "attention": lambda: kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata),
-            "merge": lambda: merge.scaled_partial(
-                out, lse, merge.global_lse(torch.cat([lse.float()[None], other_lses]))),
+            "merge": lambda: merge.scaled_partial_of_gathered(out, lse, torch.cat([lse.float()[None], other_lses])),
         }
 
     def tables_per_forward():

@@ -118,10 +118,15 @@ def merge_by_scaled_sum(
     out_r: torch.Tensor, lse_r: torch.Tensor, all_gather: AllGather, all_reduce_sum: AllReduceSum
 ) -> torch.Tensor:
     """Merged output in ``out_r``'s dtype: global LSE from gathered LSEs, then a sum of scaled partials."""
-    lses = all_gather(lse_r.float().contiguous())
-    if out_r.is_cuda:  # one fused kernel (global LSE and scaling; per_owner_decode_kernels)
-        return all_reduce_sum(per_owner_decode_kernels.scaled_partial(out_r, lse_r, lses))
-    return all_reduce_sum(scaled_partial(out_r, lse_r, global_lse(lses)).to(out_r.dtype))
+    return all_reduce_sum(scaled_partial_of_gathered(out_r, lse_r, all_gather(lse_r.float().contiguous())))
+
+
+def scaled_partial_of_gathered(out_r: torch.Tensor, lse_r: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """This rank's term in ``out_r``'s dtype, from every rank's natural LSEs ``lses`` [n, T, H]:
+    one fused kernel on CUDA (``per_owner_decode_kernels``), the torch form elsewhere."""
+    if out_r.is_cuda:
+        return per_owner_decode_kernels.scaled_partial(out_r, lse_r, lses)
+    return scaled_partial(out_r, lse_r, global_lse(lses)).to(out_r.dtype)
 
 
 def process_group_collectives(group: dist.ProcessGroup) -> tuple[AllGather, AllReduceSum]:
