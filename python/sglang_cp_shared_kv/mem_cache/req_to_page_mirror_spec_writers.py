@@ -67,11 +67,11 @@ def _refuse_draft_tree(topk: int) -> None:
 
 def draft_preprocess_decode(original, worker, batch, *args, **kwargs):
     """AROUND spec v1's ``EAGLEWorker._draft_preprocess_decode``: the draft steps' locs."""
-    result = original(worker, batch, *args, **kwargs)
     mirror = mirror_of(batch.req_to_token_pool)
     if mirror is None:
-        return result
+        return original(worker, batch, *args, **kwargs)
     _refuse_draft_tree(worker.topk)
+    result = original(worker, batch, *args, **kwargs)
     record = _allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
     _write_new_pages(
         mirror, _rows(batch), record, _pages_holding(batch.seq_lens_cpu, mirror.page_size)
@@ -81,11 +81,11 @@ def draft_preprocess_decode(original, worker, batch, *args, **kwargs):
 
 def prepare_for_verify(original, verify_input, batch, *args, **kwargs):
     """AROUND spec v1's ``EagleVerifyInput.prepare_for_verify``: the draft tokens' locs."""
-    result = original(verify_input, batch, *args, **kwargs)
     mirror = mirror_of(batch.req_to_token_pool)
     if mirror is None or batch.forward_mode.is_idle():
-        return result
+        return original(verify_input, batch, *args, **kwargs)
     _refuse_draft_tree(verify_input.topk)
+    result = original(verify_input, batch, *args, **kwargs)
     record = _allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
     # seq_lens_cpu still holds the committed lengths: the draft tokens follow them.
     _write_new_pages(

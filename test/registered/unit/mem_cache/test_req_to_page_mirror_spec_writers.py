@@ -84,16 +84,22 @@ class TestDraftTreesAreRefused(CustomTestCase):
     startup rules refuse top-k > 1 first); without a mirror (flag off) they only call sglang."""
 
     def test_top_k_above_one(self):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
         pool = ReqToTokenPool(2, 256, "cpu", False)
-        batch = SimpleNamespace(req_to_token_pool=pool)
+        batch = SimpleNamespace(req_to_token_pool=pool, forward_mode=ForwardMode.DECODE)
         calls = []
-        original = lambda verify_input, batch, *args: calls.append(args) or "ran"  # noqa: E731
+        original = lambda owner, batch, *args: calls.append(args) or "ran"  # noqa: E731
         tree = SimpleNamespace(topk=2)
-        self.assertEqual(spec_writers.verify(original, tree, batch, 64), "ran")  # no mirror
+        writers = (spec_writers.verify, spec_writers.prepare_for_verify, spec_writers.draft_preprocess_decode)
+        for writer in writers:
+            self.assertEqual(writer(original, tree, batch, 64), "ran")  # no mirror: sglang only
         ReqToPageMirror.attach(pool, 64)
-        with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
-            spec_writers.verify(original, tree, batch, 64)
-        self.assertEqual(len(calls), 1)
+        for writer in writers:
+            with self.subTest(writer=writer.__name__):
+                with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
+                    writer(original, tree, batch, 64)
+        self.assertEqual(len(calls), len(writers))  # refused before sglang writes anything
         self.assertEqual(spec_writers.verify(original, SimpleNamespace(topk=1), batch, 64), "ran")
 
 
