@@ -43,6 +43,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     from sglang_cp_shared_kv.mem_cache import (
         cp_hiradix_cache,
         nsa_host_kv_row_width,
+        req_to_page_mirror_spec_writers,
         req_to_page_mirror_writers,
     )
     from sglang_cp_shared_kv.model_executor import (
@@ -65,8 +66,10 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     cp_shared_kv_runtime.register_hooks(registry)
     # The MTP draft pool, sharded like the target's (refused at startup until its modes are planned).
     cp_shared_kv_draft_pool.register_hooks(registry)
-    # The plan's host mirror of req_to_token: every writer of the table, and the tree's value pages.
+    # The plan's host mirror of req_to_token: every writer of the table (EAGLE's too), and the
+    # tree's value pages.
     req_to_page_mirror_writers.register_hooks(registry)
+    req_to_page_mirror_spec_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)
     peer_page_reads.register_hooks(registry)
     # Decode per owner where the decode impl is served (SGLANG_CP_SHARED_KV_DECODE=gather: off).

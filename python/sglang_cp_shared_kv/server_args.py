@@ -418,9 +418,9 @@ def runtime_problems(server_args) -> list[str]:
 # is served:
 SPECULATIVE_FORWARD_MODES_SERVED = False
 _SPEC_MODES_TEXT = (
-    "the draft's multi-step decode (one plan per step) and spec v2's draft extend are not planned "
-    "yet, and sglang's speculative writes of req_to_token are not mirrored on the host (target "
-    "verify and the spec v1 draft extend are planned)"
+    "the draft's multi-step decode (one plan per step) is not planned yet (target verify and the "
+    "draft extends of spec v1 and v2 are planned, and EAGLE's writes of req_to_token are mirrored "
+    "on the host)"
 )
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
 

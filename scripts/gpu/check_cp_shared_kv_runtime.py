@@ -36,7 +36,8 @@ each forward's target layers the draft layer runs on the same batch and mode (EX
 EAGLE step follows (TARGET_VERIFY of the target, DRAFT_EXTEND of the draft over the accepted tokens),
 and the draft's reads and rows are compared with a replicated draft pool. With ``--plants`` the draft plant
 (``runtime_check.DRAFT_PLANTS``: one page of each draft store written by the next rank instead of
-its owner) runs too and must be caught.
+its owner) runs too and must be caught. ``--spec-v2`` (with ``--draft``) makes the EAGLE step spec v2's:
+the draft extend is DRAFT_EXTEND_V2 over every draft token the verify wrote.
 
 ``--sync-debug`` runs every forward (the peer-page plan and table remap, every layer's hooked stores,
 the prefetch, the hooked getters' reads) under ``torch.cuda.set_sync_debug_mode("warn")`` and
@@ -102,7 +103,7 @@ def _rank_main(rank, world_size, args):
             group, prefetch_group = groups[cp_size]
             options = dict(
                 seed=args.seed + cp_size, num_layers=args.layers, physical_pages=args.physical_pages,
-                draft=args.draft, spec=args.draft,
+                draft=args.draft, spec=args.draft, spec_v2=args.spec_v2,
             )  # fmt: skip
             if mode == "serial" and plant is not None:  # a draft plant
                 options["plant"] = plant
@@ -165,10 +166,16 @@ def main() -> int:
         "and the story ends with a target verify and a draft extend",
     )  # fmt: skip
     parser.add_argument(
+        "--spec-v2", action="store_true",
+        help="with --draft: the EAGLE step's draft extend is spec v2's (DRAFT_EXTEND_V2)",
+    )  # fmt: skip
+    parser.add_argument(
         "--sync-debug", action="store_true",
         help="count synchronizing CUDA calls on our path during every forward (must be 0)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.spec_v2 and not args.draft:
+        parser.error("--spec-v2 needs --draft")
     args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
     args.dtypes = args.dtypes.split(",")
 

@@ -1,8 +1,8 @@
 """Keep ``ReqToPageMirror`` equal to ``req_to_token``: a hook on every writer of the table.
 
-sglang 0.5.11 writes ``req_to_token`` (prefill / colocated server, no speculative decoding, which the
-flag refuses) in exactly three places, each hooked here with the same write done on the mirror from
-host data:
+sglang 0.5.11 writes ``req_to_token`` (prefill / colocated server, without speculative decoding; EAGLE's
+own writers are hooked in ``req_to_page_mirror_spec_writers``) in exactly three places, each hooked
+here with the same write done on the mirror from host data:
 
 * ``mem_cache.common.alloc_for_extend`` (``write_cache_indices``): positions ``[0, prefix_len)`` from
   ``req.prefix_indices``, ``[prefix_len, seq_len)`` from the allocation. The allocation's new pages

@@ -289,14 +289,22 @@ def planned_lengths(forward_batch) -> tuple:
       NSA backend sets ``extend_seq_lens_cpu`` to ``n`` per request before this hook runs.
     * DRAFT_EXTEND (spec v1, after verify): ``extend_seq_lens_cpu`` accepted tokens ending at
       ``seq_lens_cpu`` (``prepare_extend_after_decode`` sets both).
+    * DRAFT_EXTEND_V2 (spec v2, after verify): every draft token the verify wrote, accepted or not,
+      ending at ``seq_lens_cpu``: ``prepare_for_extend_to_fill_draft_kvcache`` sets ``seq_lens_cpu``
+      to the committed lengths plus the draft token count and ``extend_seq_lens_cpu`` to that count,
+      and the NSA backend reads ``seq_lens`` tokens per request (``cache_seqlens``, no draft term).
 
-    Other modes (DRAFT_EXTEND_V2, ...) raise ``ValueError``.
+    Other modes (SPLIT_PREFILL, DLLM_EXTEND, ...) raise ``ValueError``.
     """
     mode = forward_batch.forward_mode
     seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
     if mode.is_decode_or_idle():
         return seq_lens, np.ones_like(seq_lens)
-    if mode.is_target_verify() or mode.is_draft_extend() or mode.is_context_parallel_extend():
+    if (
+        mode.is_target_verify()
+        or mode.is_draft_extend(include_v2=True)
+        or mode.is_context_parallel_extend()
+    ):
         if forward_batch.extend_seq_lens_cpu is None:
             raise ValueError(f"{FLAG}: forward mode {mode.name} without extend_seq_lens_cpu")
         new_token_counts = np.asarray(forward_batch.extend_seq_lens_cpu, dtype=np.int64)

@@ -22,7 +22,9 @@ With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
 4. TARGET_VERIFY of the three requests, target layers only: ``DRAFT_TOKENS`` draft tokens each after
    the committed tokens (``seq_lens_cpu`` committed, as sglang's ``prepare_for_verify`` leaves it);
 5. DRAFT_EXTEND, the draft layer only, over the tokens each request accepted (the rest dropped), as
-   sglang's ``prepare_extend_after_decode`` leaves the batch.
+   sglang's ``prepare_extend_after_decode`` leaves the batch; with ``spec_v2`` instead spec v2's
+   DRAFT_EXTEND_V2 over every draft token the verify wrote (``seq_lens_cpu`` the committed lengths
+   plus ``DRAFT_TOKENS``, as ``prepare_for_extend_to_fill_draft_kvcache`` leaves the batch).
 
 Layers in ``skip_index_layers`` behave like sglang's ``skip_topk`` layers: no indexer store, no
 indexer read. With a ``prefetch_group`` the runtime gets a second scratch slot and forward 2 runs
@@ -379,6 +381,7 @@ def run_rank(
     sync_debug: bool = False,
     draft: bool = False,
     spec: bool = False,
+    spec_v2: bool = False,
     scratch_tokens: Optional[int] = None,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
@@ -396,6 +399,8 @@ def run_rank(
     """
     if spec and not draft:
         raise ValueError("spec forwards need the draft pool (draft=True)")
+    if spec_v2 and not spec:
+        raise ValueError("spec v2's draft extend follows the verify (spec=True)")
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
     # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
@@ -552,6 +557,13 @@ def run_rank(
             ForwardMode.TARGET_VERIFY, reqs, [DRAFT_TOKENS] * len(reqs), out_locs,
             seq_lens_cpu=committed, models=("target",),
         )  # fmt: skip
+        if spec_v2:
+            # 5 (spec v2). Draft extend over every draft token, at the locs the verify wrote.
+            run_forward(
+                ForwardMode.DRAFT_EXTEND_V2, reqs, [DRAFT_TOKENS] * len(reqs), out_locs,
+                models=("draft",),
+            )  # fmt: skip
+    if spec and not spec_v2:
         # 5. Draft extend over the accepted tokens; the rejected ones are no longer read.
         out_locs = []
         for r, start, accepted in zip(reqs, committed, ACCEPTED_TOKENS):

@@ -44,6 +44,8 @@ def host_write_path():
 
 
 class SchedulerWrites:
+    request_class = None  # a SimRequest subclass for admitted requests (default SimRequest)
+
     def __init__(self, tree, req_to_token_pool, allocator, page_size: int = 64):
         self.tree, self.pool, self.allocator = tree, req_to_token_pool, allocator
         self.page_size = page_size
@@ -60,7 +62,7 @@ class SchedulerWrites:
         """A new request: match (at most len - 1 tokens), lock, load back a host hit."""
         from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import SimRequest
 
-        req = SimRequest(self.next_rid, list(tokens), 0, self.pool)
+        req = (self.request_class or SimRequest)(self.next_rid, list(tokens), 0, self.pool)
         self.next_rid += 1
         match = self.tree.match_prefix(
             MatchPrefixParams(key=RadixKey(tokens[: len(tokens) - 1]), req=req)

@@ -79,7 +79,9 @@ class TestUnsupportedServerArgs(CustomTestCase):
 
 class TestPlannedLengths(CustomTestCase):
     """What the plan reads and writes per request in each forward mode (host data only). Planted,
-    each caught: TARGET_VERIFY without the draft tokens; DRAFT_EXTEND_V2 planned as DRAFT_EXTEND."""
+    each caught: TARGET_VERIFY without the draft tokens; DRAFT_EXTEND_V2 reading one token more
+    (its lengths taken as a verify's: ``seq_lens_cpu`` plus the draft tokens) and one token less
+    (``seq_lens_cpu - 1``), both failing ``test_spec_v2_draft_extend_from_sglangs_own_batch``."""
 
     @staticmethod
     def _batch(mode, seq_lens, extend=None):
@@ -101,18 +103,68 @@ class TestPlannedLengths(CustomTestCase):
             ForwardMode.TARGET_VERIFY: (([70, 129], [4, 4]), ([74, 133], [4, 4])),
             # lengths after verify; the accepted tokens end there
             ForwardMode.DRAFT_EXTEND: (([72, 133], [2, 4]), ([72, 133], [2, 4])),
+            # committed lengths plus every draft token; all the draft tokens end there
+            ForwardMode.DRAFT_EXTEND_V2: (([74, 133], [4, 4]), ([74, 133], [4, 4])),
         }
         for mode, ((seq_lens, extend), (reads, writes)) in cases.items():
             with self.subTest(mode=mode.name):
                 got_reads, got_writes = planned_lengths(self._batch(mode, seq_lens, extend))
                 self.assertEqual(got_reads.tolist(), reads)
                 self.assertEqual(got_writes.tolist(), writes)
-        for mode in (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
+        for mode in (ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
             with self.subTest(mode=mode.name):
                 with self.assertRaisesRegex(ValueError, f"forward mode {mode.name}"):
                     planned_lengths(self._batch(mode, [70], [4]))
         with self.assertRaisesRegex(ValueError, "without extend_seq_lens_cpu"):
             planned_lengths(self._batch(ForwardMode.TARGET_VERIFY, [70], None))
+
+    def test_spec_v2_draft_extend_from_sglangs_own_batch(self):
+        """Spec v2's draft extend as sglang builds it: ``prepare_for_extend_to_fill_draft_kvcache``
+        on a batch after verify (committed lengths 70 and 129, 4 draft tokens each, which the
+        verify wrote at positions ``70..73`` / ``129..132``). The NSA backend reads ``seq_lens``
+        tokens per request for it (``cache_seqlens``: the draft term is added for TARGET_VERIFY
+        only) and writes ``extend_seq_lens`` tokens at positions ``extend_prefix_lens ..``; the plan
+        must read exactly those and take exactly the draft tokens as written (the pages they open
+        are not gathered, every older page is)."""
+        from sglang.srt.speculative import eagle_info_v2
+
+        from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import planned_lengths
+
+        committed, draft_tokens = [70, 129], 4
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            seq_lens=torch.tensor(committed),
+            seq_lens_cpu=torch.tensor(committed),
+            seq_lens_sum=sum(committed),
+        )
+        built = []
+
+        def init_new(model_worker_batch, model_runner):
+            # The fields ForwardBatch.init_new copies for an extend-like mode.
+            built.append(SimpleNamespace(
+                forward_mode=model_worker_batch.forward_mode,
+                seq_lens_cpu=model_worker_batch.seq_lens_cpu,
+                extend_seq_lens_cpu=model_worker_batch.extend_seq_lens,
+                extend_prefix_lens_cpu=model_worker_batch.extend_prefix_lens,
+            ))  # fmt: skip
+            return built[-1]
+
+        runner = SimpleNamespace(attn_backend=SimpleNamespace(init_forward_metadata=lambda fb: None))
+        with mock.patch.object(eagle_info_v2.ForwardBatch, "init_new", side_effect=init_new):
+            eagle_info_v2.EagleDraftInputV2Mixin.prepare_for_extend_to_fill_draft_kvcache(
+                SimpleNamespace(), batch, torch.zeros(2 * draft_tokens, dtype=torch.int64),
+                draft_tokens, runner, None,
+            )  # fmt: skip
+        forward_batch = built[0]
+        self.assertEqual(forward_batch.forward_mode, ForwardMode.DRAFT_EXTEND_V2)
+        reads, writes = planned_lengths(forward_batch)
+        # NSA: cache_seqlens = seq_lens (+ draft tokens for TARGET_VERIFY only).
+        self.assertEqual(reads.tolist(), forward_batch.seq_lens_cpu.tolist())
+        self.assertEqual(reads.tolist(), [c + draft_tokens for c in committed])
+        self.assertEqual(writes.tolist(), [draft_tokens] * 2)
+        # The written tokens start where the verify wrote the draft tokens.
+        self.assertEqual((reads - writes).tolist(), forward_batch.extend_prefix_lens_cpu)
+        self.assertEqual((reads - writes).tolist(), committed)
 
 
 class _Attention(torch.nn.Module):

@@ -138,6 +138,19 @@ class TestDraftPoolAcrossRanks(_GlooCase):
                 rows = self._run_group(world_size, dtype_name, draft=True, spec=True)
                 self.assertEqual([r[2] for r in rows], [0] * world_size)
 
+    def test_target_verify_and_spec_v2_draft_extend(self):
+        """Spec v2's step: the TARGET_VERIFY, then DRAFT_EXTEND_V2 of the draft layer over every
+        draft token the verify wrote (read up to the committed tokens plus the draft tokens), read
+        and stored exactly as a replicated pool (cp 2 fp8, cp 4 bf16). Planted in
+        ``planned_lengths``: DRAFT_EXTEND_V2 planned with every read token as new (its old pages
+        never gathered) is caught. Not caught here: one written token fewer, since no request's
+        draft tokens cross a page in this story, so the pages gathered do not change
+        (``TestPlannedLengths`` catches the lengths off by one)."""
+        for world_size, dtype_name in ((2, "fp8"), (4, "bf16")):
+            with self.subTest(world_size=world_size):
+                rows = self._run_group(world_size, dtype_name, draft=True, spec=True, spec_v2=True)
+                self.assertEqual([r[2] for r in rows], [0] * world_size)
+
     def test_a_draft_page_on_the_wrong_owner_is_caught(self):
         rows = self._run_group(2, "fp8", draft=True, plant="draft_page_to_wrong_owner")
         self.assertGreater(sum(r[2] for r in rows), 0)

@@ -93,11 +93,15 @@ class TestMetadataRemap(CustomTestCase):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
         self.assertIs(backend.forward_metadata, metadata)
 
-    def test_unplanned_speculative_forward_modes_are_refused(self):
-        # TARGET_VERIFY and DRAFT_EXTEND are planned (test_cp_shared_kv_runtime.TestPlannedLengths).
+    def test_unplanned_forward_modes_are_refused(self):
+        # TARGET_VERIFY, DRAFT_EXTEND and DRAFT_EXTEND_V2 are planned
+        # (test_cp_shared_kv_runtime.TestPlannedLengths); extend modes the flag never runs are not.
         runtime = _runtime()
-        with self.assertRaisesRegex(ValueError, "DRAFT_EXTEND_V2"):
-            runtime.begin_forward(_forward_batch(runtime.pool, ForwardMode.DRAFT_EXTEND_V2))
+        for mode in (ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
+            with self.subTest(mode=mode.name):
+                with self.assertRaisesRegex(ValueError, mode.name):
+                    runtime.begin_forward(_forward_batch(runtime.pool, mode))
+        runtime.begin_forward(_forward_batch(runtime.pool, ForwardMode.DRAFT_EXTEND_V2))
 
 
 class TestGettersServeTheScratch(CustomTestCase):
