@@ -34,7 +34,7 @@ non-zero unless every clean case ran with 0 mismatches and every plant run was c
 the same layout, its own runtime sharing the target's scratch; ``cp_shared_kv_draft_pool``): after
 each forward's target layers the draft layer runs on the same batch and mode (EXTEND, DECODE), then an
 EAGLE step follows (TARGET_VERIFY of the target, DRAFT_EXTEND of the draft over the accepted tokens),
-then the next draft: three fresh requests and the draft's multi-step decode (4 steps, top-k 1: three
+then the next draft: four fresh requests and the draft's multi-step decode (4 steps, top-k 1: three
 step forwards, each on its own plan, ``draft_decode_steps``); the draft's reads and rows are
 compared with a replicated draft pool. With ``--plants`` the draft plants
 (``runtime_check.DRAFT_PLANTS``: one page of each draft store written by the next rank instead of

@@ -26,15 +26,17 @@ target's. With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative st
 
 With ``draft_steps`` (``--speculative-num-steps``, needs ``spec``) the next EAGLE draft follows:
 
-6. EXTEND of three fresh requests (target and draft): 65 tokens (the last one alone on its page),
-   62 and 64 tokens;
-7. the draft's multi-step decode over the six requests and a padded one, as ``EAGLEWorker.draft``
+6. EXTEND of four fresh requests (target and draft): 65 tokens (the last one alone on its page),
+   62, 64 and 126 tokens;
+7. the draft's multi-step decode over the seven requests and a padded one, as ``EAGLEWorker.draft``
    runs it: every step's metadata built at once through sglang's own
    ``NativeSparseAttnMultiStepBackend.init_forward_metadata`` (hooked by ``draft_decode_steps``;
    the per-step backends stand in for sglang's metadata and run ``peer_page_reads``' hook), then
    ``draft_steps - 1`` forwards of the draft layer, each selecting its plan as the
    ``ModelRunner.forward`` hook does, storing its token at ``seq_len + step`` and reading the
-   committed tokens. The 64- and 62-token requests' draft tokens open a page at steps 0 and 2.
+   committed tokens. The draft tokens of the 64-token request open a page at step 0, those of the
+   62- and 126-token requests one each at step 2 (two rows on slot 0 of a new page: a write to an
+   unplanned page would collide with the other in the scratch's dummy page, whatever the order).
    With ``draft_per_owner`` per-owner decode is attached to the draft's runtime first (as
    ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` would), and the steps must still gather.
 
@@ -316,7 +318,7 @@ def apply_hooks() -> None:
     HookRegistry.apply_hooks()
 
 
-NUM_ROWS = 7  # req_to_token rows: 0 (padding) and six requests
+NUM_ROWS = 8  # req_to_token rows: 0 (padding) and seven requests
 
 
 class _Story:
@@ -667,16 +669,16 @@ def run_rank(
         )
 
     if draft_steps:
-        # 6. Three fresh requests: the last of 65 tokens opened its page; the draft tokens of the
-        #    64- and 62-token requests open a page at steps 0 and 2.
-        fresh = {4: 65, 5: 62, 6: 64}
+        # 6. Four fresh requests: the last of 65 tokens opened its page; the draft tokens of the
+        #    64-token request open a page at step 0, those of the 62- and 126-token ones at step 2.
+        fresh = {4: 65, 5: 62, 6: 64, 7: 126}
         out_locs = [loc for r, n in fresh.items() for loc in story.append(r, n)]
         run_forward(ForwardMode.EXTEND, list(fresh), list(fresh.values()), out_locs)
         if draft_per_owner:
             PerOwnerDecode(draft_runtime)  # decode of the draft pool would run per owner
         # 7. The draft's decode steps over every request and a padded one.
         with counter if sync_debug else contextlib.nullcontext():
-            run_draft_decode_steps([1, 2, 3, 4, 5, 6, 0], draft_steps)
+            run_draft_decode_steps([1, 2, 3, 4, 5, 6, 7, 0], draft_steps)
 
     _check_shard(layout, shard, replica, num_layers, result)
     if draft:

@@ -23,7 +23,7 @@ from sglang_cp_shared_kv.testing import runtime_check
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
-register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=140, suite="stage-a-test-cpu")
 
 TIMEOUT_S = 120
 
@@ -151,8 +151,9 @@ class TestDraftDecodeStepsAcrossRanks(_GlooCase):
     """The draft's multi-step decode (``EAGLEWorker.draft``, top-k 1) after the story's speculative
     step: every step's metadata built at once through sglang's multi-step NSA backend, then three
     step forwards of the draft layer, each on its own plan (``draft_decode_steps``), writing its
-    token past the committed tokens it reads; six requests (the last committed token of one alone on
-    its page; the draft tokens of two open a page at steps 0 and 2) and a padded one. Every draft
+    token past the committed tokens it reads; seven requests (the last committed token of one alone on
+    its page; the draft tokens of one open a page at step 0, of two others at step 2) and a padded
+    one. Every draft
     read of every step and, at the end, every draft and target row equal replicated pools' bit for
     bit (cp 2 fp8, cp 4 bf16).
 

@@ -39,7 +39,7 @@ from sglang_cp_shared_kv.testing.device_sync_recorder import DeviceSyncRecorder
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
 
-register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
 CP_SIZE, RANK, PHYSICAL_PAGES = 2, 1, 8
 # Committed lengths: the last token of request 1 alone on its page 2; request 2's first draft
