@@ -7,6 +7,8 @@ step, ``speculative_step_id`` 0 .. steps-2), then ``draft_forward`` runs the ste
 other, each through ``ModelRunner.forward`` with ``forward_batch.attn_backend`` set to its step's
 backend and ``out_cache_loc`` to its step's locs. Every step stores the NextN layer's KV and
 indexer K once, and reads the committed tokens only, while it writes at ``seq_len + step``.
+Spec v2's ``EAGLEWorkerV2.draft`` runs its steps the same way (``prepare_for_v2_draft``: committed
+``seq_lens``, the step locs read from ``req_to_token`` after them), through the same two hooks.
 
 The runtime holds one plan per forward, so here:
 
@@ -57,11 +59,13 @@ def plan_draft_steps(original, multi_step_backend, forward_batch, *args, **kwarg
 
 
 def select_draft_step_plan(model_runner, forward_batch, *args, **kwargs):
-    """BEFORE ``ModelRunner.forward``: a draft step runs on its own plan."""
+    """BEFORE ``ModelRunner.forward``: a draft step runs on its own plan (draft steps are DECODE
+    forwards; an idle draft, which plans nothing, selects nothing)."""
     runtime = runtime_of(forward_batch.token_to_kv_pool)
-    if runtime is not None and runtime.draft_step_plans:
-        if runtime.begin_draft_step(forward_batch.attn_backend):
-            _leave_per_owner(runtime)
+    if runtime is None or not runtime.draft_step_plans or not forward_batch.forward_mode.is_decode():
+        return None
+    if runtime.begin_draft_step(getattr(forward_batch, "attn_backend", None)):
+        _leave_per_owner(runtime)
     return None
 
 

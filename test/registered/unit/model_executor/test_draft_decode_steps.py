@@ -180,6 +180,10 @@ class TestStepPlanSelection(_Case):
         batch.attn_backend = SimpleNamespace()  # the draft runner's own backend (draft extend)
         draft_decode_steps.select_draft_step_plan(None, batch)
         self.assertIsNone(runtime.plan)
+        idle = self._batch(runtime, ForwardMode.IDLE)
+        idle.attn_backend = runtime.draft_step_plans[0][0]  # an idle draft runs the step backends
+        draft_decode_steps.select_draft_step_plan(None, idle)
+        self.assertIsNone(runtime.plan)
         calls = []
         unserved = SimpleNamespace(token_to_kv_pool=SimpleNamespace(), attn_backend=None)
         draft_decode_steps.plan_draft_steps(lambda *args: calls.append(args), "multi", unserved)
