@@ -418,9 +418,9 @@ def runtime_problems(server_args) -> list[str]:
 # is served:
 SPECULATIVE_FORWARD_MODES_SERVED = False
 _SPEC_MODES_TEXT = (
-    "the draft's multi-step decode (one plan per step) and spec v2's draft extend are not planned "
-    "yet, and sglang's speculative writes of req_to_token are not mirrored on the host (target "
-    "verify and the spec v1 draft extend are planned)"
+    "spec v2's draft extend is not planned yet, and sglang's speculative writes of req_to_token "
+    "are not mirrored on the host (target verify, the spec v1 draft extend and the draft's "
+    "multi-step decode, one plan per step, are planned)"
 )
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
 
