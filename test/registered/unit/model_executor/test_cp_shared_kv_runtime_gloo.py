@@ -162,8 +162,8 @@ class TestDraftDecodeStepsAcrossRanks(_GlooCase):
     filled locally, not gathered); steps planning the committed tokens only (the page a step's token
     opens unplanned). Planted by hand and caught, then reverted: ``peer_page_reads`` asking
     per-owner decode before the draft-step branch (``test_steps_gather_with_per_owner_decode``
-    then reads the physical shards); ``draft_step_lengths`` returning the committed lengths with
-    one new token."""
+    failed: the steps ran per owner and the check's scratch-addressed reads went out of the
+    physical shard's range)."""
 
     def test_draft_steps_two_ranks_fp8_four_ranks_bf16(self):
         for world_size, dtype_name in ((2, "fp8"), (4, "bf16")):
