@@ -50,6 +50,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         cp_shared_kv_capacity,
         cp_shared_kv_draft_pool,
         cp_shared_kv_runtime,
+        draft_decode_steps,
         owner_filtered_writes,
         peer_page_reads,
         per_owner_decode,
@@ -72,6 +73,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     req_to_page_mirror_spec_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)
     peer_page_reads.register_hooks(registry)
+    # The MTP draft's multi-step decode: one plan per draft step, selected when the step runs.
+    draft_decode_steps.register_hooks(registry)
     # Decode per owner where the decode impl is served (SGLANG_CP_SHARED_KV_DECODE=gather: off).
     # Its attach is an AFTER hook of ModelRunner.init_attention_backend registered after the
     # runtime's (cp_shared_kv_runtime above): AFTER hooks run in registration order, so the runtime

@@ -418,9 +418,9 @@ def runtime_problems(server_args) -> list[str]:
 # is served:
 SPECULATIVE_FORWARD_MODES_SERVED = False
 _SPEC_MODES_TEXT = (
-    "the draft's multi-step decode (one plan per step) is not planned yet (target verify and the "
-    "draft extends of spec v1 and v2 are planned, and EAGLE's writes of req_to_token are mirrored "
-    "on the host)"
+    "MTP has not been served with shared KV yet (target verify, the draft extends of spec v1 and "
+    "v2 and the draft's multi-step decode are planned, one plan per draft step, and EAGLE's writes "
+    "of req_to_token are mirrored on the host; built and tested on CPU)"
 )
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
 

@@ -34,10 +34,14 @@ non-zero unless every clean case ran with 0 mismatches and every plant run was c
 the same layout, its own runtime sharing the target's scratch; ``cp_shared_kv_draft_pool``): after
 each forward's target layers the draft layer runs on the same batch and mode (EXTEND, DECODE), then an
 EAGLE step follows (TARGET_VERIFY of the target, DRAFT_EXTEND of the draft over the accepted tokens),
-and the draft's reads and rows are compared with a replicated draft pool. With ``--plants`` the draft plant
+then the next draft: four fresh requests and the draft's multi-step decode (4 steps, top-k 1: three
+step forwards, each on its own plan, ``draft_decode_steps``); the draft's reads and rows are
+compared with a replicated draft pool. With ``--plants`` the draft plants
 (``runtime_check.DRAFT_PLANTS``: one page of each draft store written by the next rank instead of
-its owner) runs too and must be caught. ``--spec-v2`` (with ``--draft``) makes the EAGLE step spec v2's:
-the draft extend is DRAFT_EXTEND_V2 over every draft token the verify wrote.
+its owner; a draft step on the previous step's plan; draft steps planned by the decode rule; draft
+steps planning only the committed tokens) run too and must be caught. ``--spec-v2`` (with ``--draft``)
+makes the EAGLE step spec v2's: the draft extend is DRAFT_EXTEND_V2 over every draft token the verify
+wrote.
 
 ``--sync-debug`` runs every forward (the peer-page plan and table remap, every layer's hooked stores,
 the prefetch, the hooked getters' reads) under ``torch.cuda.set_sync_debug_mode("warn")`` and
@@ -55,6 +59,7 @@ import sys
 import time
 
 
+DRAFT_STEPS = 4  # --speculative-num-steps of the draft's decode steps with --draft (3 step forwards)
 READ_DELAY_MS = 40  # compute stream, before each layer's reads (prefetch runs on CUDA)
 LOAD_BACK_DELAY_MS = 10  # load stream, before each layer's load-back
 
@@ -104,6 +109,7 @@ def _rank_main(rank, world_size, args):
             options = dict(
                 seed=args.seed + cp_size, num_layers=args.layers, physical_pages=args.physical_pages,
                 draft=args.draft, spec=args.draft, spec_v2=args.spec_v2,
+                draft_steps=DRAFT_STEPS if args.draft else 0,
             )  # fmt: skip
             if mode == "serial" and plant is not None:  # a draft plant
                 options["plant"] = plant

@@ -12,7 +12,9 @@ physical row on its owner (``CpSharedKVLayout``), and no byte more is needed tha
 
 So the draft pool is sharded like the target's: a second ``CpSharedKVRuntime`` attaches to it, and
 the owner-filtered writes, the per-forward plan and the gather of the hooks serve it unchanged
-(they find the runtime through ``runtime_of(forward_batch.token_to_kv_pool)``). It shares the
+(they find the runtime through ``runtime_of(forward_batch.token_to_kv_pool)``); the draft's
+multi-step decode gets one plan per step (``draft_decode_steps``), so the shared scratch must hold
+a gathering decode (the default decode path). It shares the
 target's gather scratch (slot 0, one layer at the logical capacity): target and draft forwards run
 one after the other on the same stream, and every forward plans and assembles its own layers before
 reading them. The draft runs the serial path (one layer: nothing to prefetch behind).
@@ -38,6 +40,7 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     CpSharedKVRuntime,
     runtime_of,
 )
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, PER_OWNER
 from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,13 @@ def attach_draft_runtime(draft_pool: NSATokenToKVPool, target_pool: NSATokenToKV
     if runtime_of(draft_pool) is not None:
         raise ValueError(f"{FLAG}: the draft pool already has a runtime")
     problems = draft_pool_problems(target_pool, draft_pool)
+    if not target.scratch_serves_decode:
+        # The draft's decode steps always gather (draft_decode_steps), over the whole batch.
+        problems.append(
+            f"{FLAG}: the draft's decode steps gather pages, but the gather scratch was sized for "
+            f"prefill batches only ({DECODE_PATH_ENV}={PER_OWNER}); {DECODE_PATH_ENV}={GATHER} "
+            f"sizes it for them"
+        )
     if problems:
         raise ValueError("; ".join(problems))
     # indexer_layer_ids None: the NextN layer computes its own top-k (skip_topk is False for it).

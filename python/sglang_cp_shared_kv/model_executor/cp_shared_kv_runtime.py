@@ -117,6 +117,10 @@ class CpSharedKVRuntime:
         self.num_logical_pages = layout.cp_size * (pool.size // pool.page_size + 1)
         self.scratch_num_pages = scratch.size // scratch.page_size + 1
         self.plan: Optional[PeerPagePlan] = None
+        # The EAGLE draft's steps: (step backend, its plan), planned together, each selected when
+        # its step runs (``draft_decode_steps``).
+        self.draft_step_plans: list = []
+        self.planning_draft_steps = False
         slots = [scratch] + ([prefetch_slot] if prefetch_slot is not None else [])
         # Slot choice, prefetch and what each slot holds (reads of anything else raise).
         self.pipeline = LayerPipeline(pool, slots, prefetch_group, indexer_layer_ids)
@@ -145,7 +149,17 @@ class CpSharedKVRuntime:
                 f"it), but the gather scratch was sized for prefill batches only; "
                 f"{DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
             )
-        seq_lens, new_token_counts = planned_lengths(forward_batch)
+        self.draft_step_plans = []  # a forward of its own ends the draft steps' plans
+        self.plan = self.build_plan(forward_batch, *planned_lengths(forward_batch))
+        # Target verify and draft extend run the whole batch on every rank, like decode: serial path.
+        self.pipeline.begin(self.plan, is_decode=not mode.is_context_parallel_extend())
+        return self.plan
+
+    def build_plan(
+        self, forward_batch, seq_lens: np.ndarray, new_token_counts: np.ndarray
+    ) -> PeerPagePlan:
+        """The plan of ``forward_batch`` whose requests read ``seq_lens`` tokens, the last
+        ``new_token_counts`` of them written by this forward (``planned_lengths``). Host only."""
         mirror = mirror_of(forward_batch.req_to_token_pool)
         rows = getattr(forward_batch, ROWS_ATTR, None)
         if rows is None and self.in_dummy_run:
@@ -163,7 +177,7 @@ class CpSharedKVRuntime:
         request_pages = [mirror.row_pages(r, p) for r, p in zip(rows.tolist(), pages_read.tolist())]
         if mirror_check_enabled():
             mirror.check(forward_batch.req_to_token_pool.req_to_token, rows.tolist(), seq_lens.tolist())
-        self.plan = build_peer_page_plan(
+        return build_peer_page_plan(
             layout=self.layout,
             request_pages=request_pages,
             old_page_counts=(-(-(seq_lens - new_token_counts) // page_size)).tolist(),
@@ -171,9 +185,46 @@ class CpSharedKVRuntime:
             scratch_num_pages=self.scratch_num_pages,
             device=self.pool.device,
         )
-        # Target verify and draft extend run the whole batch on every rank, like decode: serial path.
-        self.pipeline.begin(self.plan, is_decode=not mode.is_context_parallel_extend())
-        return self.plan
+
+    # ---- the EAGLE draft's multi-step decode (see draft_decode_steps) ----
+
+    def begin_draft_step_planning(self) -> None:
+        """Before ``NativeSparseAttnMultiStepBackend.init_forward_metadata`` plans every step."""
+        self.planning_draft_steps = True
+        self.draft_step_plans = []
+
+    def end_draft_step_planning(self) -> None:
+        """No step runs until it selects its plan (``begin_draft_step``): until then the stores
+        have no plan and reads raise."""
+        self.planning_draft_steps = False
+        self.plan = None
+        self.pipeline.clear()
+
+    def plan_draft_step(self, backend, forward_batch) -> PeerPagePlan:
+        """The plan of the draft step whose backend is ``backend`` (its ``speculative_step_id``),
+        kept for that step (``begin_draft_step``); never per owner (draft steps gather)."""
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise ValueError(f"{FLAG}: a draft step in forward mode {mode.name}")
+        if not self.scratch_serves_decode:
+            raise ValueError(
+                f"{FLAG}: the draft's decode steps gather pages, but the gather scratch was sized "
+                f"for prefill batches only; {DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
+            )
+        step = backend.speculative_step_id
+        plan = self.build_plan(forward_batch, *draft_step_lengths(forward_batch, step))
+        self.draft_step_plans.append((backend, plan))
+        return plan
+
+    def begin_draft_step(self, backend) -> bool:
+        """The draft step of ``backend`` starts: its plan becomes the forward's (True), or
+        ``backend`` is no draft step planned since the last forward of this runtime (False)."""
+        for step_backend, plan in self.draft_step_plans:
+            if step_backend is backend:
+                self.plan = plan
+                self.pipeline.begin(plan, is_decode=True)  # one store per layer and step
+                return True
+        return False
 
     # ---- writes (see owner_filtered_writes) ----
 
@@ -282,7 +333,7 @@ def planned_lengths(forward_batch) -> tuple:
     """``(tokens each request reads, tokens this forward writes at their end)`` per request, int64
     NumPy, from host data only.
 
-    * DECODE (and a draft step): one new token, the last of ``seq_lens_cpu``.
+    * DECODE: one new token, the last of ``seq_lens_cpu`` (an EAGLE draft step: ``draft_step_lengths``).
     * EXTEND / MIXED: ``extend_seq_lens_cpu`` new tokens ending at ``seq_lens_cpu``.
     * TARGET_VERIFY (EAGLE, top-k 1): ``seq_lens_cpu`` are the committed lengths and the draft tokens
       follow them (sglang's ``prepare_for_verify`` writes them at ``seq_len .. seq_len + n - 1``); the
@@ -312,6 +363,23 @@ def planned_lengths(forward_batch) -> tuple:
             return seq_lens + new_token_counts, new_token_counts
         return seq_lens, new_token_counts
     raise ValueError(f"{FLAG} does not support forward mode {mode.name}")
+
+
+def draft_step_lengths(forward_batch, step: int) -> tuple:
+    """``planned_lengths`` of step ``step`` of EAGLE's multi-step draft (top-k 1, forward mode DECODE).
+
+    Every step's NSA metadata reads the committed ``seq_lens_cpu`` tokens (sglang builds it for all
+    steps from the same batch, ``cache_seqlens = seq_lens``), while the step writes its token at
+    position ``seq_len + step`` (``assign_draft_cache_locs`` hands each request the locs after its
+    committed tokens, one per step), past what it reads. Planned: the pages of tokens
+    ``0 .. seq_len + step``, of which the committed tokens' pages are old (gathered: written by
+    earlier forwards, the last one too, whatever page it opened), and a page holding only this
+    forward's draft tokens (opened by this step or an earlier one, read by none) is filled locally:
+    it gives the step's row its own scratch row before it is copied to its owner.
+    """
+    seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
+    written = np.full_like(seq_lens, step + 1)  # tokens after the committed ones, this step's last
+    return seq_lens + written, written
 
 
 # ---- startup ----

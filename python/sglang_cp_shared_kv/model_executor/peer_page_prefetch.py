@@ -139,6 +139,12 @@ class LayerPipeline:
         if self.prefetching:
             self._prefetch_after_compute(self.pool.start_layer)
 
+    def clear(self) -> None:
+        """No forward planned: nothing is assembled, so every read raises until the next ``begin``."""
+        self.plan = None
+        self.prefetching = False
+        self._reset()
+
     def slot_num_pages(self, slot_index: int) -> int:
         slot = self.slots[slot_index]
         return slot.size // slot.page_size + 1

@@ -12,6 +12,8 @@
   decode; the fused indexer store also calls it, see ``CpSharedKVRuntime.writing_physical``) and
   ``get_index_k_scale_buffer`` (ragged indexer in prefill) return the scratch's buffers, after the
   original's HiCache per-layer wait.
+* The EAGLE draft's steps are planned one by one while the multi-step backend builds their metadata
+  (``draft_decode_steps``), each with its own plan, never per owner.
 * A decode forward that ``per_owner_decode`` takes over (when attached) is not planned or remapped,
   and the getters then serve the physical buffers (``serves_physical``).
 * Readers this runtime does not serve raise: ``get_index_k_continuous`` /
@@ -40,9 +42,12 @@ def remap_forward_metadata(result, backend, forward_batch, *args, **kwargs):
     runtime = runtime_of(forward_batch.token_to_kv_pool)
     if runtime is None:
         return None
-    if begin_per_owner(runtime, backend, forward_batch):  # decode per owner: no plan, no remap
+    if runtime.planning_draft_steps:  # one of EAGLE's draft steps (draft_decode_steps): gathers
+        plan = runtime.plan_draft_step(backend, forward_batch)
+    elif begin_per_owner(runtime, backend, forward_batch):  # decode per owner: no plan, no remap
         return None
-    plan = runtime.begin_forward(forward_batch)
+    else:
+        plan = runtime.begin_forward(forward_batch)
     metadata = backend.forward_metadata
     flattened = metadata.page_table_1_flattened
     backend.forward_metadata = dataclasses.replace(

@@ -15,9 +15,9 @@ With ``draft`` the rank also holds an MTP draft pool (one NextN layer, KV and in
 the same layout, with its own runtime sharing the target's scratch (``cp_shared_kv_draft_pool``):
 after each forward's target layers the draft runs its layer on the same batch and mode, as sglang's
 EAGLE worker runs its draft extend after a prefill (mode EXTEND); its DECODE is a decode of the draft
-layer (the written token is the last one read), not one of EAGLE's draft steps, which write beyond
-what they read (not planned yet). Its reads and, at the end, its rows are compared with a replicated one-layer pool like the target's.
-With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
+layer (the written token is the last one read), not one of EAGLE's draft steps (``draft_steps``
+below). Its reads and, at the end, its rows are compared with a replicated one-layer pool like the
+target's. With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
 
 4. TARGET_VERIFY of the three requests, target layers only: ``DRAFT_TOKENS`` draft tokens each after
    the committed tokens (``seq_lens_cpu`` committed, as sglang's ``prepare_for_verify`` leaves it);
@@ -25,6 +25,22 @@ With ``spec`` (needs ``draft``) two forwards of EAGLE's speculative step follow:
    sglang's ``prepare_extend_after_decode`` leaves the batch; with ``spec_v2`` instead spec v2's
    DRAFT_EXTEND_V2 over every draft token the verify wrote (``seq_lens_cpu`` the committed lengths
    plus ``DRAFT_TOKENS``, as ``prepare_for_extend_to_fill_draft_kvcache`` leaves the batch).
+
+With ``draft_steps`` (``--speculative-num-steps``, needs ``spec``) the next EAGLE draft follows:
+
+6. EXTEND of four fresh requests (target and draft): 65 tokens (the last one alone on its page),
+   62, 64 and 126 tokens;
+7. the draft's multi-step decode over the seven requests and a padded one, as ``EAGLEWorker.draft``
+   runs it: every step's metadata built at once through sglang's own
+   ``NativeSparseAttnMultiStepBackend.init_forward_metadata`` (hooked by ``draft_decode_steps``;
+   the per-step backends stand in for sglang's metadata and run ``peer_page_reads``' hook), then
+   ``draft_steps - 1`` forwards of the draft layer, each selecting its plan as the
+   ``ModelRunner.forward`` hook does, storing its token at ``seq_len + step`` and reading the
+   committed tokens. The draft tokens of the 64-token request open a page at step 0, those of the
+   62- and 126-token requests one each at step 2 (two rows on slot 0 of a new page: a write to an
+   unplanned page would collide with the other in the scratch's dummy page, whatever the order).
+   With ``draft_per_owner`` per-owner decode is attached to the draft's runtime first (as
+   ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` would), and the steps must still gather.
 
 Layers in ``skip_index_layers`` behave like sglang's ``skip_topk`` layers: no indexer store, no
 indexer read. With a ``prefetch_group`` the runtime gets a second scratch slot and forward 2 runs
@@ -62,10 +78,12 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
-from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnMultiStepBackend
+from sglang_cp_shared_kv.model_executor import draft_decode_steps, owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime, planned_lengths
+from sglang_cp_shared_kv.model_executor.per_owner_decode import PerOwnerDecode
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
     create_prefetch_slot,
@@ -93,6 +111,13 @@ PLANTS = (
 DRAFT_PLANTS = (
     # the first page of each draft store goes to the next rank instead of its owner
     "draft_page_to_wrong_owner",
+    # a draft step runs on the previous step's plan (step 0 on its own)
+    "draft_step_on_previous_plan",
+    # draft steps planned by the decode rule (the last committed token taken as written by the step:
+    # a page it opened is filled locally, not gathered; pages draft tokens open are not planned)
+    "draft_step_planned_as_decode",
+    # draft steps plan the committed tokens only: a page the step's token opens is not planned
+    "draft_step_written_page_unplanned",
 )
 
 
@@ -102,6 +127,7 @@ class RankResult:
     mismatches: int = 0
     prefetch_forwards: int = 0
     exact_layout_forwards: int = 0  # plans that packed owners exactly (per-owner broadcasts)
+    draft_steps: int = 0  # draft decode step forwards run
     _pending: list = field(default_factory=list)
     # With sync_debug: synchronizing CUDA calls during the forwards, by owner (CudaSyncCounter), and
     # where; the gloo bounces exempted (sync_debug.exempted).
@@ -237,6 +263,31 @@ def apply_draft_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
     """Switch on one of ``DRAFT_PLANTS`` on the draft pool's runtime."""
     if plant not in DRAFT_PLANTS:
         return
+    if plant == "draft_step_on_previous_plan":
+        begin_draft_step = runtime.begin_draft_step
+
+        def on_the_previous_plan(backend):
+            backends = [b for b, _ in runtime.draft_step_plans]
+            index = backends.index(backend) if backend in backends else -1
+            return begin_draft_step(backends[index - 1] if index > 0 else backend)
+
+        runtime.begin_draft_step = on_the_previous_plan
+        return
+    if plant in ("draft_step_planned_as_decode", "draft_step_written_page_unplanned"):
+
+        def lengths(forward_batch):
+            seq_lens = np.asarray(forward_batch.seq_lens_cpu, dtype=np.int64)
+            if plant == "draft_step_planned_as_decode":
+                return planned_lengths(forward_batch)  # DECODE: (seq_lens, one new token)
+            return seq_lens, np.zeros_like(seq_lens)
+
+        def wrongly_planned(backend, forward_batch):
+            plan = runtime.build_plan(forward_batch, *lengths(forward_batch))
+            runtime.draft_step_plans.append((backend, plan))
+            return plan
+
+        runtime.plan_draft_step = wrongly_planned
+        return
     layout, row_maps = runtime.layout, runtime.row_maps
 
     def first_page_to_the_next_rank(plan, logical_locs):
@@ -265,7 +316,11 @@ def apply_hooks() -> None:
     HookRegistry.reset()
     owner_filtered_writes.register_hooks(HookRegistry)
     peer_page_reads.register_hooks(HookRegistry)
+    draft_decode_steps.register_hooks(HookRegistry)
     HookRegistry.apply_hooks()
+
+
+NUM_ROWS = 8  # req_to_token rows: 0 (padding) and seven requests
 
 
 class _Story:
@@ -277,12 +332,12 @@ class _Story:
         self.free_pages = list(range(layout.cp_size, layout.cp_size * (physical_pages + 1)))
         rng.shuffle(self.free_pages)
         self.req_to_token_pool = SimpleNamespace(
-            req_to_token=torch.zeros((4, 512), dtype=torch.int32, device=device)
+            req_to_token=torch.zeros((NUM_ROWS, 512), dtype=torch.int32, device=device)
         )
         self.req_to_token = self.req_to_token_pool.req_to_token
         # The plan's host mirror, fed from host data as the server's writers feed it.
         self.mirror = ReqToPageMirror.attach(self.req_to_token_pool, PAGE_SIZE)
-        self.seq_lens = [0, 0, 0, 0]  # row 0 is sglang's padding row
+        self.seq_lens = [0] * NUM_ROWS  # row 0 is sglang's padding row
 
     def append(self, req: int, num_tokens: int) -> list:
         """Allocate ``num_tokens`` new logical locs for ``req`` (page-aligned positions)."""
@@ -325,12 +380,13 @@ def _forward_batch(story, mode, reqs, new_counts, out_locs, pool, device, seq_le
     )
 
 
-def nsa_metadata_for(page_table_1: torch.Tensor) -> NSAMetadata:
-    """A real ``NSAMetadata`` whose index tables come from ``page_table_1``; other fields are dummies."""
+def nsa_metadata_for(page_table_1: torch.Tensor, cache_seqlens=None) -> NSAMetadata:
+    """A real ``NSAMetadata`` whose index tables come from ``page_table_1``; other fields are dummies
+    (``cache_seqlens``: the tokens each request reads, int32, where given)."""
     unused = torch.zeros(1, dtype=torch.int32, device=page_table_1.device)
     return NSAMetadata(
         page_size=PAGE_SIZE,
-        cache_seqlens_int32=unused,
+        cache_seqlens_int32=unused if cache_seqlens is None else cache_seqlens,
         max_seq_len_q=1,
         max_seq_len_k=page_table_1.shape[1],
         cu_seqlens_q=unused,
@@ -383,6 +439,8 @@ def run_rank(
     spec: bool = False,
     spec_v2: bool = False,
     scratch_tokens: Optional[int] = None,
+    draft_steps: int = 0,
+    draft_per_owner: bool = False,
 ) -> RankResult:
     """Run the story on this rank (hooks must be applied); return what was compared.
 
@@ -401,6 +459,8 @@ def run_rank(
         raise ValueError("spec forwards need the draft pool (draft=True)")
     if spec_v2 and not spec:
         raise ValueError("spec v2's draft extend follows the verify (spec=True)")
+    if (draft_steps or draft_per_owner) and not spec:
+        raise ValueError("the draft's decode steps follow the speculative step (spec=True)")
     layout = CpSharedKVLayout(cp_size, cp_rank, PAGE_SIZE)
     shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, num_layers, device)
     # Logical page ids reach cp_size * (physical_pages + 1) - 1 (ids below cp_size are dummies),
@@ -422,11 +482,12 @@ def run_rank(
         indexer_layer_ids=indexer_layers,
         scratch_serves_decode=scratch_tokens is None,
     )
-    draft_shard = draft_replica = None
+    draft_shard = draft_replica = draft_runtime = None
     if draft:
         draft_shard = make_nsa_pool(physical_pages * PAGE_SIZE, dtype_name, 1, device)
         draft_replica = make_nsa_pool((replica_pages - 1) * PAGE_SIZE, dtype_name, 1, device)
-        apply_draft_plant(attach_draft_runtime(draft_shard, shard), plant)
+        draft_runtime = attach_draft_runtime(draft_shard, shard)
+        apply_draft_plant(draft_runtime, plant)
     if plant not in DRAFT_PLANTS:
         apply_plant(runtime, plant)
     elif not draft:
@@ -504,6 +565,52 @@ def run_rank(
             pool.set_mla_kv_buffer(SimpleNamespace(layer_id=0), pool_batch.out_cache_loc, nope, rope)
         _check_reads(0, reads, draft_backend.forward_metadata, draft_shard, draft_replica, result)
 
+    def run_draft_decode_steps(reqs, num_steps):
+        """``EAGLEWorker.draft`` with top-k 1: ``num_steps - 1`` forwards of the draft layer."""
+        committed = [story.seq_lens[r] if r else 1 for r in reqs]
+        written = num_steps - 1
+        step_locs = []  # per request: the locs of its draft tokens, positions seq_len .. +written-1
+        for r in reqs:
+            if r == 0:
+                step_locs.append([0] * written)  # padded: sglang's dummy loc
+                continue
+            step_locs.append(story.append(r, written))
+            story.seq_lens[r] -= written  # the draft tokens are not committed
+        all_locs = [loc for locs in step_locs for loc in locs]
+        batches = [
+            _forward_batch(story, ForwardMode.DECODE, reqs, [1] * len(reqs), all_locs, pool, device, committed)
+            for pool in (draft_shard, draft_replica)
+        ]  # fmt: skip
+        logical_table = story.req_to_token[batches[0].req_pool_indices, : max(committed)]
+        cache_seqlens = torch.tensor(committed, dtype=torch.int32, device=device)
+        reads = _ReadIndex(reqs, committed, logical_table, device)
+        multi_step = NativeSparseAttnMultiStepBackend.__new__(NativeSparseAttnMultiStepBackend)
+        multi_step.speculative_num_steps, multi_step.topk = num_steps, 1
+        multi_step.attn_backends = [
+            _DraftStepBackend(step, nsa_metadata_for(logical_table, cache_seqlens))
+            for step in range(written)
+        ]
+        draft_batch, replica_batch = batches
+        # sglang's own loop over the step backends, through the hooks (draft_decode_steps).
+        multi_step.init_forward_metadata(draft_batch)
+        for step, step_backend in enumerate(multi_step.attn_backends):
+            locs = torch.tensor([locs[step] for locs in step_locs], dtype=torch.int64, device=device)
+            nope, rope, key = (
+                torch.randn(len(reqs), *shape, generator=data).to(torch.bfloat16).to(device)
+                for shape in ((1, 512), (1, 64), (128,))
+            )
+            for pool_batch in (draft_batch, replica_batch):
+                pool_batch.out_cache_loc, pool_batch.attn_backend = locs, step_backend
+            # What the ModelRunner.forward hook does before the step's forward.
+            draft_decode_steps.select_draft_step_plan(None, draft_batch)
+            for pool_batch in (draft_batch, replica_batch):
+                pool = pool_batch.token_to_kv_pool
+                Indexer._store_index_k_cache(indexer, pool_batch, 0, key, act_quant=act_quant)
+                pool.set_mla_kv_buffer(SimpleNamespace(layer_id=0), pool_batch.out_cache_loc, nope, rope)
+            _check_reads(0, reads, step_backend.forward_metadata, draft_shard, draft_replica, result)
+            # Counted where the step ran on one of its forward's step plans.
+            result.draft_steps += any(draft_runtime.plan is p for _, p in draft_runtime.draft_step_plans)
+
     def _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms):
         peer_page_reads.remap_forward_metadata(None, backend, batch)
         result.prefetch_forwards += runtime.pipeline.prefetching
@@ -573,6 +680,18 @@ def run_rank(
             ForwardMode.DRAFT_EXTEND, reqs, list(ACCEPTED_TOKENS), out_locs, models=("draft",)
         )
 
+    if draft_steps:
+        # 6. Four fresh requests: the last of 65 tokens opened its page; the draft tokens of the
+        #    64-token request open a page at step 0, those of the 62- and 126-token ones at step 2.
+        fresh = {4: 65, 5: 62, 6: 64, 7: 126}
+        out_locs = [loc for r, n in fresh.items() for loc in story.append(r, n)]
+        run_forward(ForwardMode.EXTEND, list(fresh), list(fresh.values()), out_locs)
+        if draft_per_owner:
+            PerOwnerDecode(draft_runtime)  # decode of the draft pool would run per owner
+        # 7. The draft's decode steps over every request and a padded one.
+        with counter if sync_debug else contextlib.nullcontext():
+            run_draft_decode_steps([1, 2, 3, 4, 5, 6, 7, 0], draft_steps)
+
     _check_shard(layout, shard, replica, num_layers, result)
     if draft:
         _check_shard(layout, draft_shard, draft_replica, 1, result)
@@ -581,6 +700,21 @@ def run_rank(
         result.sync_sites = [f"{owner}: {site}" for owner, site in counter.sites]
         result.exempted_bounces = sync_debug_exemptions.exempted - exempted_before
     return result.finish()
+
+
+class _DraftStepBackend:
+    """One step's ``NativeSparseAttnBackend`` of the multi-step backend: its metadata init stands
+    in for sglang's (the committed tokens' tables of the whole batch) and then runs the backend's
+    metadata hook as the hook registry would."""
+
+    def __init__(self, step: int, metadata: NSAMetadata):
+        self.speculative_step_id = step
+        self._metadata = metadata
+        self.forward_metadata = None
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.forward_metadata = self._metadata
+        peer_page_reads.remap_forward_metadata(None, self, forward_batch)
 
 
 class _ReadIndex:

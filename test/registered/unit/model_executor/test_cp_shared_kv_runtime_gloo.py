@@ -23,7 +23,7 @@ from sglang_cp_shared_kv.testing import runtime_check
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
-register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=140, suite="stage-a-test-cpu")
 
 TIMEOUT_S = 120
 
@@ -39,7 +39,7 @@ def _rank(rank, world_size, dtype_name, prefetch, options):
         )
     return (
         rank, result.rows_compared, result.mismatches, result.prefetch_forwards,
-        result.exact_layout_forwards,
+        result.exact_layout_forwards, result.draft_steps,
     )
 
 
@@ -154,6 +154,54 @@ class TestDraftPoolAcrossRanks(_GlooCase):
     def test_a_draft_page_on_the_wrong_owner_is_caught(self):
         rows = self._run_group(2, "fp8", draft=True, plant="draft_page_to_wrong_owner")
         self.assertGreater(sum(r[2] for r in rows), 0)
+
+
+# EAGLE's draft after the speculative step: 4 steps (3 draft step forwards), top-k 1.
+DRAFT_STEPS_STORY = dict(draft=True, spec=True, draft_steps=4, physical_pages=8)
+
+
+class TestDraftDecodeStepsAcrossRanks(_GlooCase):
+    """The draft's multi-step decode (``EAGLEWorker.draft``, top-k 1) after the story's speculative
+    step: every step's metadata built at once through sglang's multi-step NSA backend, then three
+    step forwards of the draft layer, each on its own plan (``draft_decode_steps``), writing its
+    token past the committed tokens it reads; seven requests (the last committed token of one alone on
+    its page; the draft tokens of one open a page at step 0, of two others at step 2) and a padded
+    one. Every draft
+    read of every step and, at the end, every draft and target row equal replicated pools' bit for
+    bit (cp 2 fp8, cp 4 bf16).
+
+    Planted (``runtime_check.DRAFT_PLANTS``), each caught: a step running on the previous step's
+    plan; steps planned by the decode rule (the page the last committed token opened taken as
+    filled locally, not gathered); steps planning the committed tokens only (the page a step's token
+    opens unplanned). Planted by hand and caught, then reverted: ``peer_page_reads`` asking
+    per-owner decode before the draft-step branch (``test_steps_gather_with_per_owner_decode``
+    failed: the steps ran per owner and the check's scratch-addressed reads went out of the
+    physical shard's range)."""
+
+    def test_draft_steps_two_ranks_fp8_four_ranks_bf16(self):
+        for world_size, dtype_name in ((2, "fp8"), (4, "bf16")):
+            with self.subTest(world_size=world_size):
+                rows = self._run_group(world_size, dtype_name, **DRAFT_STEPS_STORY)
+                self.assertEqual([r[2] for r in rows], [0] * world_size)
+                self.assertEqual([r[5] for r in rows], [3] * world_size)
+
+    def test_the_steps_add_compared_rows(self):
+        with_steps = self._run_group(2, "fp8", **DRAFT_STEPS_STORY)[0][1]
+        without = self._run_group(2, "fp8", draft=True, spec=True, physical_pages=8)[0][1]
+        self.assertGreater(with_steps, without)
+
+    def test_steps_gather_with_per_owner_decode(self):
+        """Per-owner decode attached to the draft's runtime (it would take a DECODE forward of the
+        draft pool): the draft steps still take the page gather, bit-exact."""
+        rows = self._run_group(2, "fp8", draft_per_owner=True, **DRAFT_STEPS_STORY)
+        self.assertEqual([r[2] for r in rows], [0, 0])
+        self.assertEqual([r[5] for r in rows], [3, 3])
+
+    def test_planted_draft_step_bugs_are_caught(self):
+        for plant in runtime_check.DRAFT_PLANTS[1:]:
+            with self.subTest(plant=plant):
+                rows = self._run_group(2, "fp8", plant=plant, **DRAFT_STEPS_STORY)
+                self.assertGreater(sum(r[2] for r in rows), 0, plant)
 
 
 class TestPrefillSizedScratch(_GlooCase):
