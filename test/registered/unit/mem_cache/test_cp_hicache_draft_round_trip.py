@@ -13,17 +13,23 @@ Planted bugs, each run against this file and reverted:
 * the draft restore skipped (``CpHybridCacheController.start_loading`` loading the target only): the
   draft KV and indexer of the loaded-back prefix stay stale; ``test_round_trip_cp2`` and every other
   round trip fail on the draft's mismatches.
-* one draft page restored at the rows of the next logical page (the next rank's page, seen from
-  this rank's physical pool) in ``start_loading``: the draft rows at the new locs differ and a row
-  outside them is written; every round trip fails (cp 2 and cp 4).
+* one draft page restored at the rows of the physical page after it (``start_loading`` shifting the
+  draft's first page by one page): the draft rows at the new locs differ (64 KV rows and an indexer
+  page); every round trip fails (cp 2, fp8, write_back, cp 4).
+* one draft page restored to the wrong owner (each view's first restored draft page, KV and indexer,
+  loaded into the next rank's draft pool at the same physical rows, by wrapping the draft host
+  group's ``load_to_device_per_layer``): every round trip fails on the owner's stale page.
 * the draft's KV host pool built without the device row width (``override_kv_cache_dim`` dropped in
-  ``build_draft_host_pools``): refused by ``set_draft_kv_pool`` at registration, so every test fails
-  at build time; with that check also removed, ``test_round_trip_cp2_fp8_rows`` fails on the
-  draft's KV rows (576 of 656 bytes restored).
+  ``build_draft_host_pools``, i.e. what sglang builds): ``set_draft_kv_pool`` refuses it, so
+  ``test_round_trip_cp2_fp8_rows`` fails at registration; with that check removed as well, the fp8
+  backup fails (576-wide host rows for 656-byte device rows; the CPU copy raises where a GPU kernel
+  would truncate), and ``test_cp_controller_refuses_draft_host_rows_narrower_than_the_device_rows``
+  fails.
 """
 
 import dataclasses
 import unittest
+from types import SimpleNamespace
 
 import torch
 
@@ -48,6 +54,7 @@ from sglang_cp_shared_kv.managers.cp_hicache_draft_pool import build_draft_host_
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup, MLATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -253,6 +260,28 @@ class TestDraftRegistration(CustomTestCase):
         indexer = [entry for entry in group.entries if entry.share_indices_with_anchor]
         self.assertEqual(len(indexer), 1)
         self.assertEqual(indexer[0].host_pool.layer_num, 1)
+
+    def test_the_plugin_registers_the_draft_hook_on_sglangs_scheduler_method(self):
+        import pkgutil
+
+        from sglang_cp_shared_kv import plugin
+        from sglang_cp_shared_kv.managers import cp_hicache_draft_pool
+
+        registered = []
+        plugin.register_runtime_hooks(SimpleNamespace(register=lambda *entry: registered.append(entry)))
+        entry = (
+            cp_hicache_draft_pool.REGISTER_HICACHE_DRAFT,
+            cp_hicache_draft_pool.register_draft_with_cp_hicache,
+            HookType.AROUND,
+        )
+        self.assertIn(entry, registered)
+        owner, name = entry[0].rsplit(".", 1)
+        self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)))
+
+    def test_the_hook_keeps_stocks_registration_for_any_other_cache(self):
+        stack = build_stock_hicache_stack(pages=8, group=single_process_group())
+        register_draft_pool(stack, nsa_pool(ONE_LAYER_TINY, stack.kv_pool.size, "cpu"))
+        self.assertIsInstance(stack.controller.mem_pool_host_draft, MLATokenToKVPoolHost)
 
 
 if __name__ == "__main__":
