@@ -13,6 +13,11 @@ decision before any rank commits tree state: a write's host slots by the cache's
 (``CpHostSlotLedger``), a load-back's device locs by an agreement (see ``CpHiRadixCache`` and
 ``docs/cp-hicache.md``).
 
+The MTP draft pool (``set_draft_kv_pool``; its host pools come from ``cp_hicache_draft_pool``) is
+sharded by the target's layout, so its rows of a node are the target's physical rows: every write and
+load moves the draft's KV and indexer K at exactly the target's host slots and device rows, inside the
+same copy, and adds no host slot, ack or load operation of its own.
+
 Acknowledgement cardinality: sglang's ``writing_check`` pops acks after a MIN all-reduce of completed
 counts, and ``loading_check`` releases locks per producer event without any collective, so every rank
 must produce one ack per write and one load operation per load even when it owns nothing in the node.

@@ -8,6 +8,10 @@ sglang's NSA assembler (KV + indexer host pools, ``HybridCacheController``) and 
 our ``CpHybridCacheController``, with the host-row-width hook applied as on the server.
 ``build_stock_hicache_stack`` builds the same pool holding every token with sglang's own allocator and
 ``HiRadixCache``: what stock CP keeps on each rank (a full replica), for comparisons and the GPU smoke.
+With ``draft_layers`` either also builds an MTP draft pool (the target's rows, that many layers) and
+registers it with HiCache through sglang's own ``Scheduler._maybe_register_hicache_draft``
+(``register_draft_pool``; the CP stack with the plugin's hook, as on a shared-KV server);
+``HiCacheStack.draft_view()`` points the byte-pattern helpers at it.
 
 Pools: ``TINY_NSA`` (small latent dims, the real 128-dim indexer; unit tests and the simulation) or
 ``glm5_nsa(kv_format, layers)`` (GLM-5 / DeepSeek-V3.2 rows: bf16 576 values, fp8 656 bytes).
