@@ -311,7 +311,10 @@ class CpHybridCacheController(HybridCacheController):
                 f"the draft pool has {draft_device_pool.layer_num} layers, more than the target's "
                 f"{self.layer_num}"
             )
-        if not isinstance(draft_host_pool, HostPoolGroup) or draft_host_pool.anchor_entry.name != PoolName.KV:
+        if (
+            not isinstance(draft_host_pool, HostPoolGroup)
+            or draft_host_pool.anchor_entry.name != PoolName.KV
+        ):
             return problems + [
                 f"the draft host pool is a {type(draft_host_pool).__name__}, not a KV-anchored host "
                 "pool group (sglang's KV-only draft host pool has no indexer K)"
@@ -362,8 +365,9 @@ class CpHybridCacheController(HybridCacheController):
 
     def start_loading(self) -> int:
         """Stock's hybrid load, plus the draft's layers restored at the same rows, each before the
-        target's layer of the same number completes (as stock's base controller). Without a draft:
-        stock's."""
+        target's layer of the same number completes (as stock's base controller). The draft pool has
+        no layer counter of its own: its forward runs after the target's on the compute stream, and
+        the target's waits for every layer's event. Without a draft: stock's."""
         if not self.has_draft:
             return super().start_loading()
         if not self.load_queue:

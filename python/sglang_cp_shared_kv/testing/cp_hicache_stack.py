@@ -225,7 +225,8 @@ def build_cp_hicache_stack(
             hicache_ratio, eviction_policy, is_eagle, max_running_requests, max_context_len,
         )  # fmt: skip
     if draft_layers:
-        register_draft_pool(stack, nsa_pool(dataclasses.replace(shape, layer_num=draft_layers), pool.size, device))
+        draft_shape = dataclasses.replace(shape, layer_num=draft_layers)
+        register_draft_pool(stack, nsa_pool(draft_shape, pool.size, device))
     return stack
 
 
