@@ -39,7 +39,11 @@ def register() -> None:
 def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
     from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
-    from sglang_cp_shared_kv.managers import prefill_load_back_quota, prefill_scratch_admission
+    from sglang_cp_shared_kv.managers import (
+        cp_hicache_draft_pool,
+        prefill_load_back_quota,
+        prefill_scratch_admission,
+    )
     from sglang_cp_shared_kv.mem_cache import (
         cp_hiradix_cache,
         nsa_host_kv_row_width,
@@ -61,6 +65,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     cp_hiradix_cache.register_hooks(registry)
     # The host pools sglang's NSA assembler builds for the CP cache must hold whole fp8 NSA rows.
     nsa_host_kv_row_width.register_hooks(registry)
+    # The MTP draft's KV and indexer host pools, backed up and restored with the target's pages.
+    cp_hicache_draft_pool.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
     # Prefill batches within a gather scratch sized for prefill only (decode per owner).
     prefill_scratch_admission.register_hooks(registry)

@@ -455,12 +455,9 @@ def speculative_problems(server_args) -> list[str]:
             f"--speculative-draft-model-path {draft_path}: {CP_SHARED_KV_FLAG} supports only the "
             "model's built-in NextN layer as the draft (leave --speculative-draft-model-path unset)"
         )
-    if getattr(server_args, "enable_hierarchical_cache", False):
-        problems.append(
-            f"--enable-hierarchical-cache with --speculative-algorithm: {CP_SHARED_KV_FLAG} refuses "
-            "this combination; sglang 0.5.11's NSA HiCache controller neither backs up nor restores "
-            "the draft pool, so a prefix loaded back from host would run the draft on stale KV"
-        )
+    # --enable-hierarchical-cache is no reason of its own: the CP HiCache controller backs up and
+    # restores the draft's KV and indexer K with the target's pages (managers/cp_hicache_draft_pool.py),
+    # which sglang 0.5.11's NSA controller does not.
     if not SPECULATIVE_FORWARD_MODES_SERVED:
         problems.append(
             f"--speculative-algorithm {algorithm}: {CP_SHARED_KV_FLAG} does not support speculative "

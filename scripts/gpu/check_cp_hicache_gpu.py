@@ -14,13 +14,22 @@ rank runs the same calls:
    ``ready_to_load_host_cache``, wait, ``loading_check``;
 4. count owned KV rows and indexer pages whose bytes differ at their new physical rows.
 
+With ``--draft`` every rank also has an MTP draft pool (one layer, KV and indexer K, the target's
+shard size) registered with HiCache as the scheduler does it (``register_draft_pool``: sglang's
+``Scheduler._maybe_register_hicache_draft`` with the plugin's hook), its own random bytes written
+at the same locs; its owned rows are counted at the new locs too. ``--draft-plants`` then runs every
+configuration again with each planted draft bug (``stale``: the draft restore skipped, as sglang's
+NSA controller does; ``next-page``: the draft's first restored page one page off) and passes only
+if every plant is caught (draft mismatches > 0).
+
 Per configuration it also checks what the group must agree on: identical new logical locs and trees on
 every rank, each position restored by exactly one rank, and the locs actually moved. Configurations:
 cp_size in --cp-sizes, KV format bf16 / fp8, io backend ``kernel`` (host layouts layer_first, page_first)
 and ``direct`` (layer_first, page_first_direct); ``--device cpu`` runs the direct backend with the
 layer_first layout only (the CPU shim has no other kernel).
 
-Prints one line per configuration and ``mismatches = N``; exits 1 if anything failed.
+Prints one line per configuration (and per plant) and ``mismatches = N`` (unplanted runs only);
+exits 1 if anything failed or a plant went uncaught.
 """
 
 from __future__ import annotations
@@ -45,6 +54,10 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="default: 4 on cuda, 2 on cpu")
     parser.add_argument("--physical-pages", type=int, default=12, help="device pages per rank")
     parser.add_argument("--timeout-s", type=int, default=180, help="gloo collective timeout")
+    parser.add_argument("--draft", action="store_true", help="also check an MTP draft pool")
+    parser.add_argument(
+        "--draft-plants", action="store_true", help="with --draft: each planted draft bug must be caught"
+    )
     parser.add_argument(
         "--widen-host-rows",
         action="store_true",
@@ -56,7 +69,48 @@ def parse_args(argv=None):
         args.backends = ["kernel", "direct"] if args.device == "cuda" else ["direct"]
     if args.layers is None:
         args.layers = 4 if args.device == "cuda" else 2
+    if args.draft_plants and not args.draft:
+        parser.error("--draft-plants needs --draft")
     return args
+
+
+DRAFT_PLANTS = ("stale", "next-page")
+
+
+@contextlib.contextmanager
+def planted_draft_bug(stack, plant):
+    """One planted bug of the draft's restore (None: none) while the block runs."""
+    if plant is None:
+        yield
+        return
+    from unittest import mock
+
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    controller = stack.controller
+    if plant == "stale":
+        # sglang's NSA controller: the target restored, the draft left as it was.
+        with mock.patch.object(
+            controller, "start_loading", lambda: HybridCacheController.start_loading(controller)
+        ):
+            yield
+        return
+    group = controller.mem_pool_host_draft
+    original = group.load_to_device_per_layer
+
+    def next_page(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers=None):
+        if host_indices.numel():
+            device_indices = device_indices.clone()
+            device_indices[:PAGE] += PAGE
+            pool_transfers = [
+                PoolTransfer(name=t.name, host_indices=t.host_indices, device_indices=device_indices)
+                for t in pool_transfers or []
+            ]
+        return original(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers)
+
+    with mock.patch.object(group, "load_to_device_per_layer", next_page):
+        yield
 
 
 def configurations(args):
@@ -76,19 +130,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layout, seed):
-    """One configuration on this rank; returns the rank's numbers (rank 0 aggregates)."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
+def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layout, seed, plant=None):
+    """One configuration on this rank (with a planted draft bug, or none); returns the rank's numbers
+    (rank 0 aggregates)."""
     from sglang_cp_shared_kv.testing.cp_hicache_stack import (
-        SequenceBytes,
         build_cp_hicache_stack,
-        clear_device_pool,
         glm5_nsa,
         host_rows_as_wide_as_device_rows,
-        settle_write_acks,
-        tree_signature,
     )
 
     widen = host_rows_as_wide_as_device_rows() if args.widen_host_rows else contextlib.nullcontext()
@@ -102,20 +150,43 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
             cp_rank=rank,
             group=group,
             physical_pages=args.physical_pages,
+            draft_layers=1 if args.draft else 0,
         )
+    with planted_draft_bug(stack, plant):
+        return _round_trip(args, stack, cp_size, seed)
+
+
+def _round_trip(args, stack, cp_size, seed):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+        SequenceBytes,
+        clear_device_pool,
+        settle_write_acks,
+        tree_signature,
+    )
+
     cache, allocator, layout = stack.cache, stack.allocator, stack.layout
+    draft = stack.draft_view() if args.draft else None
     len_a, split = (2 * cp_size + 1) * PAGE, (cp_size + 1) * PAGE
     seq_a = list(range(len_a))
     seq_b = seq_a[:split] + list(range(10**6, 10**6 + PAGE))
     bytes_a = SequenceBytes(stack, len_a, seed)
     bytes_b = SequenceBytes(stack, PAGE, seed + 1)
+    if draft is not None:
+        draft_a, draft_b = SequenceBytes(draft, len_a, seed + 7), SequenceBytes(draft, PAGE, seed + 8)
 
     full = allocator.available_size()
     locs_a = allocator.alloc(len_a)
     bytes_a.write_owned(stack, locs_a)
+    if draft is not None:
+        draft_a.write_owned(draft, locs_a)
     cache.insert(InsertParams(key=RadixKey(seq_a), value=locs_a))
     suffix_b = allocator.alloc(PAGE)
     bytes_b.write_owned(stack, suffix_b)
+    if draft is not None:
+        draft_b.write_owned(draft, suffix_b)
     cache.insert(InsertParams(key=RadixKey(seq_b), value=torch.cat([locs_a[:split], suffix_b])))
     _sync(args.device)
     problems = []
@@ -129,6 +200,8 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
     if allocator.available_size() != full:
         problems.append("device eviction did not free every page")
     clear_device_pool(stack, kv_byte=0xA5, index_byte=0x5A)  # poison: freed pages get reused
+    if draft is not None:
+        clear_device_pool(draft, kv_byte=0x3C, index_byte=0xC3)
     allocator.alloc(2 * PAGE)  # the load-back must land on other logical pages
 
     match_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(seq_a)))
@@ -142,7 +215,7 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
     if new_a is None or new_suffix_b is None:
         problems.append("load_back returned None")
         return {"problems": problems, "kv_bad": 0, "index_bad": 0, "owned": 0, "kv_rows": 0,
-                "index_pages": 0}
+                "index_pages": 0, "draft_kv_bad": 0, "draft_index_bad": 0}
     if cache.ongoing_load_back:
         problems.append("load-back not acknowledged")
     if match_a.host_hit_length != len_a or match_b.host_hit_length != PAGE:
@@ -157,7 +230,14 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
     owned = int(layout.owned_by_this_rank(new_a).sum()) + int(
         layout.owned_by_this_rank(new_suffix_b).sum()
     )
+    draft_kv_bad = draft_index_bad = 0
+    if draft is not None:
+        for sequence_bytes, locs in ((draft_a, new_a), (draft_b, new_suffix_b)):
+            kv_bad, index_bad = sequence_bytes.owned_mismatches(draft, locs)
+            draft_kv_bad, draft_index_bad = draft_kv_bad + kv_bad, draft_index_bad + index_bad
     return {
+        "draft_kv_bad": draft_kv_bad,
+        "draft_index_bad": draft_index_bad,
         "problems": problems,
         "kv_bad": kv_a + kv_b,
         "index_bad": index_a + index_b,
@@ -173,10 +253,13 @@ def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layou
     }
 
 
-def summarize(results, cp_size):
+def summarize(results, cp_size, draft=False, layers=1):
     """Rank 0's verdict over every rank's numbers."""
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
-    mismatches = sum(res["kv_bad"] + res["index_bad"] for res in results)
+    mismatches = sum(
+        res["kv_bad"] + res["index_bad"] + res["draft_kv_bad"] + res["draft_index_bad"]
+        for res in results
+    )
     if all("decisions" in res for res in results):
         if any(res["decisions"] != results[0]["decisions"] for res in results[1:]):
             problems.append("ranks took different decisions (new locs or tree differ)")
@@ -197,6 +280,12 @@ def summarize(results, cp_size):
         f"{sum(r['index_pages'] for r in results)}); owned tokens per rank "
         f"{[r['owned'] for r in results]}; jit {results[0].get('jit')}"
     )
+    if draft:
+        detail += (
+            f"; draft kv rows {sum(r['draft_kv_bad'] for r in results)}/{kv_rows // layers}, draft "
+            f"indexer pages {sum(r['draft_index_bad'] for r in results)}/"
+            f"{sum(r['index_pages'] for r in results) // layers}"
+        )
     return mismatches, problems, detail
 
 
@@ -218,28 +307,41 @@ def rank_main(rank, world, args):
         can_use_hicache_jit_kernel(element_size=576 * 2)
 
     total_mismatches, failed, passed = 0, 0, 0
+    plants = (None,) + (DRAFT_PLANTS if args.draft_plants else ())
     for index, (cp_size, kv_format, backend, host_layout) in enumerate(configurations(args)):
         if rank >= cp_size:
             continue
         group = groups[cp_size]
-        start = time.time()
-        name = f"cp={cp_size} {kv_format} {backend}/{host_layout}"
-        try:
-            result = run_configuration(
-                args, rank, group, cp_size, kv_format, backend, host_layout, seed=1000 + 10 * index
-            )
-        except Exception:
-            print(f"[FAIL] {name}: rank {rank} raised", flush=True)
-            raise
-        gathered = [None] * cp_size
-        dist.all_gather_object(gathered, result, group=group)
-        if rank == 0:
-            mismatches, problems, detail = summarize(gathered, cp_size)
-            ok = mismatches == 0 and not problems
+        for plant in plants:
+            start = time.time()
+            name = f"cp={cp_size} {kv_format} {backend}/{host_layout}" + (
+                f" +draft" if args.draft else ""
+            ) + (f" PLANT {plant}" if plant else "")
+            try:
+                result = run_configuration(
+                    args, rank, group, cp_size, kv_format, backend, host_layout,
+                    seed=1000 + 10 * index, plant=plant,
+                )  # fmt: skip
+            except Exception:
+                print(f"[FAIL] {name}: rank {rank} raised", flush=True)
+                raise
+            gathered = [None] * cp_size
+            dist.all_gather_object(gathered, result, group=group)
+            if rank != 0:
+                continue
+            mismatches, problems, detail = summarize(gathered, cp_size, args.draft, args.layers)
+            if plant is None:
+                ok = mismatches == 0 and not problems
+                total_mismatches += mismatches
+                verdict = "PASS" if ok else "FAIL"
+            else:
+                # Caught: the draft's bytes differ somewhere, and the target's stay exact.
+                draft_bad = sum(r["draft_kv_bad"] + r["draft_index_bad"] for r in gathered)
+                ok = draft_bad > 0 and mismatches == draft_bad
+                verdict = "CAUGHT" if ok else "MISSED"
             passed, failed = passed + ok, failed + (not ok)
-            total_mismatches += mismatches
             print(
-                f"[{'PASS' if ok else 'FAIL'}] {name}: {detail} ({time.time() - start:.1f} s)"
+                f"[{verdict}] {name}: {detail} ({time.time() - start:.1f} s)"
                 + "".join(f"\n    {p}" for p in problems),
                 flush=True,
             )

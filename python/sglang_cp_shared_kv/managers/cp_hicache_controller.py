@@ -13,6 +13,11 @@ decision before any rank commits tree state: a write's host slots by the cache's
 (``CpHostSlotLedger``), a load-back's device locs by an agreement (see ``CpHiRadixCache`` and
 ``docs/cp-hicache.md``).
 
+The MTP draft pool (``set_draft_kv_pool``; its host pools come from ``cp_hicache_draft_pool``) is
+sharded by the target's layout, so its rows of a node are the target's physical rows: every write and
+load moves the draft's KV and indexer K at exactly the target's host slots and device rows, inside the
+same copy, and adds no host slot, ack or load operation of its own.
+
 Acknowledgement cardinality: sglang's ``writing_check`` pops acks after a MIN all-reduce of completed
 counts, and ``loading_check`` releases locks per producer event without any collective, so every rank
 must produce one ack per write and one load operation per load even when it owns nothing in the node.
@@ -277,6 +282,125 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=self._index_sharing_transfers(metadata.host_indices, physical),
             )
         self.load_queue.append(operation)
+
+    # ---- the MTP draft pool (managers/cp_hicache_draft_pool.py builds its host pools) ----
+
+    def set_draft_kv_pool(self, draft_device_pool, draft_host_pool) -> None:
+        """Stock's registration, for a draft pool sharded like the target's and host pools that can
+        hold all of it at the target's host slots (refused otherwise: its KV or indexer K would come
+        back stale or truncated from host)."""
+        problems = self.draft_pool_problems(draft_device_pool, draft_host_pool)
+        if problems:
+            raise ValueError(f"{FLAG} with --enable-hierarchical-cache: " + "; ".join(problems))
+        super().set_draft_kv_pool(draft_device_pool, draft_host_pool)
+
+    def draft_pool_problems(self, draft_device_pool, draft_host_pool) -> List[str]:
+        """Why this draft pool's host copy could not share the target's host slots (empty: it can)."""
+        target = self.mem_pool_device
+        if not isinstance(draft_device_pool, NSATokenToKVPool):
+            return [f"the draft pool is a {type(draft_device_pool).__name__}, not an NSATokenToKVPool"]
+        problems = []
+        for name in ("size", "page_size"):
+            if getattr(draft_device_pool, name) != getattr(target, name):
+                problems.append(
+                    f"the draft pool's {name} is {getattr(draft_device_pool, name)}, the target's "
+                    f"{getattr(target, name)} (its rows must sit at the target's physical rows)"
+                )
+        if draft_device_pool.layer_num > self.layer_num:
+            problems.append(
+                f"the draft pool has {draft_device_pool.layer_num} layers, more than the target's "
+                f"{self.layer_num}"
+            )
+        if (
+            not isinstance(draft_host_pool, HostPoolGroup)
+            or draft_host_pool.anchor_entry.name != PoolName.KV
+        ):
+            return problems + [
+                f"the draft host pool is a {type(draft_host_pool).__name__}, not a KV-anchored host "
+                "pool group (sglang's KV-only draft host pool has no indexer K)"
+            ]
+        if PoolName.INDEXER not in draft_host_pool.entry_map or not (
+            draft_host_pool.entry_map[PoolName.INDEXER].share_indices_with_anchor
+        ):
+            problems.append("the draft host pools have no indexer pool sharing the KV pool's slots")
+        kv_host = draft_host_pool.anchor_entry.host_pool
+        if getattr(kv_host, "kv_cache_dim", None) != draft_device_pool.kv_cache_dim:
+            problems.append(
+                f"the draft's KV host rows are {getattr(kv_host, 'kv_cache_dim', None)} wide, its "
+                f"device rows {draft_device_pool.kv_cache_dim}"
+            )
+        if draft_host_pool.size < self.mem_pool_host.size:
+            problems.append(
+                f"the draft host pools hold {draft_host_pool.size} slots, fewer than the target's "
+                f"{self.mem_pool_host.size}"
+            )
+        return problems
+
+    def start_writing(self) -> None:
+        """Stock's hybrid write, plus the draft's backup at the same host slots and device rows, on the
+        write stream before the ack's finish event (stock's base controller does the same; the hybrid
+        override dropped it). Without a draft: stock's."""
+        if not self.has_draft:
+            return super().start_writing()
+        if not self.write_queue:
+            return
+        op = CacheOperation.merge_ops(self.write_queue)
+        host_indices, device_indices, transfers = self.move_hybrid_indices(op)
+        self.write_queue.clear()
+        start_event = device_module.Event()
+        finish_event = device_module.Event()
+        start_event.record()
+        with device_module.stream(self.write_stream):
+            start_event.wait(self.write_stream)
+            for host_group, device_pool in self._target_and_draft_pools():
+                # The index-sharing transfers (indexer) name their pool: each group moves its own.
+                host_group.backup_from_device_all_layer(
+                    device_pool, host_indices, device_indices, self.io_backend, pool_transfers=transfers
+                )
+            finish_event.record()
+            self._record_transfer_indices_on_stream(
+                self.write_stream, host_indices, device_indices, transfers
+            )
+        self.ack_write_queue.append(HiCacheAck(start_event, finish_event, op.node_ids))
+
+    def start_loading(self) -> int:
+        """Stock's hybrid load, plus the draft's layers restored at the same rows, each before the
+        target's layer of the same number completes (as stock's base controller). The draft pool has
+        no layer counter of its own: its forward runs after the target's on the compute stream, and
+        the target's waits for every layer's event. Without a draft: stock's."""
+        if not self.has_draft:
+            return super().start_loading()
+        if not self.load_queue:
+            return -1
+        producer_id = self.layer_done_counter.update_producer()
+        op = CacheOperation.merge_ops(self.load_queue)
+        host_indices, device_indices, transfers = self.move_hybrid_indices(op)
+        self.load_queue.clear()
+        producer_event = self.layer_done_counter.events[producer_id]
+        producer_event.start_event.record()
+        draft_layers = self.mem_pool_device_draft.layer_num
+        with device_module.stream(self.load_stream):
+            producer_event.start_event.wait(self.load_stream)
+            for layer in range(self.layer_num):
+                for host_group, device_pool in self._target_and_draft_pools(layer < draft_layers):
+                    host_group.load_to_device_per_layer(
+                        device_pool, host_indices, device_indices, layer, self.io_backend,
+                        pool_transfers=transfers,
+                    )  # fmt: skip
+                producer_event.complete(layer)
+            self._record_transfer_indices_on_stream(
+                self.load_stream, host_indices, device_indices, transfers
+            )
+        self.ack_load_queue.append(
+            HiCacheAck(producer_event.start_event, producer_event.finish_event, op.node_ids)
+        )
+        return producer_id
+
+    def _target_and_draft_pools(self, with_draft: bool = True):
+        pools = [(self.mem_pool_host, self.mem_pool_device)]
+        if with_draft:
+            pools.append((self.mem_pool_host_draft, self.mem_pool_device_draft))
+        return pools
 
     # ---- host usage ----
 

@@ -63,6 +63,9 @@ class SimulationScenario:
     physical_pages: int = 8  # device pages per rank, besides sglang's dummy page 0
     hicache_ratio: float = 1.5  # host pool = ratio x physical device pool, per rank
     max_running_requests: int = 4
+    # An MTP draft pool of this many layers (0: none), registered with HiCache as the scheduler does;
+    # its bytes are written with the target's and checked like them (draft-device/host-bytes).
+    draft_layers: int = 0
     # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
     # bug and check that the harness reports it. Must be picklable (a module-level function).
     plant: Optional[Callable[[HiCacheStack, int], None]] = None
@@ -71,6 +74,7 @@ class SimulationScenario:
         return (
             f"seed={self.seed} write_policy={self.write_policy} eviction={self.eviction_policy} "
             f"physical_pages={self.physical_pages} hicache_ratio={self.hicache_ratio}"
+            + (f" draft_layers={self.draft_layers}" if self.draft_layers else "")
         )
 
 
@@ -128,8 +132,12 @@ def run_simulation(
     every collective: a rank that dies or hangs fails the run instead of blocking it.
     """
     start = time.monotonic()
+    preload = [__name__]
+    if any(scenario.draft_layers for scenario in scenarios):
+        # The draft registers through sglang's scheduler method (a heavy import).
+        preload.append("sglang.srt.managers.scheduler")
     ranks = launch(
-        _rank, cp_size, (list(scenarios),), start_method="forkserver", preload=[__name__],
+        _rank, cp_size, (list(scenarios),), start_method="forkserver", preload=preload,
         timeout_s=timeout_s,
     )  # fmt: skip
     # A rank returns a violation the group detected together, and raises one from inside an
@@ -240,6 +248,7 @@ class _RankRun:
             eviction_policy=scenario.eviction_policy,
             max_running_requests=scenario.max_running_requests,
             max_context_len=max_request_tokens + NSA_PAGE_SIZE,
+            draft_layers=scenario.draft_layers,
         )
         # The host mirror of req_to_token the peer-page plan reads, fed by the writer hooks (applied
         # in _rank); checked against the table after every step (invariant "req-to-token-mirror").

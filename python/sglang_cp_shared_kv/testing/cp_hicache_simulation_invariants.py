@@ -74,72 +74,88 @@ def _pattern(hashes, salt: int, width: int) -> torch.Tensor:
     return (a + salt)[:, None] + ramp[None, :] * b[:, None]
 
 
-def kv_row_pattern(hashes, layer: int, row_bytes: int) -> torch.Tensor:
+# The MTP draft pool's bytes (``draft=True`` below) are salted apart from every target layer's, so a
+# draft row that got a target row's bytes (or the reverse) is caught as well.
+_DRAFT_SALT = 19
+
+
+def kv_row_pattern(hashes, layer: int, row_bytes: int, salt: int = 0) -> torch.Tensor:
     """The MLA KV row bytes of each token (uint8, ``[tokens, row_bytes]``)."""
-    return _pattern(hashes, 37 * layer, row_bytes)
+    return _pattern(hashes, 37 * layer + salt, row_bytes)
 
 
-def indexer_token_pattern(hashes, layer: int) -> torch.Tensor:
+def indexer_token_pattern(hashes, layer: int, salt: int = 0) -> torch.Tensor:
     """The NSA indexer bytes of each token, values then scale (uint8, ``[tokens, 132]``)."""
-    return _pattern(hashes, 37 * layer + 101, _INDEX_VALUE_BYTES + _INDEX_SCALE_BYTES)
+    return _pattern(hashes, 37 * layer + 101 + salt, _INDEX_VALUE_BYTES + _INDEX_SCALE_BYTES)
 
 
 def write_owned_kv(
     stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> None:
-    """Store the tokens' KV and indexer bytes on this rank as the runtime's owner-filtered write does."""
+    """Store the tokens' KV and indexer bytes on this rank as the runtime's owner-filtered write does,
+    into the target's pool and, if the stack has one, the draft's (the same rows)."""
     rows = stack.layout.physical_locs_or_dummy(logical_locs.to(torch.int64))
-    pool = stack.kv_pool
     hashes = _token_hashes(token_ids)
-    for layer in range(pool.layer_num):
-        kv = _kv_rows(pool.kv_buffer[layer])
-        kv[rows] = kv_row_pattern(hashes, layer, kv.shape[1])
-        values, scales = _indexer_slots(pool.index_k_with_scale_buffer[layer], pool.page_size)
-        pattern = indexer_token_pattern(hashes, layer)
-        page, slot = rows // pool.page_size, rows % pool.page_size
-        values[page, slot] = pattern[:, :_INDEX_VALUE_BYTES]
-        scales[page, slot] = pattern[:, _INDEX_VALUE_BYTES:]
+    pools = [(stack.kv_pool, 0)]
+    if stack.draft_pool is not None:
+        pools.append((stack.draft_pool, _DRAFT_SALT))
+    for pool, salt in pools:
+        for layer in range(pool.layer_num):
+            kv = _kv_rows(pool.kv_buffer[layer])
+            kv[rows] = kv_row_pattern(hashes, layer, kv.shape[1], salt)
+            values, scales = _indexer_slots(pool.index_k_with_scale_buffer[layer], pool.page_size)
+            pattern = indexer_token_pattern(hashes, layer, salt)
+            page, slot = rows // pool.page_size, rows % pool.page_size
+            values[page, slot] = pattern[:, :_INDEX_VALUE_BYTES]
+            scales[page, slot] = pattern[:, _INDEX_VALUE_BYTES:]
 
 
 def owned_kv_mismatches(
-    stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, draft: bool = False
 ) -> List[int]:
-    """Logical locs this rank owns whose device KV row or indexer slot lacks its token's pattern."""
+    """Logical locs this rank owns whose device KV row or indexer slot (of the draft's pool with
+    ``draft``) lacks its token's pattern."""
     owned = stack.layout.owned_by_this_rank(logical_locs)
     locs, tokens = logical_locs[owned], token_ids[owned]
     rows = stack.layout.physical_locs_or_dummy(locs)  # owned locs: their physical rows
-    pool = stack.kv_pool
+    pool = stack.draft_pool if draft else stack.kv_pool
     bad = _rows_mismatching(
         rows, tokens, pool.layer_num, pool.page_size,
         lambda layer: pool.kv_buffer[layer], lambda layer: pool.index_k_with_scale_buffer[layer],
+        _DRAFT_SALT if draft else 0,
     )  # fmt: skip
     return locs[bad].tolist()
 
 
 def host_kv_mismatches(
-    stack: HiCacheStack, host_slots: torch.Tensor, token_ids: torch.Tensor
+    stack: HiCacheStack, host_slots: torch.Tensor, token_ids: torch.Tensor, draft: bool = False
 ) -> List[int]:
-    """Physical host slots of this rank whose KV row or indexer slot lacks its token's pattern."""
-    host_group = stack.controller.mem_pool_host
+    """Physical host slots of this rank whose KV row or indexer slot (in the draft's host pools with
+    ``draft``) lacks its token's pattern."""
+    controller = stack.controller
+    host_group = controller.mem_pool_host_draft if draft else controller.mem_pool_host
     kv_host = host_group.get_pool(PoolName.KV)
     index_host = host_group.get_pool(PoolName.INDEXER)
     bad = _rows_mismatching(
         host_slots, token_ids, kv_host.layer_num, index_host.page_size,
         lambda layer: kv_host.kv_buffer[layer],
         lambda layer: index_host.index_k_with_scale_buffer[layer],
+        _DRAFT_SALT if draft else 0,
     )  # fmt: skip
     return host_slots[bad].tolist()
 
 
-def _rows_mismatching(rows, tokens, layer_num, page_size, kv_buffer, index_buffer) -> torch.Tensor:
+def _rows_mismatching(
+    rows, tokens, layer_num, page_size, kv_buffer, index_buffer, salt=0
+) -> torch.Tensor:
     bad = torch.zeros(len(rows), dtype=torch.bool)
     page, slot = rows // page_size, rows % page_size
     hashes = _token_hashes(tokens)
     for layer in range(layer_num):
         kv = _kv_rows(kv_buffer(layer))
-        bad |= (kv[rows] != kv_row_pattern(hashes, layer, kv.shape[1])).any(dim=1)
+        bad |= (kv[rows] != kv_row_pattern(hashes, layer, kv.shape[1], salt)).any(dim=1)
         values, scales = _indexer_slots(index_buffer(layer), page_size)
-        pattern = indexer_token_pattern(hashes, layer)
+        pattern = indexer_token_pattern(hashes, layer, salt)
         bad |= (values[page, slot] != pattern[:, :_INDEX_VALUE_BYTES]).any(dim=1)
         bad |= (scales[page, slot] != pattern[:, _INDEX_VALUE_BYTES:]).any(dim=1)
     return bad
@@ -310,6 +326,8 @@ class RankInvariants:
             ("host-metadata", self._host_metadata),
             ("device-bytes", self._device_bytes),
             ("host-bytes", self._host_bytes),
+            ("draft-device-bytes", self._draft_device_bytes),
+            ("draft-host-bytes", self._draft_host_bytes),
             ("req-to-token-mirror", self._req_to_token_mirror),
         )
         found = []
@@ -547,7 +565,19 @@ class RankInvariants:
 
     # ---- bytes ----
 
-    def _device_bytes(self, nodes) -> Optional[str]:
+    def _draft_device_bytes(self, nodes) -> Optional[str]:
+        """The draft pool's rows, where the stack has one: as ``_device_bytes`` (a loaded-back
+        prefix's draft rows must hold what they held before eviction)."""
+        if self.stack.draft_pool is None:
+            return None
+        return self._device_bytes(nodes, draft=True)
+
+    def _draft_host_bytes(self, nodes) -> Optional[str]:
+        if self.stack.draft_pool is None:
+            return None
+        return self._host_bytes(nodes, draft=True)
+
+    def _device_bytes(self, nodes, draft: bool = False) -> Optional[str]:
         on_device = [n for n in nodes if not n.evicted]
         locs = [n.value for n in on_device]
         tokens = [_tokens_of(on_device)]
@@ -559,14 +589,18 @@ class RankInvariants:
             where.append((f"request {req.rid}", len(req_locs)))
         if not locs:
             return None
-        bad = owned_kv_mismatches(self.stack, torch.cat(locs), torch.cat(tokens))
+        bad = owned_kv_mismatches(self.stack, torch.cat(locs), torch.cat(tokens), draft)
         if not bad:
             return None
         first = bad[0]
         owner = next(name for name, loc in zip(_expand(where), torch.cat(locs).tolist()) if loc == first)
-        return f"{len(bad)} owned device locs hold wrong KV bytes; first: logical loc {first} of {owner}"
+        pool = "draft " if draft else ""
+        return (
+            f"{len(bad)} owned device locs hold wrong {pool}KV bytes; first: logical loc {first} "
+            f"of {owner}"
+        )
 
-    def _host_bytes(self, nodes) -> Optional[str]:
+    def _host_bytes(self, nodes, draft: bool = False) -> Optional[str]:
         backed = [n for n in nodes if _is_backed(n) and n.cp_hicache.num_owned]
         if not backed:
             return None
@@ -576,11 +610,14 @@ class RankInvariants:
         tokens = _tokens_of(backed)[positions]
         all_slots = torch.cat([m.host_indices for m in metas])
         where = [(f"node {n.id}", m.num_owned) for n, m in zip(backed, metas)]
-        bad = host_kv_mismatches(self.stack, all_slots, tokens)
+        bad = host_kv_mismatches(self.stack, all_slots, tokens, draft)
         if not bad:
             return None
         owner = next(name for name, s in zip(_expand(where), all_slots.tolist()) if s == bad[0])
-        return f"{len(bad)} owned host slots hold wrong KV bytes; first: slot {bad[0]} of {owner}"
+        pool = "draft " if draft else ""
+        return (
+            f"{len(bad)} owned host slots hold wrong {pool}KV bytes; first: slot {bad[0]} of {owner}"
+        )
 
 
 def _whole_pages(locs: torch.Tensor, page_size: int) -> bool:

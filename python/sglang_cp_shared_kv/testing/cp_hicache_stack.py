@@ -8,6 +8,10 @@ sglang's NSA assembler (KV + indexer host pools, ``HybridCacheController``) and 
 our ``CpHybridCacheController``, with the host-row-width hook applied as on the server.
 ``build_stock_hicache_stack`` builds the same pool holding every token with sglang's own allocator and
 ``HiRadixCache``: what stock CP keeps on each rank (a full replica), for comparisons and the GPU smoke.
+With ``draft_layers`` either also builds an MTP draft pool (the target's rows, that many layers) and
+registers it with HiCache through sglang's own ``Scheduler._maybe_register_hicache_draft``
+(``register_draft_pool``; the CP stack with the plugin's hook, as on a shared-KV server);
+``HiCacheStack.draft_view()`` points the byte-pattern helpers at it.
 
 Pools: ``TINY_NSA`` (small latent dims, the real 128-dim indexer; unit tests and the simulation) or
 ``glm5_nsa(kv_format, layers)`` (GLM-5 / DeepSeek-V3.2 rows: bf16 576 values, fp8 656 bytes).
@@ -33,6 +37,8 @@ of a sequence, drawn from a seed so every rank draws the same bytes and writes a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import types
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -113,6 +119,14 @@ class HiCacheStack:
     req_to_token_pool: ReqToTokenPool
     params: CacheInitParams
     server_args: HiCacheServerArgs = field(repr=False)
+    draft_pool: Optional[NSATokenToKVPool] = None  # the MTP draft's pool, registered with HiCache
+
+    def draft_view(self) -> "HiCacheStack":
+        """This stack with the draft pool as its ``kv_pool``: the byte-pattern helpers then write and
+        check the draft's KV rows and indexer pages (at the same logical locs, on the same owners)."""
+        if self.draft_pool is None:
+            raise ValueError("this stack has no draft pool (build it with draft_layers > 0)")
+        return dataclasses.replace(self, kv_pool=self.draft_pool, draft_pool=None)
 
     @property
     def layout(self) -> Optional[CpSharedKVLayout]:
@@ -174,8 +188,12 @@ def build_cp_hicache_stack(
     is_eagle: bool = False,
     max_running_requests: int = 8,
     max_context_len: int = 4096,
+    draft_layers: int = 0,
 ) -> HiCacheStack:
-    """One rank's CP shared-KV stack; ``physical_pages`` real pages per rank (plus the dummy page 0)."""
+    """One rank's CP shared-KV stack; ``physical_pages`` real pages per rank (plus the dummy page 0).
+
+    ``draft_layers`` > 0: an MTP draft pool of that many layers (NextN: 1), the target's shard size
+    and rows, registered with HiCache as the scheduler does it (``register_draft_pool``)."""
     pool = nsa_pool(shape, physical_pages * NSA_PAGE_SIZE, device)
     allocator = CPSharedPagedTokenToKVPoolAllocator(
         size=cp_size * pool.size,
@@ -202,10 +220,14 @@ def build_cp_hicache_stack(
         )
     # As on the server, the CP cache comes with the hook that sizes KV host rows like device rows.
     with applied_hooks(nsa_host_kv_row_width.register_hooks):
-        return _build(
+        stack = _build(
             cache_class, allocator, pool, group, device, io_backend, host_layout, write_policy,
             hicache_ratio, eviction_policy, is_eagle, max_running_requests, max_context_len,
         )  # fmt: skip
+    if draft_layers:
+        draft_shape = dataclasses.replace(shape, layer_num=draft_layers)
+        register_draft_pool(stack, nsa_pool(draft_shape, pool.size, device))
+    return stack
 
 
 def build_stock_hicache_stack(
@@ -221,16 +243,49 @@ def build_stock_hicache_stack(
     eviction_policy: str = "lru",
     max_running_requests: int = 8,
     max_context_len: int = 4096,
+    draft_layers: int = 0,
 ) -> HiCacheStack:
-    """Stock sglang 0.5.11: a pool of ``pages`` pages holding every token, its allocator, HiRadixCache."""
+    """Stock sglang 0.5.11: a pool of ``pages`` pages holding every token, its allocator, HiRadixCache
+    (and with ``draft_layers`` a draft pool registered by stock's scheduler code)."""
     pool = nsa_pool(shape, pages * NSA_PAGE_SIZE, device)
     allocator = PagedTokenToKVPoolAllocator(
         pool.size, NSA_PAGE_SIZE, shape.dtype, device, kvcache=pool, need_sort=False
     )
-    return _build(
+    stack = _build(
         HiRadixCache, allocator, pool, group, device, io_backend, host_layout, write_policy,
         hicache_ratio, eviction_policy, False, max_running_requests, max_context_len,
     )  # fmt: skip
+    if draft_layers:
+        register_draft_pool(
+            stack, nsa_pool(dataclasses.replace(shape, layer_num=draft_layers), pool.size, device),
+            with_plugin_hooks=False,
+        )  # fmt: skip
+    return stack
+
+
+def register_draft_pool(
+    stack: HiCacheStack, draft_pool: NSATokenToKVPool, with_plugin_hooks: bool = True
+) -> None:
+    """Register ``draft_pool`` with the stack's HiCache through sglang's own
+    ``Scheduler._maybe_register_hicache_draft`` (called on a stand-in scheduler holding what it reads),
+    with our AROUND hook applied (``with_plugin_hooks``) as on a shared-KV server, or stock's alone."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_cp_shared_kv.managers import cp_hicache_draft_pool
+
+    scheduler = types.SimpleNamespace(
+        enable_hierarchical_cache=True,
+        tree_cache=stack.cache,
+        page_size=NSA_PAGE_SIZE,
+        server_args=stack.server_args,
+        _get_draft_kv_pool=lambda: (draft_pool, None),
+    )
+    hooks = [cp_hicache_draft_pool.register_hooks] if with_plugin_hooks else []
+    host_pools = unpinned_host_pools() if draft_pool.device == "cpu" else contextlib.nullcontext()
+    with applied_hooks(*hooks), host_pools:
+        # Looked up inside the block: the hook patches the class attribute.
+        Scheduler._maybe_register_hicache_draft(scheduler)
+    stack.draft_pool = draft_pool
 
 
 def nsa_pool(shape: NsaPoolShape, physical_tokens: int, device: str) -> NSATokenToKVPool:

@@ -79,7 +79,6 @@ class TestSpeculativeRules(CustomTestCase):
             "--speculative-draft-model-path /models/other-draft": dict(
                 speculative_draft_model_path="/models/other-draft"
             ),
-            "--enable-hierarchical-cache": dict(enable_hierarchical_cache=True),
         }
         for expected, override in cases.items():
             with self.subTest(expected=expected):
@@ -89,6 +88,17 @@ class TestSpeculativeRules(CustomTestCase):
                 self.assertEqual(len(problems), 1, problems)
                 self.assertIn(expected, problems[0])
                 self.assertIn(CP_SHARED_KV_FLAG, problems[0])
+
+    def test_hicache_with_eagle_is_refused_only_because_modes_are_not_served(self):
+        """The CP HiCache controller restores the draft pool with the target's pages
+        (mem_cache/test_cp_hicache_draft_round_trip.py), so HiCache adds no refusal of its own."""
+        args = _spec_args(enable_hierarchical_cache=True)
+        problems = speculative_problems(args)
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn("multi-step decode", problems[0])
+        self.assertNotIn("--enable-hierarchical-cache", problems[0])
+        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+            self.assertEqual(speculative_problems(args), [])
 
     def test_the_runtime_refuses_what_server_args_refuse(self):
         """``runtime_problems`` (checked again when the runtime attaches) carries the same rules."""
@@ -173,9 +183,9 @@ class TestRealServerArgs(CustomTestCase):
         problems = self._problems(speculative_algorithm="NEXTN", **MTP_3_1_4)
         self.assertEqual(len(problems), 1, problems)
         self.assertIn("--speculative-algorithm EAGLE", problems[0])
-        self.assertIn("not planned", problems[0])
+        self.assertIn("not been served", problems[0])
 
-    def test_separate_draft_model_and_hicache_are_named(self):
+    def test_separate_draft_model_is_named_and_hicache_is_not(self):
         problems = self._problems(
             speculative_algorithm="EAGLE",
             speculative_draft_model_path="/models/some-eagle-draft",
@@ -184,7 +194,14 @@ class TestRealServerArgs(CustomTestCase):
         )
         text = "\n".join(problems)
         self.assertIn("--speculative-draft-model-path /models/some-eagle-draft", text)
-        self.assertIn("--enable-hierarchical-cache", text)
+        self.assertNotIn("--enable-hierarchical-cache", text)
+
+    def test_nextn_mtp_recipe_with_hicache_is_refused_by_the_modes_rule_alone(self):
+        problems = self._problems(
+            speculative_algorithm="NEXTN", enable_hierarchical_cache=True, **MTP_3_1_4
+        )
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn("not been served", problems[0])
 
     def test_eagle3_is_named(self):
         problems = self._problems(

@@ -1,6 +1,8 @@
 """Multi-rank CP HiCache simulation: randomized workloads on every rank of cp 2 and cp 4 gloo groups keep
-every invariant, and the harness reports planted cross-rank bugs (a wrong host slot freed, a write
-committed against the group's refusal, a skipped collective) with seed, step, rank and invariant.
+every invariant, also with an MTP draft pool, and the harness reports planted cross-rank bugs (a
+wrong host slot freed, a write committed against the group's refusal, a skipped collective, the
+draft of a loaded-back prefix left stale, a draft page restored one page off) with seed, step, rank
+and invariant.
 
 Also the regression test of the bug the simulation found in ``CpHiRadixCache.load_back``.
 """
@@ -24,7 +26,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=45, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=70, suite="stage-a-test-cpu")
 
 PAGE = 64
 
@@ -101,10 +103,45 @@ def _plant_zero_owned_rank_skips_load_agreement(stack, cp_rank):
     cache._all_ranks_ok = skipping_agree
 
 
+def _plant_draft_restore_skipped(stack, cp_rank):
+    """Rank 1 restores the target only, as sglang 0.5.11's NSA controller does: the draft rows of a
+    loaded-back prefix keep whatever they held."""
+    if cp_rank != 1:
+        return
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    controller = stack.controller
+    controller.start_loading = lambda: HybridCacheController.start_loading(controller)
+
+
+def _plant_draft_page_restored_one_page_off(stack, cp_rank):
+    """Rank 1 restores the first draft page of every load one physical page further on."""
+    if cp_rank != 1:
+        return
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    group = stack.controller.mem_pool_host_draft
+    load = group.load_to_device_per_layer
+
+    def one_page_off(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers=None):
+        if host_indices.numel():
+            device_indices = device_indices.clone()
+            device_indices[:PAGE] += PAGE
+            pool_transfers = [
+                PoolTransfer(name=t.name, host_indices=t.host_indices, device_indices=device_indices)
+                for t in pool_transfers or []
+            ]
+        return load(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers)
+
+    group.load_to_device_per_layer = one_page_off
+
+
 class TestCpHiCacheSimulation(CustomTestCase):
-    def _assert_clean_run(self, cp_size, num_ops, seeds):
+    def _assert_clean_run(self, cp_size, num_ops, seeds, draft_layers=0):
         scenarios = [
-            SimulationScenario(seed=seed, num_ops=num_ops, write_policy=policy)
+            SimulationScenario(
+                seed=seed, num_ops=num_ops, write_policy=policy, draft_layers=draft_layers
+            )
             for seed, policy in zip(seeds, WRITE_POLICIES)
         ]
         report = run_simulation(cp_size, scenarios)  # raises SimulationViolation
@@ -119,8 +156,15 @@ class TestCpHiCacheSimulation(CustomTestCase):
     def test_cp4_every_write_policy_keeps_every_invariant(self):
         self._assert_clean_run(cp_size=4, num_ops=220, seeds=(21, 22, 23))
 
-    def _planted_violation(self, plant, seed) -> SimulationViolation:
-        scenario = SimulationScenario(seed=seed, num_ops=800, plant=plant)
+    def test_cp2_with_an_mtp_draft_pool_every_write_policy_keeps_every_invariant(self):
+        """The draft's KV and indexer bytes (written with the target's) stay right on device and on
+        host through every load-back, split, write-back and host eviction of the workload."""
+        self._assert_clean_run(cp_size=2, num_ops=300, seeds=(31, 32, 33), draft_layers=1)
+
+    def _planted_violation(self, plant, seed, draft_layers=0) -> SimulationViolation:
+        scenario = SimulationScenario(
+            seed=seed, num_ops=800, plant=plant, draft_layers=draft_layers
+        )
         with self.assertRaises(SimulationViolation) as caught:
             run_simulation(2, [scenario])
         violation = caught.exception
@@ -140,6 +184,16 @@ class TestCpHiCacheSimulation(CustomTestCase):
         # Caught by the digest (the trees or ledgers differ), or, when the extra ack makes rank 1
         # enter an all-reduce first, by the collective trace.
         self.assertIn(violation.invariant, ("rank-agreement", "collective-sequence"))
+
+    def test_reports_a_rank_that_leaves_the_draft_of_a_loaded_back_prefix_stale(self):
+        violation = self._planted_violation(_plant_draft_restore_skipped, seed=0, draft_layers=1)
+        self.assertEqual(violation.invariant, "draft-device-bytes")
+
+    def test_reports_a_rank_that_restores_a_draft_page_one_page_off(self):
+        violation = self._planted_violation(
+            _plant_draft_page_restored_one_page_off, seed=0, draft_layers=1
+        )
+        self.assertEqual(violation.invariant, "draft-device-bytes")
 
     def test_reports_a_rank_that_skips_a_collective(self):
         violation = self._planted_violation(_plant_zero_owned_rank_skips_load_agreement, seed=0)

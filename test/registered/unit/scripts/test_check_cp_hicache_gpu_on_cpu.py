@@ -43,15 +43,30 @@ class TestCheckCpHicacheGpuOnCpu(CustomTestCase):
         self.assertEqual(done.returncode, 0, done.stdout[-3000:] + done.stderr[-3000:])
         self.assertIn("check: 1 passed, 0 failed", done.stdout)
 
-    def _rank0(self, cp_size: int):
+    def _rank0(self, cp_size: int, *options, plant=None):
         """Rank 0's numbers for one configuration, as a rank of a one-process group."""
         from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 
-        args = self.check.parse_args(["--device", "cpu", "--kv-formats", "bf16"])
+        args = self.check.parse_args(["--device", "cpu", "--kv-formats", "bf16", *options])
         self.assertIsInstance(args, argparse.Namespace)
         return self.check.run_configuration(
-            args, 0, single_process_group(), cp_size, "bf16", "direct", "layer_first", seed=5
-        )
+            args, 0, single_process_group(), cp_size, "bf16", "direct", "layer_first", seed=5,
+            plant=plant,
+        )  # fmt: skip
+
+    def test_with_a_draft_pool_its_bytes_come_back_too(self):
+        result = self._rank0(2, "--draft")
+        self.assertEqual(result["problems"], [])
+        self.assertEqual(result["kv_bad"] + result["index_bad"], 0)
+        self.assertEqual(result["draft_kv_bad"] + result["draft_index_bad"], 0)
+
+    def test_each_draft_plant_is_caught_and_leaves_the_target_exact(self):
+        for plant in self.check.DRAFT_PLANTS:
+            with self.subTest(plant=plant):
+                result = self._rank0(2, "--draft", "--draft-plants", plant=plant)
+                self.assertGreater(result["draft_kv_bad"], 0)
+                self.assertGreater(result["draft_index_bad"], 0)
+                self.assertEqual(result["kv_bad"] + result["index_bad"], 0)
 
     def test_rank_sees_its_bytes_come_back(self):
         result = self._rank0(cp_size=2)
