@@ -4,7 +4,6 @@ The server-args hooks are applied through ``HookRegistry`` only inside ``applied
 other tests in the same process see stock sglang.
 """
 
-import json
 import os
 import pickle
 import tempfile
@@ -23,35 +22,10 @@ from sglang_cp_shared_kv.server_args import (
     register_server_args_hooks,
 )
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv.testing.server_args_cases import CP_ON, GLM5_LIKE_CONFIG, write_model_dir
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
-# The smallest valid combination (graphs cannot replay the per-forward page gather; sglang turns
-# piecewise graphs off by itself for real NSA models, not for model_path "dummy").
-CP_ON = dict(
-    enable_nsa_prefill_context_parallel=True,
-    enable_nsa_prefill_cp_shared_kv=True,
-    disable_cuda_graph=True,
-    disable_piecewise_cuda_graph=True,
-)
-
-# Tiny configs: only what sglang's ServerArgs reads (architecture, index_topk, sizes).
-GLM5_LIKE_CONFIG = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "model_type": "glm_moe_dsa",
-    "index_topk": 2048,
-    "index_head_dim": 128,
-    "index_n_heads": 4,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-}
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -65,14 +39,6 @@ LLAMA_CONFIG = {
 }
 
 
-def _model_dir(root, name, config):
-    path = os.path.join(root, name)
-    os.makedirs(path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
-
-
 class TestCpSharedKVServerArgs(CustomTestCase):
     FLAG_OFF_ARGV = ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--page-size", "64"]
 
@@ -80,8 +46,8 @@ class TestCpSharedKVServerArgs(CustomTestCase):
     def setUpClass(cls):
         cls.stock_flag_off_args = prepare_server_args(cls.FLAG_OFF_ARGV)  # before any hook
         cls._tmp = tempfile.TemporaryDirectory()
-        cls.glm5_path = _model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
-        cls.llama_path = _model_dir(cls._tmp.name, "llama", LLAMA_CONFIG)
+        cls.glm5_path = write_model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
+        cls.llama_path = write_model_dir(cls._tmp.name, "llama", LLAMA_CONFIG)
 
     @classmethod
     def tearDownClass(cls):
@@ -388,7 +354,7 @@ class TestCpSharedKVServerArgs(CustomTestCase):
         """The allowed list against sglang itself: each layout through the two NSA host pool
         constructors (KV, then indexer K) on a tiny CPU pool."""
         from sglang_cp_shared_kv.server_args import NSA_HICACHE_MEM_LAYOUTS
-        from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, HOST_LAYOUTS
+        from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack
         from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 
         allowed = set()

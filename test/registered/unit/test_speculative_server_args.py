@@ -12,7 +12,6 @@ accepted with nothing served); NEXTN missing from the supported algorithms (the 
 maps it to EAGLE first, so only the namespace case caught it).
 """
 
-import json
 import os
 import tempfile
 import unittest
@@ -31,6 +30,12 @@ from sglang_cp_shared_kv.server_args import (
     speculative_problems,
 )
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv.testing.server_args_cases import CP_ON as CP_FLAGS
+from sglang_cp_shared_kv.testing.server_args_cases import (
+    GLM5_LIKE_CONFIG,
+    runtime_server_args,
+    write_model_dir,
+)
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -102,47 +107,13 @@ class TestSpeculativeRules(CustomTestCase):
 
     def test_the_runtime_refuses_what_server_args_refuse(self):
         """``runtime_problems`` (checked again when the runtime attaches) carries the same rules."""
-        runtime_args = SimpleNamespace(
-            disable_cuda_graph=True,
-            disable_piecewise_cuda_graph=True,
-            nsa_prefill_cp_mode="round-robin-split",
-            enable_two_batch_overlap=False,
-            enable_pdmux=False,
-            enable_torch_compile=False,
-            kv_cache_dtype="fp8_e4m3",
-            nsa_prefill_backend="flashmla_kv",
-            nsa_decode_backend="flashmla_kv",
-            **vars(_spec_args(speculative_eagle_topk=2)),
-        )
+        runtime_args = runtime_server_args(**vars(_spec_args(speculative_eagle_topk=2)))
         reasons = cp_server_args.runtime_problems(runtime_args)
         self.assertTrue(any("--speculative-eagle-topk 2" in r for r in reasons), reasons)
         self.assertTrue(any("multi-step decode" in r for r in reasons), reasons)
 
 
-GLM5_LIKE_CONFIG = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "model_type": "glm_moe_dsa",
-    "index_topk": 2048,
-    "index_head_dim": 128,
-    "index_n_heads": 4,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-}
-CP_ON = dict(
-    enable_nsa_prefill_context_parallel=True,
-    enable_nsa_prefill_cp_shared_kv=True,
-    disable_cuda_graph=True,
-    disable_piecewise_cuda_graph=True,
-    device="cuda",
-    tp_size=2,
-)
+CP_ON = dict(CP_FLAGS, device="cuda", tp_size=2)
 MTP_3_1_4 = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 
 
@@ -152,10 +123,7 @@ class TestRealServerArgs(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         cls._tmp = tempfile.TemporaryDirectory()
-        cls.model_path = os.path.join(cls._tmp.name, "glm5")
-        os.makedirs(cls.model_path)
-        with open(os.path.join(cls.model_path, "config.json"), "w") as f:
-            json.dump(GLM5_LIKE_CONFIG, f)
+        cls.model_path = write_model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
 
     @classmethod
     def tearDownClass(cls):

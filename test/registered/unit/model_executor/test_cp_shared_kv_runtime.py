@@ -23,29 +23,11 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_dr
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
+from sglang_cp_shared_kv.testing.server_args_cases import runtime_server_args
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
-
-def _server_args(**overrides):
-    args = dict(
-        enable_nsa_prefill_cp_shared_kv=True,
-        disable_cuda_graph=True,
-        disable_piecewise_cuda_graph=True,
-        nsa_prefill_cp_mode="round-robin-split",
-        speculative_algorithm=None,
-        enable_two_batch_overlap=False,
-        enable_pdmux=False,
-        enable_torch_compile=False,
-        kv_cache_dtype="fp8_e4m3",
-        nsa_prefill_backend="flashmla_kv",
-        nsa_decode_backend="flashmla_kv",
-        enable_mixed_chunk=False,
-        max_prefill_tokens=16384,
-        disaggregation_mode="null",
-    )
-    args.update(overrides)
-    return SimpleNamespace(**args)
+_server_args = runtime_server_args
 
 
 class TestUnsupportedServerArgs(CustomTestCase):

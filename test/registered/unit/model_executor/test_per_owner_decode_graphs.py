@@ -34,6 +34,7 @@ from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
 from sglang_cp_shared_kv.model_executor.per_owner_decode import _STATE_ATTR
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, runtime_problems
 from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
+from sglang_cp_shared_kv.testing.server_args_cases import runtime_server_args
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -222,21 +223,7 @@ class TestCollectivesAndBinding(CustomTestCase):
 
 
 def _server_args(**overrides):
-    args = dict(
-        disable_cuda_graph=False,
-        disable_piecewise_cuda_graph=True,
-        nsa_prefill_cp_mode="round-robin-split",
-        speculative_algorithm=None,
-        enable_two_batch_overlap=False,
-        enable_pdmux=False,
-        enable_torch_compile=False,
-        kv_cache_dtype="fp8_e4m3",
-        nsa_prefill_backend="flashmla_kv",
-        nsa_decode_backend="flashmla_kv",
-        disaggregation_mode="null",
-    )
-    args.update(overrides)
-    return SimpleNamespace(**args)
+    return runtime_server_args(**{"disable_cuda_graph": False, **overrides})
 
 
 class TestGraphDecodeStartupRule(CustomTestCase):
