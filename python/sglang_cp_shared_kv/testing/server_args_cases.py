@@ -69,3 +69,25 @@ def runtime_server_args(**overrides) -> SimpleNamespace:
     )
     args.update(overrides)
     return SimpleNamespace(**args)
+
+
+class ServerArgsHooksApplied:
+    """Test-case mixin: the plugin's server-args hooks applied for each test, and the environment
+    variable the hooks set (``CP_SHARED_KV_ENV``) restored afterwards."""
+
+    def setUp(self):
+        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+        super().setUp()
+        saved = os.environ.pop(CP_SHARED_KV_ENV, None)
+
+        def restore():
+            os.environ.pop(CP_SHARED_KV_ENV, None)
+            if saved is not None:
+                os.environ[CP_SHARED_KV_ENV] = saved
+
+        self.addCleanup(restore)
+        hooks = applied_hooks(register_server_args_hooks)
+        hooks.__enter__()
+        self.addCleanup(hooks.__exit__, None, None, None)

@@ -19,10 +19,13 @@ from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,
-    register_server_args_hooks,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.testing.server_args_cases import CP_ON, GLM5_LIKE_CONFIG, write_model_dir
+from sglang_cp_shared_kv.testing.server_args_cases import (
+    CP_ON,
+    GLM5_LIKE_CONFIG,
+    ServerArgsHooksApplied,
+    write_model_dir,
+)
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -39,7 +42,7 @@ LLAMA_CONFIG = {
 }
 
 
-class TestCpSharedKVServerArgs(CustomTestCase):
+class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
     FLAG_OFF_ARGV = ["--model-path", "dummy", "--enable-nsa-prefill-context-parallel", "--page-size", "64"]
 
     @classmethod
@@ -52,17 +55,6 @@ class TestCpSharedKVServerArgs(CustomTestCase):
     @classmethod
     def tearDownClass(cls):
         cls._tmp.cleanup()
-
-    def setUp(self):
-        self._saved_env = os.environ.pop(CP_SHARED_KV_ENV, None)
-        hooks = applied_hooks(register_server_args_hooks)
-        hooks.__enter__()
-        self.addCleanup(hooks.__exit__, None, None, None)
-
-    def tearDown(self):
-        os.environ.pop(CP_SHARED_KV_ENV, None)
-        if self._saved_env is not None:
-            os.environ[CP_SHARED_KV_ENV] = self._saved_env
 
     def assertRejected(self, *flags, **kwargs):
         with self.assertRaises(ValueError) as ctx:

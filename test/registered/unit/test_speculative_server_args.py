@@ -26,13 +26,12 @@ from sglang_cp_shared_kv import server_args as cp_server_args
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,
-    register_server_args_hooks,
     speculative_problems,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.testing.server_args_cases import CP_ON as CP_FLAGS
 from sglang_cp_shared_kv.testing.server_args_cases import (
     GLM5_LIKE_CONFIG,
+    ServerArgsHooksApplied,
     runtime_server_args,
     write_model_dir,
 )
@@ -117,7 +116,7 @@ CP_ON = dict(CP_FLAGS, device="cuda", tp_size=2)
 MTP_3_1_4 = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 
 
-class TestRealServerArgs(CustomTestCase):
+class TestRealServerArgs(ServerArgsHooksApplied, CustomTestCase):
     """sglang's own ``ServerArgs`` (NEXTN -> EAGLE, draft path defaulted) with our hooks applied."""
 
     @classmethod
@@ -128,17 +127,6 @@ class TestRealServerArgs(CustomTestCase):
     @classmethod
     def tearDownClass(cls):
         cls._tmp.cleanup()
-
-    def setUp(self):
-        self._saved_env = os.environ.pop(CP_SHARED_KV_ENV, None)
-        hooks = applied_hooks(register_server_args_hooks)
-        hooks.__enter__()
-        self.addCleanup(hooks.__exit__, None, None, None)
-
-    def tearDown(self):
-        os.environ.pop(CP_SHARED_KV_ENV, None)
-        if self._saved_env is not None:
-            os.environ[CP_SHARED_KV_ENV] = self._saved_env
 
     def _problems(self, **kwargs):
         with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
