@@ -85,8 +85,8 @@ def planted_draft_bug(stack, plant):
         return
     from unittest import mock
 
-    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import draft_load_one_page_off
 
     controller = stack.controller
     if plant == "stale":
@@ -97,18 +97,7 @@ def planted_draft_bug(stack, plant):
             yield
         return
     group = controller.mem_pool_host_draft
-    original = group.load_to_device_per_layer
-
-    def next_page(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers=None):
-        if host_indices.numel():
-            device_indices = device_indices.clone()
-            device_indices[:PAGE] += PAGE
-            pool_transfers = [
-                PoolTransfer(name=t.name, host_indices=t.host_indices, device_indices=device_indices)
-                for t in pool_transfers or []
-            ]
-        return original(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers)
-
+    next_page = draft_load_one_page_off(group.load_to_device_per_layer, PAGE)
     with mock.patch.object(group, "load_to_device_per_layer", next_page):
         yield
 

@@ -263,6 +263,24 @@ def build_stock_hicache_stack(
     return stack
 
 
+def draft_load_one_page_off(load, page_size: int):
+    """A planted bug for the checks: ``load`` (a draft host group's ``load_to_device_per_layer``)
+    wrapped so that the first restored page of every load lands one physical page further on."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    def one_page_off(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers=None):
+        if host_indices.numel():
+            device_indices = device_indices.clone()
+            device_indices[:page_size] += page_size
+            pool_transfers = [
+                PoolTransfer(name=t.name, host_indices=t.host_indices, device_indices=device_indices)
+                for t in pool_transfers or []
+            ]
+        return load(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers)
+
+    return one_page_off
+
+
 def register_draft_pool(
     stack: HiCacheStack, draft_pool: NSATokenToKVPool, with_plugin_hooks: bool = True
 ) -> None:

@@ -19,6 +19,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
 )
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     build_cp_hicache_stack,
+    draft_load_one_page_off,
 )
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -118,22 +119,8 @@ def _plant_draft_page_restored_one_page_off(stack, cp_rank):
     """Rank 1 restores the first draft page of every load one physical page further on."""
     if cp_rank != 1:
         return
-    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
-
     group = stack.controller.mem_pool_host_draft
-    load = group.load_to_device_per_layer
-
-    def one_page_off(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers=None):
-        if host_indices.numel():
-            device_indices = device_indices.clone()
-            device_indices[:PAGE] += PAGE
-            pool_transfers = [
-                PoolTransfer(name=t.name, host_indices=t.host_indices, device_indices=device_indices)
-                for t in pool_transfers or []
-            ]
-        return load(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers)
-
-    group.load_to_device_per_layer = one_page_off
+    group.load_to_device_per_layer = draft_load_one_page_off(group.load_to_device_per_layer, PAGE)
 
 
 class TestCpHiCacheSimulation(CustomTestCase):
