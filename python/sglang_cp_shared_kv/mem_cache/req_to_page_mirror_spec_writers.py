@@ -65,6 +65,15 @@ def _refuse_draft_tree(topk: int) -> None:
         )
 
 
+def _mirror_locs_after_committed(mirror, batch) -> None:
+    """The pages of the batch's latest allocation (``out_cache_loc``), placed right after each
+    request's committed tokens (``seq_lens_cpu``), written into the mirror."""
+    record = _allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
+    _write_new_pages(
+        mirror, _rows(batch), record, _pages_holding(batch.seq_lens_cpu, mirror.page_size)
+    )
+
+
 def draft_preprocess_decode(original, worker, batch, *args, **kwargs):
     """AROUND spec v1's ``EAGLEWorker._draft_preprocess_decode``: the draft steps' locs."""
     mirror = mirror_of(batch.req_to_token_pool)
@@ -72,10 +81,7 @@ def draft_preprocess_decode(original, worker, batch, *args, **kwargs):
         return original(worker, batch, *args, **kwargs)
     _refuse_draft_tree(worker.topk)
     result = original(worker, batch, *args, **kwargs)
-    record = _allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
-    _write_new_pages(
-        mirror, _rows(batch), record, _pages_holding(batch.seq_lens_cpu, mirror.page_size)
-    )
+    _mirror_locs_after_committed(mirror, batch)
     return result
 
 
@@ -86,11 +92,7 @@ def prepare_for_verify(original, verify_input, batch, *args, **kwargs):
         return original(verify_input, batch, *args, **kwargs)
     _refuse_draft_tree(verify_input.topk)
     result = original(verify_input, batch, *args, **kwargs)
-    record = _allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
-    # seq_lens_cpu still holds the committed lengths: the draft tokens follow them.
-    _write_new_pages(
-        mirror, _rows(batch), record, _pages_holding(batch.seq_lens_cpu, mirror.page_size)
-    )
+    _mirror_locs_after_committed(mirror, batch)  # seq_lens_cpu: still the committed lengths
     return result
 
 
