@@ -14,6 +14,10 @@ Reported, off vs on:
 * ``single``: TTFT of one ``--chunk-tokens`` chunk on 0 / 32K / 128K cached tokens from device
   and from host; TPOT at 4K / 16K / 64K / 128K context, batch 1 and 32 (a row that does not fit a
   pool says so).
+  With ``--stock-cuda-graphs`` a stock server with CUDA graphs joins them (the baseline users
+  run); with ``--per-owner-decode`` two shared-KV servers whose decode runs per owner, eagerly and
+  under CUDA graphs (the opt-ins ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` and
+  ``SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1``).
 * ``pd``: TTFT / TPOT of fresh prompts through a PD pair: the shared-KV prefill server with a
   stock decode server, against the stock pair with all-CP-ranks transfer on both.
 * ``capacity``: each server with its pool sized by the memory budget alone (no ``--max-total-tokens``
@@ -92,6 +96,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--load-format", default=None, help="'dummy' for a config-only model dir")
     p.add_argument("--stock-cuda-graphs", action="store_true",
                    help="also a stock server with CUDA graphs (single-request costs only): the baseline users run")
+    p.add_argument("--per-owner-decode", action="store_true",
+                   help="also shared-KV servers with decode per owner, eagerly and under CUDA graphs "
+                        "(single-request costs only; the opt-in SGLANG_CP_SHARED_KV_DECODE=per_owner and "
+                        "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1)")
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (both servers)")
     # headline
     p.add_argument("--document-tokens", type=int, default=16384)
@@ -162,7 +170,7 @@ def server_env(args, shared_kv: bool) -> Dict[str, str]:
     return env
 
 
-def serve_config(args, shared_kv: bool, port: int, cuda_graphs: bool = False) -> ServeConfig:
+def serve_config(args, shared_kv: bool, port: int, cuda_graphs: bool = False, decode_path: str = "gather") -> ServeConfig:
     return ServeConfig(
         model_path=args.model_path,
         tp_size=args.tp,
@@ -175,6 +183,7 @@ def serve_config(args, shared_kv: bool, port: int, cuda_graphs: bool = False) ->
         extra_args=["--chunked-prefill-size", str(args.chunk_tokens), "--hicache-write-policy", "write_through"]
         + shlex.split(args.extra_server_args),
         cuda_graphs=cuda_graphs,
+        decode_path=decode_path,
     )
 
 
@@ -339,13 +348,14 @@ def run_tpot_rows(args, server, device_tokens: int, label: str) -> List[Dict[str
     return rows
 
 
-def run_server(args, mode: str, shared_kv: bool, parts: List[str], workloads, cuda_graphs=False) -> Dict[str, Any]:
-    label = mode + ("-graphs" if cuda_graphs else "")
-    config = serve_config(args, shared_kv, free_port(), cuda_graphs)
+def run_server(args, mode: str, shared_kv: bool, parts: List[str], workloads, cuda_graphs=False,
+               decode_path: str = "gather") -> Dict[str, Any]:
+    label = mode + ("-per-owner" if decode_path != "gather" else "") + ("-graphs" if cuda_graphs else "")
+    config = serve_config(args, shared_kv, free_port(), cuda_graphs, decode_path)
     command = launch_command(args, config.command())
-    result: Dict[str, Any] = {"mode": label, "command": config.command(), "failures": []}
+    result: Dict[str, Any] = {"mode": label, "command": config.command(), "env": config.env(), "failures": []}
     server = SglangServer(command, config.port, args.out_dir / f"server_{label}.log",
-                          {**os.environ, **server_env(args, shared_kv)})  # fmt: skip
+                          {**os.environ, **server_env(args, shared_kv), **config.env()})  # fmt: skip
     print(f"[{label}] starting: {shlex.join(command)}", flush=True)
     with server:
         try:
@@ -516,6 +526,14 @@ def merge_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return merged
 
 
+# Servers of the single-request tables, in column order, and the TPOT ratios shown where both ran:
+# shared KV against stock eagerly, against stock with graphs (what users run), and per-owner decode
+# eagerly and under graphs against the same baselines.
+SERVER_LABELS = ("off", "off-graphs", "on", "on-per-owner", "on-per-owner-graphs")
+TPOT_RATIOS = (("on", "off"), ("on", "off-graphs"), ("on-per-owner", "off"),
+               ("on-per-owner-graphs", "off-graphs"), ("on-per-owner-graphs", "on"))
+
+
 def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
     servers, pd = results["servers"], results["pd"]
     off, on = servers.get("off", {}), servers.get("on", {})
@@ -551,8 +569,8 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
         if plot_name:
             lines += ["", f"![hit rate and TTFT over the run]({plot_name})"]
         lines.append("")
-    labels = [m for m in ("off", "off-graphs", "on") if servers.get(m, {}).get("ttft") is not None]
-    tpot_labels = [m for m in ("off", "off-graphs", "on") if servers.get(m, {}).get("tpot") is not None]
+    labels = [m for m in SERVER_LABELS if servers.get(m, {}).get("ttft") is not None]
+    tpot_labels = [m for m in SERVER_LABELS if servers.get(m, {}).get("tpot") is not None]
     if labels or tpot_labels:
         lines += ["## Single-request costs", ""]
     if labels:
@@ -569,19 +587,18 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
             lines.append(f"| {prefix} | {source} | " + " | ".join(cells) + f" | {_ratio(values.get('on'), values.get('off'))} |")
         lines += ["", "(cached device/host tokens of the timed requests in parentheses)", ""]
     if tpot_labels:
-        graphs = "off-graphs" in tpot_labels
-        lines += ["| TPOT: context | batch | " + " | ".join(tpot_labels) + " | on / off |"
-                  + (" on / off-graphs |" if graphs else ""),
-                  "|---|---|" + "---|" * (len(tpot_labels) + 1 + graphs)]  # fmt: skip
+        ratios = [(a, b) for a, b in TPOT_RATIOS if a in tpot_labels and b in tpot_labels]
+        lines += ["| TPOT: context | batch | " + " | ".join(tpot_labels) + " | "
+                  + " | ".join(f"{a} / {b}" for a, b in ratios) + (" |" if ratios else ""),
+                  "|---|---|" + "---|" * (len(tpot_labels) + len(ratios))]  # fmt: skip
         for row0 in servers[tpot_labels[0]]["tpot"]:
             cells, values = [], {}
             for m in tpot_labels:
                 row = next((r for r in servers[m].get("tpot", []) if (r["context"], r["batch"]) == (row0["context"], row0["batch"])), {})
                 values[m] = row.get("tpot_ms")
                 cells.append(row.get("skipped") and f"not run: {row['skipped']}" or f"{_fmt(row.get('tpot_ms'), '.2f')} ms")
-            lines.append(f"| {row0['context']} | {row0['batch']} | " + " | ".join(cells)
-                         + f" | {_ratio(values.get('on'), values.get('off'))} |"
-                         + (f" {_ratio(values.get('on'), values.get('off-graphs'))} |" if graphs else ""))  # fmt: skip
+            lines.append(f"| {row0['context']} | {row0['batch']} | " + " | ".join(cells) + " |"
+                         + "".join(f" {_ratio(values.get(a), values.get(b))} |" for a, b in ratios))  # fmt: skip
         lines.append("")
     if pd:
         lines += ["## PD pair (fresh prompts)", "", "| pair | TTFT median (ms) | TPOT median (ms) | errors |", "|---|---|---|---|"]
@@ -722,6 +739,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         single = [p for p in server_parts if p in ("single", "ttft", "tpot")]
         if args.stock_cuda_graphs and single:
             results["servers"]["off-graphs"] = run_server(args, "off", False, single, [], cuda_graphs=True)
+        if args.per_owner_decode and single:
+            for graphs in (False, True):
+                server = run_server(args, "on", True, single, [], cuda_graphs=graphs, decode_path="per_owner")
+                results["servers"][server["mode"]] = server
     if "pd" in args.parts:
         results["pd"] = run_pd(args)
     if "capacity" in args.parts:

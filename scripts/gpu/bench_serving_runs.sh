@@ -8,8 +8,9 @@
 #
 #   headline   the documents workload, phases device and host (--physical-tokens-per-rank 163840)
 #   ttft       TTFT of an 8K chunk on 0 / 32K / 128K cached tokens, from device and from host
-#   tpot       TPOT at 4K / 16K / 64K / 128K context, batch 1 and 32 (with mode off, add
-#              --stock-cuda-graphs for the stock server with CUDA graphs too)
+#   tpot       TPOT at 4K / 16K / 64K / 128K context, batch 1 and 32 (add --stock-cuda-graphs for
+#              the stock server with CUDA graphs too, and with mode on --per-owner-decode for the
+#              shared-KV servers with decode per owner, eager and under CUDA graphs)
 #   capacity   (mode ignored: both servers) pools sized by memory alone, no HiCache: logical capacity
 #              off vs on against cp x physical and the scratch's documented share
 #   pd         the PD pair on fresh 8K prompts: prefill at --tp BENCH_TP on GPUs 0..BENCH_TP-1, a

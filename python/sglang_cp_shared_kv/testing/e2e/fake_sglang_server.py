@@ -113,8 +113,23 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--disaggregation-mode", default="null")
     p.add_argument("--model-path", default="")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
     args, _ = p.parse_known_args(list(argv))
     return args
+
+
+def startup_problem(args: argparse.Namespace) -> Optional[str]:
+    """What the real startup validation refuses here: shared KV with CUDA graphs unless decode runs
+    per owner under the graph opt-in (``decode_path``)."""
+    import os
+
+    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
+
+    if not args.enable_nsa_prefill_cp_shared_kv or args.disable_cuda_graph:
+        return None
+    if os.environ.get(DECODE_PATH_ENV) == PER_OWNER and os.environ.get(GRAPH_DECODE_ENV) == "1":
+        return None
+    return f"--disable-cuda-graph is required unless {DECODE_PATH_ENV}={PER_OWNER} and {GRAPH_DECODE_ENV}=1"
 
 
 def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> int:
@@ -254,6 +269,10 @@ def make_handler(fake: FakeSglang):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_serve_args(sys.argv[1:] if argv is None else argv)
+    problem = startup_problem(args)
+    if problem is not None:
+        print(f"ValueError: {problem}", file=sys.stderr, flush=True)
+        return 1
     fake = FakeSglang(args)
     server = ThreadingHTTPServer((LOOPBACK, args.port), make_handler(fake))
     server.daemon_threads = True

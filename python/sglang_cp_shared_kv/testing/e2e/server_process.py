@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 
 LOOPBACK = "127.0.0.1"
@@ -37,12 +38,23 @@ class ServeConfig:
     mem_fraction_static: Optional[float] = None
     load_format: Optional[str] = None
     extra_args: Sequence[str] = ()
-    # Stock servers only (shared KV off): keep sglang's CUDA-graph decode, the baseline a user runs.
+    # Keep sglang's CUDA-graph decode: a stock server (the baseline a user runs), or a shared-KV
+    # server whose decode runs per owner (the only shared-KV decode that can be captured).
     cuda_graphs: bool = False
+    # Shared KV only: decode through the page gather (the default) or per owner (opt-in, env()).
+    decode_path: str = "gather"
+
+    def env(self) -> Dict[str, str]:
+        """The environment the launch needs besides the command line: the decode-path opt-ins."""
+        if self.decode_path == "gather":
+            return {}
+        return {DECODE_PATH_ENV: PER_OWNER, **({GRAPH_DECODE_ENV: "1"} if self.cuda_graphs else {})}
 
     def command(self) -> List[str]:
-        if self.cuda_graphs and self.shared_kv:
-            raise ValueError("cuda_graphs: the shared-KV runtime requires --disable-cuda-graph")
+        if self.decode_path not in ("gather", PER_OWNER) or (self.decode_path != "gather" and not self.shared_kv):
+            raise ValueError(f"decode_path {self.decode_path!r}: 'gather', or {PER_OWNER!r} with shared KV")
+        if self.cuda_graphs and self.shared_kv and self.decode_path != PER_OWNER:
+            raise ValueError("cuda_graphs: shared-KV decode through the page gather requires --disable-cuda-graph")
         cmd = [
             "sglang", "serve",
             "--model-path", self.model_path,
@@ -55,9 +67,9 @@ class ServeConfig:
             "--log-level", "info",
         ]  # fmt: skip
         if not self.cuda_graphs:
-            # The shared-KV runtime gathers peer pages per forward and cannot run in CUDA graphs
-            # (its startup validation requires both flags); the reference run uses the same so the
-            # two servers differ by the shared-KV flag only.
+            # The shared-KV runtime's page gather cannot run in CUDA graphs (its startup validation
+            # requires both flags); the reference run uses the same so the two servers differ by
+            # the shared-KV flag only.
             cmd.append("--disable-cuda-graph")
         cmd.append("--disable-piecewise-cuda-graph")
         if self.hicache_ratio is not None:

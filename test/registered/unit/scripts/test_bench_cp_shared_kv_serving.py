@@ -175,6 +175,57 @@ class TestServingBenchmarkRunner(CustomTestCase):
             self.assertNotIn("ttft", server)
 
 
+class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
+    """``--per-owner-decode``: two more shared-KV servers, decode per owner eagerly and under CUDA
+    graphs, each launched with the opt-ins its decode needs; the fake server refuses a shared-KV
+    server with CUDA graphs without them, as the real startup validation does. Planted: the
+    launch environment left without the opt-ins (``ServeConfig.env`` empty) -> the graph server
+    fails to start and the run fails."""
+
+    def run_bench(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = Path(tmp) / "model"
+            model.mkdir()
+            (model / "config.json").write_text(json.dumps({"max_position_embeddings": 202752}))
+            bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+            rc = bench.main([
+                "--model-path", str(model), "--dry-run", "--out-dir", str(Path(tmp) / "out"), "--tp", "2",
+                "--physical-tokens-per-rank", "4096", "--parts", "tpot", "--stock-cuda-graphs",
+                "--per-owner-decode", "--tpot-contexts", "256", "--tpot-batches", "1", "--tpot-new-tokens", "4",
+                "--repeats", "1", "--startup-timeout", "30", "--request-timeout", "30",
+            ])  # fmt: skip
+            results = json.loads((Path(tmp) / "out" / "results.json").read_text())
+            page = (Path(tmp) / "out" / "serving.md").read_text()
+        return rc, results["servers"], page
+
+    def test_per_owner_servers_run_with_their_opt_ins(self):
+        rc, servers, page = self.run_bench()
+        self.assertEqual(rc, 0, page)
+        eager, graphs = servers["on-per-owner"], servers["on-per-owner-graphs"]
+        self.assertIn("--disable-cuda-graph", eager["command"])
+        self.assertNotIn("--disable-cuda-graph", graphs["command"])
+        self.assertEqual(eager["env"], {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"})
+        self.assertEqual(graphs["env"], {"SGLANG_CP_SHARED_KV_DECODE": "per_owner",
+                                         "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH": "1"})
+        self.assertEqual(servers["on"]["env"], {})  # the default decode gathers
+        for server in (eager, graphs, servers["on"]):
+            self.assertIn("--enable-nsa-prefill-cp-shared-kv", server["command"])
+        for server in (eager, graphs, servers["on"], servers["off-graphs"]):
+            self.assertIsNotNone(server["tpot"][0]["tpot_ms"], server)
+        self.assertIn("on-per-owner-graphs / off-graphs", page)
+
+    def test_a_graph_server_without_the_opt_ins_fails(self):
+        from unittest import mock
+
+        from sglang_cp_shared_kv.testing.e2e.server_process import ServeConfig
+
+        with mock.patch.object(ServeConfig, "env", lambda self: {}):
+            rc, servers, _ = self.run_bench()
+        self.assertEqual(rc, 1)
+        self.assertTrue(servers["on-per-owner-graphs"]["failures"], servers["on-per-owner-graphs"])
+        self.assertFalse(servers["on-per-owner"]["failures"])  # eager per owner needs no graph opt-in to start
+
+
 class TestServingBenchmarkCapacity(CustomTestCase):
     """Part ``capacity`` against the fake server, which sizes pools from a fixed KV budget less the
     scratch reservation the runtime makes; ``FAKE_SGLANG_NO_SCRATCH=1`` is a planted capacity bug
