@@ -226,6 +226,38 @@ class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
         self.assertFalse(servers["on-per-owner"]["failures"])  # eager per owner needs no graph opt-in to start
 
 
+class TestServeConfigDecodePath(CustomTestCase):
+    """The launch line and environment of each decode path; combinations the startup rules refuse
+    are refused here before anything starts."""
+
+    def config(self, **kwargs):
+        from sglang_cp_shared_kv.testing.e2e.server_process import ServeConfig
+
+        base = dict(model_path="/m", tp_size=2, shared_kv=True, port=30000, physical_tokens_per_rank=4096,
+                    hicache_ratio=None)  # fmt: skip
+        return ServeConfig(**{**base, **kwargs})
+
+    def test_gather_decode_needs_eager_decode(self):
+        self.assertIn("--disable-cuda-graph", self.config().command())
+        self.assertEqual(self.config().env(), {})
+        with self.assertRaises(ValueError):
+            self.config(cuda_graphs=True).command()
+
+    def test_per_owner_decode_eager_and_under_graphs(self):
+        eager = self.config(decode_path="per_owner")
+        self.assertIn("--disable-cuda-graph", eager.command())
+        self.assertEqual(eager.env(), {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"})
+        graphs = self.config(decode_path="per_owner", cuda_graphs=True)
+        self.assertNotIn("--disable-cuda-graph", graphs.command())
+        self.assertEqual(graphs.env()["SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"], "1")
+
+    def test_per_owner_needs_shared_kv_and_a_known_path(self):
+        with self.assertRaises(ValueError):
+            self.config(shared_kv=False, decode_path="per_owner").command()
+        with self.assertRaises(ValueError):
+            self.config(decode_path="per-owner").command()
+
+
 class TestServingBenchmarkCapacity(CustomTestCase):
     """Part ``capacity`` against the fake server, which sizes pools from a fixed KV budget less the
     scratch reservation the runtime makes; ``FAKE_SGLANG_NO_SCRATCH=1`` is a planted capacity bug
