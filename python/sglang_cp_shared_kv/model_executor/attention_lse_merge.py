@@ -47,7 +47,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels
 from sglang_cp_shared_kv.model_executor.sync_debug import sync_debug_exempt
 
 LN2 = math.log(2.0)
@@ -125,6 +124,8 @@ def scaled_partial_of_gathered(out_r: torch.Tensor, lse_r: torch.Tensor, lses: t
     """This rank's term in ``out_r``'s dtype, from every rank's natural LSEs ``lses`` [n, T, H]:
     one fused kernel on CUDA (``per_owner_decode_kernels``), the torch form elsewhere."""
     if out_r.is_cuda:
+        from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels  # Triton: CUDA only
+
         return per_owner_decode_kernels.scaled_partial(out_r, lse_r, lses)
     return scaled_partial(out_r, lse_r, global_lse(lses)).to(out_r.dtype)
 
@@ -155,3 +156,4 @@ def _host_staging(staged: bool):
     """gloo moves host memory: CP ranks sharing a GPU in the checks bounce device tensors through
     the host, a deliberate wait that sync debugging must not count (NCCL groups never stage)."""
     return sync_debug_exempt() if staged else contextlib.nullcontext()
+

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels
 from sglang_cp_shared_kv.model_executor.attention_lse_merge import process_group_collectives
 
 RADIX_TOPK_K = 2048  # the k sgl_kernel's fast_topk_v2 serves
@@ -91,6 +90,8 @@ def local_candidates(
     """
     columns = topk_columns(logits, owned_seq_lens, k)
     if logits.is_cuda:
+        from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels  # Triton: CUDA only
+
         scores, rows, picked_positions = per_owner_decode_kernels.gather_candidates(
             columns, logits, positions, physical_rows
         )
@@ -150,6 +151,8 @@ def owned_attention_indices(
     """[B, k] int32 attention indices of this rank: its pool row for each selected token it owns,
     -1 for every other entry."""
     if selection.gathered_scores.is_cuda:
+        from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels  # Triton: CUDA only
+
         return per_owner_decode_kernels.owned_selection(
             selection.gathered_scores, selection.kth_columns, candidates.physical_rows, cp_rank
         )
@@ -230,3 +233,4 @@ def same_selection_up_to_ties(
         agree &= (mask.bool() | ~above).all(dim=1)  # every position above the k-th
         agree &= (~mask.bool() | above | tied).all(dim=1)  # the rest from the tie group
     return agree
+
