@@ -38,8 +38,8 @@ import numpy as np
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import (
-    _allocation_of,
-    _write_new_pages,
+    allocation_of,
+    write_new_pages,
 )
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
 
@@ -68,8 +68,8 @@ def _refuse_draft_tree(topk: int) -> None:
 def _mirror_locs_after_committed(mirror, batch) -> None:
     """The pages of the batch's latest allocation (``out_cache_loc``), placed right after each
     request's committed tokens (``seq_lens_cpu``), written into the mirror."""
-    record = _allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
-    _write_new_pages(
+    record = allocation_of(batch.token_to_kv_pool_allocator, batch.out_cache_loc)
+    write_new_pages(
         mirror, _rows(batch), record, _pages_holding(batch.seq_lens_cpu, mirror.page_size)
     )
 
@@ -126,7 +126,7 @@ def v2_prepare_for_decode(original, draft_input, batch, *args, **kwargs):
             f"{FLAG}: spec v2's decode allocation is not the allocator's latest per-request "
             f"allocation; the host mirror cannot follow"
         )
-    _write_new_pages(mirror, _rows(batch), record, pages_before)
+    write_new_pages(mirror, _rows(batch), record, pages_before)
     return result
 
 

@@ -46,7 +46,9 @@ _COMMON = "sglang.srt.mem_cache.common"
 _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 
 
-def _allocation_of(allocator, locs):
+def allocation_of(allocator, locs):
+    """The allocator's host record of the allocation that handed out ``locs`` (its latest); a write
+    of any other locs cannot be mirrored from host data and raises."""
     record = getattr(allocator, "last_allocation", None)
     if record is None or record.locs is not locs or record.new_pages_per_req is None:
         raise RuntimeError(
@@ -56,7 +58,9 @@ def _allocation_of(allocator, locs):
     return record
 
 
-def _write_new_pages(mirror, rows, record, pages_before_expected) -> None:
+def write_new_pages(mirror, rows, record, pages_before_expected) -> None:
+    """Write the pages ``record`` handed each of ``rows`` into the mirror, after the
+    ``pages_before_expected`` pages each row held (checked against the record)."""
     if not np.array_equal(record.pages_before, pages_before_expected):
         raise RuntimeError(f"{FLAG}: the allocation does not continue the rows the batch writes")
     starts = np.cumsum(record.new_pages_per_req) - record.new_pages_per_req
@@ -73,7 +77,7 @@ def alloc_for_extend(original, batch, *args, **kwargs):
     if mirror is None:
         return result
     out_cache_loc, _, rows = result
-    record = _allocation_of(batch.token_to_kv_pool_allocator, out_cache_loc)
+    record = allocation_of(batch.token_to_kv_pool_allocator, out_cache_loc)
     page_size = mirror.page_size
     prefix_lens = np.asarray(batch.prefix_lens, dtype=np.int64)
     for req, row, prefix_len in zip(batch.reqs, rows, prefix_lens.tolist()):
@@ -83,7 +87,7 @@ def alloc_for_extend(original, batch, *args, **kwargs):
                 f"{FLAG}: request {req.rid}: its tree path is longer than its prefix"
             )
         mirror.write(row, 0, tree_pages)
-    _write_new_pages(mirror, rows, record, -(-prefix_lens // page_size))
+    write_new_pages(mirror, rows, record, -(-prefix_lens // page_size))
     return result
 
 
@@ -93,10 +97,10 @@ def alloc_for_decode(original, batch, token_per_req, *args, **kwargs):
     mirror = mirror_of(batch.req_to_token_pool)
     if mirror is None:
         return result
-    record = _allocation_of(batch.token_to_kv_pool_allocator, result)
+    record = allocation_of(batch.token_to_kv_pool_allocator, result)
     rows = [req.req_pool_idx for req in batch.reqs]
     positions = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
-    _write_new_pages(mirror, rows, record, -(-positions // mirror.page_size))
+    write_new_pages(mirror, rows, record, -(-positions // mirror.page_size))
     return result
 
 
