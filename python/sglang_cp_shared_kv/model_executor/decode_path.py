@@ -4,9 +4,10 @@ By default every decode forward gathers the pages it reads into the gather scrat
 hold one layer of the whole logical capacity. With ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` decode
 runs per owner (``per_owner_decode``: each rank scores and attends over its own pool, no page
 gather) unless something rules it out, and the scratch only has to hold a prefill forward. The
-default is the gather because, measured on an H200 at GLM-5 widths, per-owner decode costs a fixed
-~1.2-1.8 ms per layer eagerly (~0.3-0.7 ms as a CUDA graph) whatever the context, which only pays
-off where the gather moves a lot (large batches of long contexts): docs/runtime.md, section 4.
+default is still the gather because per-owner decode has not been served in a running server yet
+(that needs two GPUs); measured on one H200 at GLM-5 widths it costs a fixed 44-82 us per layer
+at batch 1 as a CUDA graph and 370-770 us eagerly, whatever the context, against a gather whose
+on-GPU work alone grows with the batch's pages (docs/runtime.md, section 4).
 
 The decision is needed before the model runner exists (the scratch is reserved before sglang sizes
 the pool, and the CUDA-graph rule is judged on ``ServerArgs``), so it is taken here from the same
