@@ -18,6 +18,8 @@ context (tokens per request), the work ONE rank does in one decode layer, timed 
   rank's own and received pages (the network transfer is EXCLUDED), the indexer over all pages,
   sglang's fused top-k (``fast_topk_transform_fused``) and ``flash_mla_with_kvcache`` over the 2048
   selected rows.
+* replicated (what stock sglang runs with shared KV off): the page gather's layer without its copy,
+  over the same rows.
 
 Times: median over ``--iters`` runs of CUDA-event time per layer, after ``--warmup`` runs, twice:
 eager (host launch gaps included: what an eager decode pays) and as a CUDA graph replay of the same
@@ -58,6 +60,7 @@ def parse_args(argv=None):
     parser.add_argument("--topk", type=int, default=None, help="default 2048 (cpu: 128)")
     parser.add_argument("--iters", type=int, default=None, help="default 20 (cpu: 1)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3 (cpu: 0)")
+    parser.add_argument("--json-out", default=None, help="write every case's numbers (for bench_stock_decode_layer.py)")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
     args.contexts_k = args.contexts_k or ([1, 2] if cpu else [4, 16, 64, 128])
@@ -286,11 +289,17 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         torch.index_select(kv_pool, 0, source_rows, out=scratch_kv[PAGE:])
         torch.index_select(index_pool, 0, source_pages, out=scratch_index[1:])
 
-    def gather_layer():
-        copy_pages()
+    def replicated_layer():
+        """Stock's decode attention over a replicated pool (here the filled scratch): no copy."""
         logits = kernels.logits(q_index, weights, scratch_index, scratch_table, seq_lens, gather_schedule)
         indices = kernels.sglang_topk(logits, seq_lens, page_table_1, cu_seqlens_q)
         return kernels.attention(q, scratch_kv, indices, nsa_lens, gather_metadata)
+
+    def gather_layer():
+        copy_pages()
+        return replicated_layer()
+
+    copy_pages()  # the replicated layer reads real rows
 
     breakdown = {}
     if args.breakdown:
@@ -306,6 +315,8 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         "tables_us": timer(tables_per_forward),
         "gather_us": timer(gather_layer),
         "copy_us": timer(copy_pages),
+        "replicated_us": timer(replicated_layer),
+        "replicated_graph_us": timer(_graphed(device, replicated_layer)),
         "per_owner_graph_us": timer(_graphed(device, per_owner_layer)),
         "tables_graph_us": timer(_graphed(device, tables_per_forward)),
         "gather_graph_us": timer(_graphed(device, gather_layer)),
@@ -325,24 +336,32 @@ def main(argv=None) -> int:
         f"device={args.device} topk={args.topk} iters={args.iters} warmup={args.warmup}; exchange "
         f"emulated in process (per owner) / excluded (gather: a device copy of every page instead)"
     )
-    print("| cp | batch x context | per owner / layer, eager (rows attended) | (tables / forward) | page gather / layer, eager | (its copy) | per owner / gather, eager | per owner / layer, graph | (tables, graph) | page gather / layer, graph | per owner / gather, graph |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| cp | batch x context | per owner / layer, eager (rows attended) | (tables / forward) | page gather / layer, eager | (its copy) | per owner / gather, eager | per owner / layer, graph | (tables, graph) | page gather / layer, graph | per owner / gather, graph | replicated (stock) / layer, eager / graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results = []
     for cp_size in args.cp_sizes:
         for batch in args.batches:
             for context_k in args.contexts_k:
                 r = run_case(args, kernels, pool, cp_size, batch, context_k * 1024)
+                results.append(r)
                 print(
                     f"| {cp_size} | {batch} x {context_k}K | {r['per_owner_us']:.0f} us "
                     f"({r['owned_rows_attended']} rows) "
                     f"| {r['tables_us']:.0f} us | {r['gather_us']:.0f} us | {r['copy_us']:.0f} us "
                     f"| {r['per_owner_us'] / r['gather_us']:.2f} | {r['per_owner_graph_us']:.0f} us "
                     f"| {r['tables_graph_us']:.0f} us | {r['gather_graph_us']:.0f} us "
-                    f"| {r['per_owner_graph_us'] / r['gather_graph_us']:.2f} |",
+                    f"| {r['per_owner_graph_us'] / r['gather_graph_us']:.2f} "
+                    f"| {r['replicated_us']:.0f} / {r['replicated_graph_us']:.0f} us |",
                     flush=True,
                 )
                 if r["breakdown"]:
                     parts = ", ".join(f"{k} {e:.0f}/{g:.0f}" for k, (e, g) in r["breakdown"].items())
                     print(f"|   | per owner parts, us eager/graph: {parts} |", flush=True)
+    if args.json_out:
+        import json
+
+        with open(args.json_out, "w") as out:
+            json.dump([{k: v for k, v in r.items() if k != "breakdown"} for r in results], out, indent=1)
     print(f"done in {time.monotonic() - start:.0f} s")
     return 0
 
