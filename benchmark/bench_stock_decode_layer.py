@@ -22,7 +22,9 @@ it (its exchange emulated: NCCL's latency for the three small collectives per la
 
 Caveats, both in stock's favour here: at ``--tp 1`` one rank runs the whole MoE (at tp 8 a rank
 runs 1/8 of each expert's matmuls, plus an all-reduce), and the weights are bf16 (GLM-5 ships
-fp8), so this layer reads more bytes than a real rank's.
+fp8), so this layer reads more bytes than a real rank's. ``--mem-fraction-static 0.6`` leaves
+room for the prefill of 32 x 4K tokens in one forward (bench_one_batch does not chunk; at 0.8 the
+indexer's logits of that prefill ran out of memory on an H200).
 
     source scripts/gpu/remote_env.sh && python benchmark/bench_stock_decode_layer.py   # H200, ~5 min
     python benchmark/bench_stock_decode_layer.py --dry-run                            # commands only
@@ -75,7 +77,7 @@ def bench_command(args, model_dir: Path, mode: str, result_file: Path) -> list:
         sys.executable, "-m", "sglang.bench_one_batch", "--model-path", str(model_dir),
         "--load-format", "dummy", "--tp-size", "1", "--batch-size", *map(str, args.batches),
         "--input-len", str(args.context), "--output-len", str(args.output_len),
-        "--mem-fraction-static", "0.8", "--result-filename", str(result_file),
+        "--mem-fraction-static", "0.6", "--result-filename", str(result_file),
         "--disable-piecewise-cuda-graph",
     ]
     if args.kv_dtype == "fp8":
@@ -124,7 +126,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="stock_decode_layer_"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # No DeepGEMM precompile: it compiles 16,384 GEMM shapes (over 10 minutes) before the first
+    # forward; the shapes a run uses compile on first use instead, before the timed steps.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "0"}
     stock = {}
     start = time.monotonic()
     for num_layers in (args.layers, args.layers + 2):
