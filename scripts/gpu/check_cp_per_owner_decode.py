@@ -59,9 +59,9 @@ import math
 import sys
 import time
 
+from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import DECODE_IMPLS, KV_DTYPE_OF_IMPL
+
 PLANTS = ("none", "drop-partial", "lse-base", "wrong-owner")
-DECODE_IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
-KV_DTYPE_OF_IMPL = {"flashmla_kv": "fp8", "flashmla_sparse": "bf16", "fa3": "bf16"}
 # Natural-log LSE of a kernel vs the float32 reference, per KV dtype. fp8: FlashMLA's fp8 decode
 # scores dequantized rows with its own rounding; its LSE was up to 2.6e-2 off at cp 4/8 on an H200
 # (bf16: 1.7e-5) while the merged outputs stayed within 4.6e-3. A wrong base is off by 4 or more.
@@ -119,6 +119,7 @@ class Kernels:
 
 
 def _reference_attention():
+    from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
     from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 
     def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
@@ -126,32 +127,12 @@ def _reference_attention():
         return out.to(q.dtype), lse
 
     def flashmla_sparse(q, rows, indices, sm_scale, seq_lens):
-        out, _, lse = ref.flash_mla_sparse_fwd_reference(q, rows[:, None], indices[:, None], sm_scale)
-        return out, lse
+        return calls.flashmla_sparse_call(ref.flash_mla_sparse_fwd_reference, q, rows, indices, sm_scale)
 
     def fa3(q, rows, indices, sm_scale, seq_lens):
-        return _fa3_call(ref.fa3_paged_decode_reference, q, rows, indices, sm_scale)
+        return calls.fa3_call(ref.fa3_paged_decode_reference, q, rows, indices, sm_scale, seq_lens)
 
     return {"flashmla_kv": flashmla_kv, "flashmla_sparse": flashmla_sparse, "fa3": fa3}
-
-
-def _fa3_call(kernel, q, rows, indices, sm_scale):
-    """fa3 as ``_forward_fa3`` calls it (page size 1), over the valid indices compacted to the front
-    (their count as ``cache_seqlens``), as per-owner decode passes them."""
-    import torch
-
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import compact_owned_indices
-
-    table, counts = compact_owned_indices(indices.to(torch.int32))
-    batch = q.shape[0]
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    out, lse, *_ = kernel(
-        q=q[:, :, 512:], k_cache=rows[:, 512:].view(-1, 1, 1, 64), v_cache=rows[:, :512].view(-1, 1, 1, 512),
-        qv=q[:, :, :512], page_table=table, cache_seqlens=counts, cu_seqlens_q=cu,
-        cu_seqlens_k_new=torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)),
-        max_seqlen_q=1, softmax_scale=sm_scale, causal=True, return_softmax_lse=True,
-    )
-    return out, lse.t()
 
 
 def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
@@ -191,34 +172,17 @@ def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
     try:
         from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
-        def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
-            import torch
+        from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
 
-            batch = q.shape[0]
-            cache_seqlens = seq_lens.clamp(max=TOPK).to(torch.int32)
+        def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
+            cache_seqlens = seq_lens.clamp(max=TOPK).to(torch_int32())
             metadata, splits = get_mla_metadata(cache_seqlens, HEADS, 1, HEADS, True, TOPK)
-            out, lse = flash_mla_with_kvcache(
-                q=q.view(batch, 1, HEADS, -1),
-                k_cache=rows.view(torch.float8_e4m3fn).view(-1, PAGE, 1, rows.shape[-1]),
-                block_table=torch.empty((batch, 0), dtype=torch.int32, device=q.device),
-                cache_seqlens=cache_seqlens,
-                head_dim_v=512,
-                tile_scheduler_metadata=metadata,
-                num_splits=splits,
-                softmax_scale=sm_scale,
-                indices=indices.view(batch, 1, -1).to(torch.int32),
-                is_fp8_kvcache=True,
+            return calls.flashmla_kv_call(
+                flash_mla_with_kvcache, q, rows, indices, sm_scale, cache_seqlens, metadata, splits
             )
-            return out[:, 0], lse[:, :, 0]
 
         def flashmla_sparse(q, rows, indices, sm_scale, seq_lens):
-            import torch
-
-            out, _, lse = flash_mla_sparse_fwd(
-                q=q.contiguous(), kv=rows[:, None].contiguous(),
-                indices=indices[:, None].to(torch.int32).contiguous(), sm_scale=sm_scale, d_v=512,
-            )
-            return out, lse
+            return calls.flashmla_sparse_call(flash_mla_sparse_fwd, q, rows, indices, sm_scale)
 
         for impl, fn in (("flashmla_kv", flashmla_kv), ("flashmla_sparse", flashmla_sparse)):
             if impl in attention:
@@ -233,8 +197,10 @@ def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
         if problem is None:
             from sglang.srt.layers.attention import nsa_backend
 
-            attention["fa3"] = lambda q, rows, indices, sm_scale, seq_lens: _fa3_call(
-                nsa_backend.flash_attn_with_kvcache, q, rows, indices, sm_scale
+            from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import fa3_call
+
+            attention["fa3"] = lambda q, rows, indices, sm_scale, seq_lens: fa3_call(
+                nsa_backend.flash_attn_with_kvcache, q, rows, indices, sm_scale, seq_lens
             )
             names["attention (fa3)"] = "sglang nsa_backend.flash_attn_with_kvcache (fa3)"
         else:

@@ -3,12 +3,22 @@
 CP ranks are emulated in one process (``testing/per_owner_decode_graph_emulation.py``): each rank's
 shard and static owner tables (``OwnerTableBuffers``, the buffers the server's graphs read) live
 side by side and the exchanges are device ops inside the graph (NCCL cannot put two ranks on one
-GPU, gloo cannot be captured). Per cp size:
+GPU, gloo cannot be captured). Per decode impl (``--decode-impls``, default all three served per
+owner) and cp size:
 
 1. load batch A into the static inputs, refresh the owner tables (the replay metadata hook's job),
    capture one graph of the whole layer (every rank's indexer, local top-k, global selection,
    attention, LSE merge), replay it;
 2. load batch B (other lengths, pages and contents; same batch size), refresh, replay.
+
+Each impl uses its KV row format and its attention call as the runtime makes it
+(``testing/nsa_decode_kernel_calls.py``), with the LSE read in the base per-owner decode declares
+for it (``per_owner_decode.SERVED_DECODE_IMPLS``):
+
+* ``flashmla_kv``: fp8 656-byte rows, ``flash_mla_with_kvcache`` with ``indices``, natural LSE;
+* ``flashmla_sparse``: bf16 576-wide rows, ``flash_mla_sparse_fwd``, base-2 LSE;
+* ``fa3``: bf16 rows, ``flash_attn_with_kvcache`` over the owned indices compacted to the front
+  (``compact_owned_indices``, inside the graph) with their count as ``cache_seqlens``, natural LSE.
 
 Each replay is compared with the same layer run eagerly from tables built fresh from the batch
 (same kernels, same inputs, up to the order in which the attention sums the selected rows: 1e-2
@@ -16,23 +26,27 @@ relative L2, see ``FRESH_TOL``) and with the
 replicated pool (selection equal up to ties, outputs within 2e-2 relative L2, bf16).
 
 ``--plant stale-tables`` leaves rank 1's owner tables unrefreshed before the second replay (a
-static buffer not refreshed on replay); the check must then FAIL on batch B.
+static buffer not refreshed on replay); the check must then FAIL on batch B, for every impl.
 
-Then (``--hooked-cp-sizes``, default 2) one decode layer runs through sglang's own decode methods
-with our hooks, on gloo ranks sharing the device (``testing/per_owner_decode_hooked.py``), through
-the decode-graph hooks: owner tables built at "capture" from capture-time contents, the batch copied
-into the backend's static metadata, the replay hook's refresh, the layer over the static tables
-(not captured: gloo cannot be). It must match the replicated pool, and must NOT once the refresh is
-left out (``graph-stale``, run in the same go as a built-in plant).
+Then (``--hooked-cp-sizes``, default 2) one decode layer per impl runs through sglang's own decode
+methods with our hooks, on gloo ranks sharing the device (``testing/per_owner_decode_hooked.py``),
+through the decode-graph hooks: owner tables built at "capture" from capture-time contents, the
+batch copied into the backend's static metadata, the replay hook's refresh, the layer over the
+static tables (not captured: gloo cannot be). It must match the replicated pool, and must NOT once
+the refresh is left out (``graph-stale``, run in the same go as a built-in plant).
 
-Kernels: ``deep_gemm.fp8_paged_mqa_logits`` with its schedule (refreshed outside the graph, as
-sglang does) and ``sgl_kernel.flash_mla.flash_mla_with_kvcache`` (sparse, fp8 KV) with its tile
-metadata (refreshed likewise) on CUDA; torch references on CPU (``--device cpu``), where no graph
-exists and a "replay" re-runs the layer over the static buffers, which still shows a stale buffer.
+Kernels on CUDA (no fallback): ``deep_gemm.fp8_paged_mqa_logits`` with its schedule (refreshed
+outside the graph, as sglang does), ``sgl_kernel.flash_mla`` (``flash_mla_with_kvcache`` with its
+tile metadata, refreshed likewise; ``flash_mla_sparse_fwd``) and sglang's fa3
+``flash_attn_with_kvcache``. fa3's kernel library is not always installed: where it does not run,
+the fa3 cases are SKIPPED with the reason printed and counted in the summary. Torch references on
+CPU (``--device cpu``), where no graph exists and a "replay" re-runs the layer over the static
+buffers, which still shows a stale buffer.
 
 GPU:  python scripts/gpu/check_per_owner_decode_graphs.py
 CPU:  python scripts/gpu/check_per_owner_decode_graphs.py --device cpu
-Prints one line per (cp size, batch) and ``check: N passed, M failed``; exit 0 only if all passed.
+Prints one line per (impl, cp size, batch) and per hooked (impl, mode), then
+``check: N passed, M failed, K impls skipped``; exit 0 only if all passed and something ran.
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import DECODE_IMPLS
 
 PLANTS = ("none", "stale-tables")
 HEADS = 64
@@ -58,6 +74,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--cp-sizes", default="2,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument(
+        "--decode-impls",
+        default=",".join(DECODE_IMPLS),
+        type=lambda s: [x for x in s.split(",") if x],
+        help="NSA decode impls to capture (flashmla_kv: fp8 KV; flashmla_sparse, fa3: bf16 KV)",
+    )
     parser.add_argument("--plant", choices=PLANTS, default="none")
     parser.add_argument(
         "--hooked-cp-sizes",
@@ -70,13 +92,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def cuda_kernels():
-    """The real kernels, graph-ready: schedule and tile metadata are separate calls."""
+def cuda_kernels(decode_impls=DECODE_IMPLS):
+    """The real kernels, graph-ready: the indexer schedule and FlashMLA's tile metadata are separate
+    calls (refreshed outside the graph). fa3 is skipped, with the reason, where it does not run."""
     import deep_gemm
     import torch
-    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
-    from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import PAGE, GraphKernels
+    from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
+    from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import PAGE, GraphKernels, ImplAttention
+    from sglang_cp_shared_kv.testing.per_owner_decode_hooked import real_fa3_problem
 
     num_sms = deep_gemm.get_num_sms()
 
@@ -90,27 +115,39 @@ def cuda_kernels():
             block_table.shape[1] * PAGE, clean_logits=False,
         )
 
-    def attention_metadata(lens):
-        return get_mla_metadata(lens, HEADS, 1, HEADS, True, TOPK)
+    def flashmla_kv(q, rows, indices, sm_scale, lens, metadata):
+        return calls.flashmla_kv_call(flash_mla_with_kvcache, q, rows, indices, sm_scale, lens, *metadata)
 
-    def attention(q, rows, indices, sm_scale, lens, metadata):
-        batch = q.shape[0]
-        out, lse = flash_mla_with_kvcache(
-            q=q.view(batch, 1, HEADS, -1),
-            k_cache=rows.view(torch.float8_e4m3fn).view(-1, PAGE, 1, rows.shape[-1]),
-            block_table=torch.empty((batch, 0), dtype=torch.int32, device=q.device),
-            cache_seqlens=lens, head_dim_v=512, tile_scheduler_metadata=metadata[0],
-            num_splits=metadata[1], softmax_scale=sm_scale,
-            indices=indices.view(batch, 1, -1).to(torch.int32), is_fp8_kvcache=True,
-        )
-        return out[:, 0], lse[:, :, 0]
+    def flashmla_sparse(q, rows, indices, sm_scale, lens, metadata):
+        return calls.flashmla_sparse_call(flash_mla_sparse_fwd, q, rows, indices, sm_scale)
 
+    available = {
+        "flashmla_kv": ImplAttention(lambda lens: get_mla_metadata(lens, HEADS, 1, HEADS, True, TOPK), flashmla_kv),
+        "flashmla_sparse": ImplAttention(lambda lens: None, flashmla_sparse),
+    }
     names = {"indexer": "deep_gemm.fp8_paged_mqa_logits",
-             "attention": "sgl_kernel.flash_mla.flash_mla_with_kvcache (sparse, fp8 KV)"}
-    return GraphKernels(logits, schedule, attention_metadata, attention, names)
+             "attention (flashmla_kv)": "sgl_kernel.flash_mla.flash_mla_with_kvcache (sparse, fp8 KV)",
+             "attention (flashmla_sparse)": "sgl_kernel.flash_mla.flash_mla_sparse_fwd (bf16 KV)"}
+    skipped = {}
+    if "fa3" in decode_impls:
+        problem = real_fa3_problem("cuda")
+        if problem is None:
+            from sglang.srt.layers.attention import nsa_backend
+
+            def fa3(q, rows, indices, sm_scale, lens, metadata):
+                return calls.fa3_call(nsa_backend.flash_attn_with_kvcache, q, rows, indices, sm_scale, lens)
+
+            available["fa3"] = ImplAttention(lambda lens: None, fa3)
+            names["attention (fa3)"] = "sglang nsa_backend.flash_attn_with_kvcache (fa3, bf16 KV)"
+        else:
+            skipped["fa3"] = f"fa3 does not run here: {problem}"
+            names["attention (fa3)"] = f"SKIPPED ({problem})"
+    attention = {impl: available[impl] for impl in decode_impls if impl in available}
+    return GraphKernels(logits, schedule, attention, names, skipped)
 
 
-def run_cp(args, cp_size, kernels) -> list:
+def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
+    """[batch A passed, batch B passed] of ``decode_impl`` at ``cp_size``."""
     import torch
 
     from sglang_cp_shared_kv.model_executor.decode_topk_merge import same_selection_up_to_ties
@@ -122,12 +159,13 @@ def run_cp(args, cp_size, kernels) -> list:
     needed = sum(-(-s // emu.PAGE) for s in SEQ_LENS_A + SEQ_LENS_B)
     physical_pages = 2 + -(-needed // cp_size)
     layer = emu.EmulatedDecodeLayer(cp_size, physical_pages, width_pages, len(SEQ_LENS_A), HEADS,
-                                    TOPK, kernels, device)
+                                    TOPK, kernels, device, decode_impl)
     graph = None
     results = []
     for name, seq_lens in (("A", SEQ_LENS_A), ("B", SEQ_LENS_B)):
         start = time.monotonic()
-        batch = emu.random_batch(g, cp_size, physical_pages, width_pages, list(seq_lens), HEADS, device)
+        batch = emu.random_batch(g, cp_size, physical_pages, width_pages, list(seq_lens), HEADS, device,
+                                 layer.kv_dtype)
         layer.load(batch)
         stale = (1,) if args.plant == "stale-tables" and name == "B" else ()
         layer.refresh(skip_ranks=stale)
@@ -163,7 +201,7 @@ def run_cp(args, cp_size, kernels) -> list:
         if device == "cuda":
             torch.cuda.synchronize()
         print(
-            f"cp={cp_size} batch {name} ({mode}): vs fresh tables rel err={err_fresh:.2e} "
+            f"cp={cp_size} {decode_impl} batch {name} ({mode}): vs fresh tables rel err={err_fresh:.2e} "
             f"(tol {FRESH_TOL:.0e}), vs replicated rel err={err_rep:.2e} (tol {REL_TOL:.0e}), "
             f"selection up to ties {int(ties[real].sum())}/{int(real.sum())}, nan={nan}"
             f"{' [rank 1 tables not refreshed]' if stale else ''} "
@@ -177,33 +215,45 @@ HOOKED_SEQ_LENS = (6000, 2048, 700, 3001)
 
 
 def run_hooked(args, cp_size, kernels) -> list:
-    """(graph-replay passes, graph-stale fails) through sglang's decode methods and our hooks."""
+    """Per checked impl: (graph-replay passes, graph-stale fails) through sglang's decode methods
+    and our hooks, every scenario on the same ``cp_size`` gloo ranks (one start-up)."""
+    import torch
+
     from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import KV_DTYPE_OF_IMPL
+
+    start = time.monotonic()
+    cases = [(impl, mode, should_pass)
+             for impl in args.decode_impls if impl in kernels.attention
+             for mode, should_pass in (("graph-replay", True), ("graph-stale", False))]
+    scenarios = [
+        hooked.Scenario(seq_lens=HOOKED_SEQ_LENS, topk=TOPK, graph=mode, decode_impl=impl,
+                        kv_dtype=KV_DTYPE_OF_IMPL[impl])
+        for impl, mode, _ in cases
+    ]
+
+    # The replicated selection from this process's indexer kernel (the ranks run the same one):
+    # torch reference scores would differ from deep_gemm's in the last bits and move ties.
+    def logits_fn(q_index, weights, index_pages, page_table, seq_lens):
+        lens = seq_lens.to(torch.int32)
+        return kernels.logits(q_index, weights, index_pages, page_table, lens, kernels.schedule(lens))
+
+    outcomes = hooked.run_scenarios(cp_size, scenarios, args.device, REL_TOL, logits_fn=logits_fn)
     verdicts = []
-    for mode, should_pass in (("graph-replay", True), ("graph-stale", False)):
-        start = time.monotonic()
-        scenario = hooked.Scenario(seq_lens=HOOKED_SEQ_LENS, topk=TOPK, graph=mode)
-        # The replicated selection from this process's indexer kernel (the ranks run the same one):
-        # torch reference scores would differ from deep_gemm's in the last bits and move ties.
-        import torch
-
-        def logits_fn(q_index, weights, index_pages, page_table, seq_lens):
-            lens = seq_lens.to(torch.int32)
-            return kernels.logits(q_index, weights, index_pages, page_table, lens, kernels.schedule(lens))
-
-        results, comparison = hooked.run_scenario(cp_size, scenario, args.device, REL_TOL, logits_fn=logits_fn)
+    for (impl, mode, should_pass), (results, comparison) in zip(cases, outcomes):
         ok = hooked.passed(comparison) == should_pass
         if not ok:
-            print(f"hooked cp={cp_size} {mode}: {comparison}", flush=True)
-        kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items())
+            print(f"hooked cp={cp_size} {impl} {mode}: {comparison}", flush=True)
+        role = "attention (fa3)" if impl == "fa3" else "attention (flashmla)"
+        kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items() if k in ("indexer", role))
         print(
-            f"hooked cp={cp_size} {mode} ({kernels_used}): max rel err={comparison['rel_err']:.2e}, "
+            f"hooked cp={cp_size} {impl} {mode} ({kernels_used}): max rel err={comparison['rel_err']:.2e}, "
             f"{'passes' if hooked.passed(comparison) else 'fails'} (must "
-            f"{'pass' if should_pass else 'fail'}) [{time.monotonic() - start:.1f}s] "
-            f"{'PASS' if ok else 'FAIL'}",
+            f"{'pass' if should_pass else 'fail'}) {'PASS' if ok else 'FAIL'}",
             flush=True,
         )
         verdicts.append(ok)
+    print(f"hooked cp={cp_size}: [{time.monotonic() - start:.1f}s]", flush=True)
     return verdicts
 
 
@@ -216,22 +266,35 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu")
         return 2
-    kernels = cuda_kernels() if args.device == "cuda" else emu.reference_kernels()
+    unknown = [impl for impl in args.decode_impls if impl not in DECODE_IMPLS]
+    if unknown or not args.decode_impls:
+        print(f"--decode-impls {args.decode_impls}: choose one or more of {DECODE_IMPLS}")
+        return 2
+    if args.device == "cuda":
+        kernels = cuda_kernels(args.decode_impls)
+    else:
+        kernels = emu.reference_kernels(args.decode_impls)
     for role, name in kernels.names.items():
         print(f"{role}: {name}")
+    for impl, reason in kernels.skipped.items():
+        print(f"SKIPPED {impl}: {reason}")
     print(f"plant: {args.plant}")
     passed = failed = 0
-    for cp_size in args.cp_sizes:
-        for ok in run_cp(args, cp_size, kernels):
-            passed += ok
-            failed += not ok
+    for impl in args.decode_impls:
+        if impl not in kernels.attention:
+            continue
+        for cp_size in args.cp_sizes:
+            for ok in run_cp(args, cp_size, kernels, impl):
+                passed += ok
+                failed += not ok
     if args.plant == "none":
         for cp_size in args.hooked_cp_sizes:
             for ok in run_hooked(args, cp_size, kernels):
                 passed += ok
                 failed += not ok
-    print(f"check: {passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    print(f"check: {passed} passed, {failed} failed, {len(kernels.skipped)} impls skipped")
+    # Nothing checked (every impl skipped) is no pass.
+    return 0 if failed == 0 and passed > 0 else 1
 
 
 if __name__ == "__main__":

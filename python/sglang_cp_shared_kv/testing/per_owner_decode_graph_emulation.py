@@ -1,8 +1,9 @@
 """One per-owner NSA decode layer of every CP rank in one process, over static buffers, for graph checks.
 
 NCCL cannot put two ranks on one GPU and gloo cannot be captured, so the CP ranks are emulated
-inside one process: each rank's shard (fp8 KV rows, indexer pages) and its ``OwnerTableBuffers``
-live side by side, and the exchanges are device ops (the candidate all-gather a ``torch.stack``,
+inside one process: each rank's shard (KV rows in the decode impl's format: fp8 656-byte rows for
+``flashmla_kv``, bf16 576-wide rows for ``flashmla_sparse`` and ``fa3``; indexer pages) and its
+``OwnerTableBuffers`` live side by side, and the exchanges are device ops (the candidate all-gather a ``torch.stack``,
 the LSE merge a sum over ranks). ``EmulatedDecodeLayer.step`` reads only static tensors, so it can
 be captured in one CUDA graph and replayed after ``load`` wrote a new batch into them and
 ``refresh`` rebuilt the owner tables (what the replay metadata hook does on a server).
@@ -10,13 +11,16 @@ be captured in one CUDA graph and replayed after ``load`` wrote a new batch into
 ``fresh_step`` computes the same layer from tables built fresh from the batch (no static owner
 tables): a replay whose tables were not refreshed differs from it. ``replicated`` is the same
 layer over the replicated pool. Kernels are injected (``GraphKernels``): the real ones on an H200,
-torch references on CPU.
+torch references on CPU; each impl's attention is called as the runtime calls it
+(``nsa_decode_kernel_calls``: fa3 over the compacted owned indices, their count as
+``cache_seqlens``, inside the captured layer) and its LSE read in the base per-owner decode declares
+for it (``per_owner_decode.SERVED_DECODE_IMPLS``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -33,52 +37,86 @@ from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
+from sglang_cp_shared_kv.model_executor.per_owner_decode import SERVED_DECODE_IMPLS
 from sglang_cp_shared_kv.model_executor.per_owner_decode_graphs import OwnerTableBuffers
+from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
 from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv.testing.per_owner_decode_hooked import KV_DIM, pool_rows
 
 PAGE = 64
 INDEX_HEADS = 32
 
 
 @dataclass
+class ImplAttention:
+    """One decode impl's attention: ``metadata(lens)`` -> the kernel's schedule, refreshed outside
+    the graph as sglang does (None where the kernel has none); ``call(q, rows, indices, sm_scale,
+    lens, metadata)`` -> (out [B, H, 512], LSE [B, H] in the kernel's base)."""
+
+    metadata: Callable
+    call: Callable
+
+
+def _no_metadata(lens):
+    return None
+
+
+@dataclass
 class GraphKernels:
     """``logits(q_fp8, weights, pages, block_table, lens, schedule)`` -> [B, W * PAGE] float32;
-    ``schedule(lens)`` -> indexer schedule or None; ``attention_metadata(lens)`` -> opaque or None;
-    ``attention(q, rows, indices, sm_scale, lens, metadata)`` -> (out [B, H, 512], natural LSE [B, H])."""
+    ``schedule(lens)`` -> indexer schedule or None; ``attention``: decode impl -> ``ImplAttention``
+    (impls that do not run here are in ``skipped``, with the reason)."""
 
     logits: Callable
     schedule: Callable
-    attention_metadata: Callable
-    attention: Callable
+    attention: Dict[str, ImplAttention]
     names: dict
+    skipped: Dict[str, str] = field(default_factory=dict)
 
 
-def reference_kernels() -> GraphKernels:
-    def logits(q_fp8, weights, pages, block_table, lens, schedule):
-        return ref.paged_mqa_logits_reference(q_fp8, weights, pages, block_table, lens, PAGE)
+def reference_attention() -> Dict[str, ImplAttention]:
+    """Every impl's call over its torch reference (fa3 and flashmla_sparse through the same calls as
+    the real kernels: compaction, base-2 LSE)."""
 
-    def attention(q, rows, indices, sm_scale, lens, metadata):
+    def flashmla_kv(q, rows, indices, sm_scale, lens, metadata):
         out, lse = ref.sparse_mla_decode_reference(q, ref.kv_rows_as_float(rows), indices, sm_scale)
         return out.to(q.dtype), lse
 
-    names = {"indexer": "torch reference", "attention": "torch reference"}
-    return GraphKernels(logits, lambda lens: None, lambda lens: None, attention, names)
+    def flashmla_sparse(q, rows, indices, sm_scale, lens, metadata):
+        return calls.flashmla_sparse_call(ref.flash_mla_sparse_fwd_reference, q, rows, indices, sm_scale)
+
+    def fa3(q, rows, indices, sm_scale, lens, metadata):
+        return calls.fa3_call(ref.fa3_paged_decode_reference, q, rows, indices, sm_scale, lens)
+
+    return {impl: ImplAttention(_no_metadata, fn)
+            for impl, fn in (("flashmla_kv", flashmla_kv), ("flashmla_sparse", flashmla_sparse), ("fa3", fa3))}
+
+
+def reference_kernels(decode_impls=calls.DECODE_IMPLS) -> GraphKernels:
+    def logits(q_fp8, weights, pages, block_table, lens, schedule):
+        return ref.paged_mqa_logits_reference(q_fp8, weights, pages, block_table, lens, PAGE)
+
+    attention = reference_attention()
+    names = {"indexer": "torch reference", "attention": "torch references"}
+    return GraphKernels(logits, _no_metadata, {impl: attention[impl] for impl in decode_impls}, names)
 
 
 @dataclass
 class Batch:
     page_table: torch.Tensor  # [bs, W] int32 logical pages (0: padding, stale past the pages)
     seq_lens: torch.Tensor  # [bs] int32
-    kv_rows: torch.Tensor  # replicated fp8 rows [cp * P * PAGE, 656] uint8
+    kv_rows: torch.Tensor  # replicated rows [cp * P * PAGE, 656] uint8 (fp8) or [.., 576] bf16
     index_pages: torch.Tensor  # replicated indexer pages [cp * P, PAGE * 132] uint8
     q_index: torch.Tensor  # [bs, INDEX_HEADS, 128] fp8
     weights: torch.Tensor  # [bs, INDEX_HEADS] float32
     q: torch.Tensor  # [bs, H, 576] bf16
 
 
-def random_batch(g, cp_size, physical_pages, width_pages, seq_lens: List[int], heads, device) -> Batch:
+def random_batch(g, cp_size, physical_pages, width_pages, seq_lens: List[int], heads, device,
+                 kv_dtype: str = "fp8") -> Batch:
     """Requests of ``seq_lens`` (0: a padded request) on distinct random pages of a pool of
-    ``cp_size * physical_pages`` logical pages, with random contents."""
+    ``cp_size * physical_pages`` logical pages, with random contents (KV rows as a ``kv_dtype``
+    pool stores them)."""
     bs = len(seq_lens)
     table = torch.zeros((bs, width_pages), dtype=torch.int32)
     free = torch.arange(cp_size, cp_size * physical_pages)[torch.randperm(cp_size * (physical_pages - 1), generator=g)]
@@ -97,7 +135,7 @@ def random_batch(g, cp_size, physical_pages, width_pages, seq_lens: List[int], h
     return Batch(
         page_table=table.to(device),
         seq_lens=torch.tensor([max(s, 1) for s in seq_lens], dtype=torch.int32, device=device),
-        kv_rows=ref.fp8_kv_rows(kv.to(device)),
+        kv_rows=pool_rows(kv.to(device), kv_dtype),
         index_pages=ref.index_pages(index_k.to(device), index_scale.to(device), PAGE),
         q_index=torch.randn(bs, INDEX_HEADS, 128, generator=g).to(device).to(torch.float8_e4m3fn),
         weights=(torch.rand(bs, INDEX_HEADS, generator=g) * 0.1).to(device),
@@ -106,10 +144,16 @@ def random_batch(g, cp_size, physical_pages, width_pages, seq_lens: List[int], h
 
 
 class EmulatedDecodeLayer:
-    """Static inputs of one decode layer of ``bs`` requests and every rank's shard and tables."""
+    """Static inputs of one decode layer of ``bs`` requests and every rank's shard and tables, for
+    ``decode_impl`` (its KV row format, attention call and LSE base)."""
 
-    def __init__(self, cp_size, physical_pages, width_pages, bs, heads, topk, kernels: GraphKernels, device):
+    def __init__(self, cp_size, physical_pages, width_pages, bs, heads, topk, kernels: GraphKernels, device,
+                 decode_impl: str = "flashmla_kv"):
         self.cp_size, self.physical_pages, self.topk, self.kernels = cp_size, physical_pages, topk, kernels
+        self.decode_impl = decode_impl
+        self.kv_dtype = calls.KV_DTYPE_OF_IMPL[decode_impl]
+        self.attention = kernels.attention[decode_impl]
+        self.lse_base = SERVED_DECODE_IMPLS[decode_impl]
         self.bs, self.width_pages, self.heads = bs, width_pages, heads
         self.layouts = [CpSharedKVLayout(cp_size, r, PAGE) for r in range(cp_size)]
         self.page_table = torch.zeros((bs, width_pages), dtype=torch.int32, device=device)
@@ -117,8 +161,9 @@ class EmulatedDecodeLayer:
         self.q_index = torch.zeros((bs, INDEX_HEADS, 128), dtype=torch.float8_e4m3fn, device=device)
         self.weights = torch.zeros((bs, INDEX_HEADS), dtype=torch.float32, device=device)
         self.q = torch.zeros((bs, heads, 576), dtype=torch.bfloat16, device=device)
-        self.kv_shards = [torch.zeros((physical_pages * PAGE, 656), dtype=torch.uint8, device=device)
-                          for _ in range(cp_size)]
+        kv_row_dtype = torch.uint8 if self.kv_dtype == "fp8" else torch.bfloat16
+        self.kv_shards = [torch.zeros((physical_pages * PAGE, KV_DIM[self.kv_dtype]), dtype=kv_row_dtype,
+                                      device=device) for _ in range(cp_size)]
         self.index_shards = [torch.zeros((physical_pages, PAGE * 132), dtype=torch.uint8, device=device)
                              for _ in range(cp_size)]
         self.buffers = [OwnerTableBuffers(bs, width_pages, PAGE, device) for _ in range(cp_size)]
@@ -149,7 +194,7 @@ class EmulatedDecodeLayer:
             if rank in skip_ranks:
                 continue
             buffers.refresh(layout, self.page_table, self.seq_lens, self.kernels.schedule)
-        metadata = self.kernels.attention_metadata(self._attention_lens())
+        metadata = self.attention.metadata(self._attention_lens())
         if self.attention_metadata is None or metadata is None:
             self.attention_metadata = metadata
         else:
@@ -170,7 +215,7 @@ class EmulatedDecodeLayer:
         """The same layer from tables built fresh from the static page table (not captured)."""
         tables = [build_owner_decode_tables(l, self.page_table, self.seq_lens) for l in self.layouts]
         schedules = [self.kernels.schedule(t.owned_seq_lens) for t in tables]
-        metadata = self.kernels.attention_metadata(self._attention_lens())
+        metadata = self.attention.metadata(self._attention_lens())
         return self._layer(tables, schedules, metadata)[0]
 
     def selection(self) -> torch.Tensor:
@@ -190,10 +235,10 @@ class EmulatedDecodeLayer:
         outs, lses = [], []
         for rank in range(self.cp_size):
             indices = owned_attention_indices(selection, candidates[rank], rank)
-            out, lse = self.kernels.attention(self.q, self.kv_shards[rank], indices, self.sm_scale,
-                                              self._attention_lens(), metadata)
+            out, lse = self.attention.call(self.q, self.kv_shards[rank], indices, self.sm_scale,
+                                           self._attention_lens(), metadata)
             outs.append(out)
-            lses.append(merge.natural_lse(lse, 2.718281828459045))
+            lses.append(merge.natural_lse(lse, self.lse_base))
         lse_all = merge.global_lse(torch.stack(lses))  # the LSE all-gather
         merged = torch.zeros_like(outs[0])
         for out, lse in zip(outs, lses):  # the sum all-reduce, rank by rank
@@ -211,9 +256,9 @@ class EmulatedDecodeLayer:
         slot = torch.arange(PAGE, device=lens.device)
         locs = (batch.page_table.long()[:, :, None] * PAGE + slot).reshape(lens.shape[0], -1)
         indices = torch.where(positions >= 0, locs.gather(1, positions.clamp(min=0).long()), -1)
-        metadata = self.kernels.attention_metadata(lens.clamp(max=self.topk).to(torch.int32))
-        out, _ = self.kernels.attention(batch.q, batch.kv_rows, indices, self.sm_scale,
-                                        lens.clamp(max=self.topk).to(torch.int32), metadata)
+        metadata = self.attention.metadata(lens.clamp(max=self.topk).to(torch.int32))
+        out, _ = self.attention.call(batch.q, batch.kv_rows, indices, self.sm_scale,
+                                     lens.clamp(max=self.topk).to(torch.int32), metadata)
         return out, positions
 
 

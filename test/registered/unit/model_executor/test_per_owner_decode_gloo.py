@@ -105,12 +105,17 @@ class TestPerOwnerDecodeGloo(CustomTestCase):
 class TestPerOwnerDecodeGraphHooks(CustomTestCase):
     def test_graph_hooks_serve_the_replayed_batch(self):
         """Through the decode-graph hooks (tables built at capture from capture-time contents,
-        refreshed by the replay hook) the layer gives the replicated output; without the refresh
-        (a stale static buffer) it does not."""
-        for mode, should_pass in (("graph-replay", True), ("graph-stale", False)):
-            scenario = hooked.Scenario(seq_lens=(900, 128, 70, 400), topk=128, graph=mode)
-            _, comparison = hooked.run_scenario(2, scenario, "cpu", rel_tol=2e-2)
-            with self.subTest(mode=mode):
+        refreshed by the replay hook) the layer gives the replicated output for every impl (fp8 and
+        bf16 KV); without the refresh (a stale static buffer) it does not."""
+        cases = [(impl, kv_dtype, mode, should_pass) for impl, kv_dtype in IMPLS
+                 for mode, should_pass in (("graph-replay", True), ("graph-stale", False))]
+        scenarios = [
+            hooked.Scenario(seq_lens=(900, 128, 70, 400), topk=128, graph=mode, decode_impl=impl, kv_dtype=kv_dtype)
+            for impl, kv_dtype, mode, _ in cases
+        ]
+        outcomes = hooked.run_scenarios(2, scenarios, "cpu", rel_tol=2e-2)
+        for (impl, _, mode, should_pass), (_, comparison) in zip(cases, outcomes):
+            with self.subTest(impl=impl, mode=mode):
                 self.assertEqual(hooked.passed(comparison), should_pass, comparison)
 
 

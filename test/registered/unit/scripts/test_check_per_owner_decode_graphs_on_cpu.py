@@ -1,11 +1,19 @@
 """scripts/gpu/check_per_owner_decode_graphs.py on the CPU (torch references, no graph: a "replay"
-re-runs the layer over the static buffers): it passes on both batches, and its stale-buffer plant
-(rank 1's owner tables not refreshed before the second batch) fails the second batch only.
+re-runs the layer over the static buffers), for every decode impl it captures (flashmla_kv over fp8
+KV; flashmla_sparse with its base-2 LSE and fa3 over the compacted owned indices, both over bf16
+KV): it passes on both batches, and its stale-buffer plant (rank 1's owner tables not refreshed
+before the second batch) fails the second batch only. Its summary counts skipped impls and a run
+that checked nothing does not pass.
 
 The script is only run on a lent GPU, so this is what notices when a change breaks it, or when it
-stops catching the bug it exists to catch."""
+stops catching the bug it exists to catch. Planted in the emulation (then reverted), each failed
+this test: flashmla_sparse's LSE read as natural log; fa3 given the owned indices in place (-1
+between them) with their count as ``cache_seqlens``."""
 
+import contextlib
+import io
 import unittest
+from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -13,7 +21,9 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import reference_kernels
 from sglang_cp_shared_kv.testing.repo_scripts import load_script
 
-register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
+
+IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
 
 
 class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
@@ -21,15 +31,43 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
     def setUpClass(cls):
         cls.check = load_script("scripts/gpu/check_per_owner_decode_graphs.py")
 
-    def _run(self, plant="none"):
+    def _run(self, impl, plant="none"):
         args = self.check.parse_args(["--device", "cpu", "--cp-sizes", "2", "--plant", plant])
-        return self.check.run_cp(args, 2, reference_kernels())
+        return self.check.run_cp(args, 2, reference_kernels(), impl)
 
-    def test_both_batches_pass(self):
-        self.assertEqual(self._run(), [True, True])
+    def test_both_batches_pass_for_every_impl(self):
+        self.assertEqual(self.check.parse_args([]).decode_impls, list(IMPLS))
+        for impl in IMPLS:
+            with self.subTest(impl=impl):
+                self.assertEqual(self._run(impl), [True, True])
 
     def test_stale_tables_fail_the_second_batch(self):
-        self.assertEqual(self._run("stale-tables"), [True, False])
+        for impl in ("flashmla_kv", "fa3"):
+            with self.subTest(impl=impl):
+                self.assertEqual(self._run(impl, "stale-tables"), [True, False])
+
+    def test_summary_counts_skipped_impls_and_nothing_checked_fails(self):
+        from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
+
+        def without_fa3(decode_impls):
+            kernels = reference_kernels([i for i in decode_impls if i != "fa3"])
+            kernels.skipped["fa3"] = "fa3 does not run here: test"
+            return kernels
+
+        base = ["--device", "cpu", "--cp-sizes", "2", "--hooked-cp-sizes", ""]
+        # fa3 as where its kernel library is missing (the script takes its CPU kernels from here)
+        with mock.patch.object(emu, "reference_kernels", without_fa3):
+            for impls, code, summary in (
+                ("flashmla_sparse,fa3", 0, "check: 2 passed, 0 failed, 1 impls skipped"),
+                ("fa3", 1, "check: 0 passed, 0 failed, 1 impls skipped"),
+            ):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    self.assertEqual(self.check.main(base + ["--decode-impls", impls]), code)
+                with self.subTest(impls=impls):
+                    self.assertIn("SKIPPED fa3: fa3 does not run here: test", out.getvalue())
+                    self.assertIn(summary, out.getvalue())
+        self.assertEqual(self.check.main(base + ["--decode-impls", "flashmla_kv,tilelang"]), 2)
 
 
 if __name__ == "__main__":
