@@ -26,8 +26,8 @@ fp8), so this layer reads more bytes than a real rank's. bench_one_batch prefill
 one forward (no chunking): with 32 x 4K tokens the indexer's logits ran out of memory on an H200
 at ``--mem-fraction-static`` 0.8 and 0.6, hence batch 1 by default.
 
-Status: on an H200 the 4-layer model's eager batch-1 run completed (decode median 9.5-14.0 ms per
-step over three runs); the whole sweep has not yet run end to end (device time ran out).
+Status: on an H200 the 4-layer model's eager batch-1 run completed (median decode step 9.5-14.7 ms
+in two processes, warm-up and timed pass); the whole sweep has not yet run end to end (device time ran out).
 
     source scripts/gpu/remote_env.sh && python benchmark/bench_stock_decode_layer.py   # H200, ~5 min
     python benchmark/bench_stock_decode_layer.py --dry-run                            # commands only
