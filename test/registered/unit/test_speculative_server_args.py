@@ -12,8 +12,8 @@ rule dropped; the HiCache rule dropped; the opt-in read as always on (EAGLE acce
 the opt-in also lifting the top-k rule (``topk > 1 and not mtp_opted_in()``:
 ``test_the_opt_in_lifts_no_other_rule`` failed); the per-owner rule dropped
 (``test_mtp_with_per_owner_decode_is_refused_at_startup`` failed); the CUDA-graph rule dropped
-(``test_mtp_with_cuda_graphs_is_refused_at_startup`` failed for the mixed-chunk case, which no
-other rule refuses); NEXTN missing from the supported algorithms (the real ServerArgs maps it to
+(``test_mtp_with_cuda_graphs_is_refused`` and ``..._at_startup`` failed, also with
+``--enable-mixed-chunk``, where no other rule refuses graphs); NEXTN missing from the supported algorithms (the real ServerArgs maps it to
 EAGLE first, so only the namespace case caught it).
 """
 
