@@ -71,7 +71,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     # Prefill batches within a gather scratch sized for prefill only (decode per owner).
     prefill_scratch_admission.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
-    # The MTP draft pool, sharded like the target's (refused at startup until its modes are planned).
+    # The MTP draft pool, sharded like the target's (MTP is opt-in: speculative/mtp_opt_in.py).
     cp_shared_kv_draft_pool.register_hooks(registry)
     # The plan's host mirror of req_to_token: every writer of the table (EAGLE's too), and the
     # tree's value pages.

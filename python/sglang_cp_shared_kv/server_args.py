@@ -32,6 +32,11 @@ import os
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.decode_path import configured_decode_path
+from sglang_cp_shared_kv.speculative.mtp_opt_in import (
+    MTP_ENV,
+    mtp_combination_problems,
+    mtp_opted_in,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +101,8 @@ def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
         "one node, the NSA attention backend for prefill and decode (sglang's default for NSA models), "
         "--disable-cuda-graph and --disable-piecewise-cuda-graph, the radix cache on, and page size "
         f"{CP_SHARED_KV_PAGE_SIZE} (what sglang sets for NSA models on CUDA); refuses speculative "
-        "decoding and HiCache storage backends. Provided by the sglang-cp-shared-kv plugin.",
+        f"decoding (MTP with the NextN layer, top-k 1, is opt-in: {MTP_ENV}=1) and "
+        "HiCache storage backends. Provided by the sglang-cp-shared-kv plugin.",
     )
 
 
@@ -414,13 +420,12 @@ def runtime_problems(server_args) -> list[str]:
 # own NextN layer as the draft. Its draft pool is an ``NSATokenToKVPool`` of one layer (KV and indexer
 # K) that stock sglang sizes at the target's physical tokens and indexes by the shared allocator's
 # logical locs, so it is sharded by the same layout as the target's
-# (``model_executor/cp_shared_kv_draft_pool.py``). Still refused for every setting, until each of them
-# is served:
-SPECULATIVE_FORWARD_MODES_SERVED = False
+# (``model_executor/cp_shared_kv_draft_pool.py``). Not served yet: accepted only with the opt-in
+# (``speculative/mtp_opt_in.py``).
 _SPEC_MODES_TEXT = (
     "MTP has not been served with shared KV yet (target verify, the draft extends of spec v1 and "
     "v2 and the draft's multi-step decode are planned, one plan per draft step, and EAGLE's writes "
-    "of req_to_token are mirrored on the host; built and tested on CPU)"
+    "of req_to_token are mirrored on the host; checked on one GPU through sglang's classes)"
 )
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
 
@@ -458,12 +463,19 @@ def speculative_problems(server_args) -> list[str]:
     # --enable-hierarchical-cache is no reason of its own: the CP HiCache controller backs up and
     # restores the draft's KV and indexer K with the target's pages (managers/cp_hicache_draft_pool.py),
     # which sglang 0.5.11's NSA controller does not.
-    if not SPECULATIVE_FORWARD_MODES_SERVED:
-        problems.append(
-            f"--speculative-algorithm {algorithm}: {CP_SHARED_KV_FLAG} does not support speculative "
-            f"decoding yet: {_SPEC_MODES_TEXT}"
-        )
-    return problems
+    if algorithm not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+        return problems
+    try:
+        opted_in = mtp_opted_in()
+    except ValueError as error:
+        problems.append(str(error))
+    else:
+        if not opted_in:
+            problems.append(
+                f"--speculative-algorithm {algorithm}: MTP with {CP_SHARED_KV_FLAG} is opt-in, set "
+                f"{MTP_ENV}=1: {_SPEC_MODES_TEXT}"
+            )
+    return problems + mtp_combination_problems(server_args, CP_SHARED_KV_FLAG)
 
 
 # ---- PD disaggregation ----

@@ -14,7 +14,9 @@ So the draft pool is sharded like the target's: a second ``CpSharedKVRuntime`` a
 the owner-filtered writes, the per-forward plan and the gather of the hooks serve it unchanged
 (they find the runtime through ``runtime_of(forward_batch.token_to_kv_pool)``); the draft's
 multi-step decode gets one plan per step (``draft_decode_steps``), so the shared scratch must hold
-a gathering decode (the default decode path). It shares the
+a gathering decode (the default decode path), except on a PD prefill server, which runs no decode
+step (a draft step reaching the plan there raises, ``CpSharedKVRuntime.plan_draft_step``). It
+shares the
 target's gather scratch (slot 0, one layer at the logical capacity): target and draft forwards run
 one after the other on the same stream, and every forward plans and assembles its own layers before
 reading them. The draft runs the serial path (one layer: nothing to prefetch behind).
@@ -24,8 +26,8 @@ gives the numbers against it (memory stock never reserved, and the PD transfer a
 draft's pages with the target's physical pages).
 
 ``attach_draft_worker_runtime`` (AFTER ``ModelRunner.init_attention_backend``, next to the target's
-``attach_runtime``) attaches it on the draft worker; the startup rules refuse speculative decoding
-until every speculative forward mode is planned, so today it is never reached in a server.
+``attach_runtime``) attaches it on the draft worker; the startup rules accept MTP only with its
+opt-in (``speculative/mtp_opt_in.py``), so without it this is never reached in a server.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     CpSharedKVRuntime,
     runtime_of,
 )
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, PER_OWNER
+from sglang_cp_shared_kv.model_executor.decode_path import (
+    DECODE_PATH_ENV,
+    GATHER,
+    PER_OWNER,
+    is_pd_prefill_server,
+)
 from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
 
 logger = logging.getLogger(__name__)
@@ -65,15 +72,19 @@ def draft_pool_problems(target_pool, draft_pool) -> list[str]:
     return problems
 
 
-def attach_draft_runtime(draft_pool: NSATokenToKVPool, target_pool: NSATokenToKVPool) -> CpSharedKVRuntime:
-    """Attach a runtime to ``draft_pool`` with the layout, CP group and scratch of ``target_pool``'s."""
+def attach_draft_runtime(
+    draft_pool: NSATokenToKVPool, target_pool: NSATokenToKVPool, *, runs_decode_steps: bool = True
+) -> CpSharedKVRuntime:
+    """Attach a runtime to ``draft_pool`` with the layout, CP group and scratch of ``target_pool``'s.
+    ``runs_decode_steps`` False (a PD prefill server): the draft runs extends only, which a
+    prefill-sized scratch serves."""
     target = runtime_of(target_pool)
     if target is None:
         raise ValueError(f"{FLAG}: the target pool has no runtime; attach the target's first")
     if runtime_of(draft_pool) is not None:
         raise ValueError(f"{FLAG}: the draft pool already has a runtime")
     problems = draft_pool_problems(target_pool, draft_pool)
-    if not target.scratch_serves_decode:
+    if runs_decode_steps and not target.scratch_serves_decode:
         # The draft's decode steps always gather (draft_decode_steps), over the whole batch.
         problems.append(
             f"{FLAG}: the draft's decode steps gather pages, but the gather scratch was sized for "
@@ -83,7 +94,13 @@ def attach_draft_runtime(draft_pool: NSATokenToKVPool, target_pool: NSATokenToKV
     if problems:
         raise ValueError("; ".join(problems))
     # indexer_layer_ids None: the NextN layer computes its own top-k (skip_topk is False for it).
-    return CpSharedKVRuntime(draft_pool, target.layout, target.scratch, target.cp_group)
+    return CpSharedKVRuntime(
+        draft_pool,
+        target.layout,
+        target.scratch,
+        target.cp_group,
+        scratch_serves_decode=target.scratch_serves_decode,
+    )
 
 
 def attach_draft_worker_runtime(result, model_runner, *args, **kwargs):
@@ -99,7 +116,11 @@ def attach_draft_worker_runtime(result, model_runner, *args, **kwargs):
     reasons = runtime_problems(model_runner.server_args)
     if reasons:
         raise ValueError("; ".join(reasons))
-    attach_draft_runtime(draft_pool, model_runner.token_to_kv_pool_allocator.get_kvcache())
+    attach_draft_runtime(
+        draft_pool,
+        model_runner.token_to_kv_pool_allocator.get_kvcache(),
+        runs_decode_steps=not is_pd_prefill_server(model_runner.server_args),
+    )
     logger.info(
         "CP shared KV runtime on the draft pool: %d physical tokens, %d layer(s), the target's layout",
         draft_pool.size,

@@ -7,8 +7,15 @@ step, ``speculative_step_id`` 0 .. steps-2), then ``draft_forward`` runs the ste
 other, each through ``ModelRunner.forward`` with ``forward_batch.attn_backend`` set to its step's
 backend and ``out_cache_loc`` to its step's locs. Every step stores the NextN layer's KV and
 indexer K once, and reads the committed tokens only, while it writes at ``seq_len + step``.
-Spec v2's ``EAGLEWorkerV2.draft`` runs its steps the same way (``prepare_for_v2_draft``: committed
-``seq_lens``, the step locs read from ``req_to_token`` after them), through the same two hooks.
+Spec v2's ``EagleDraftWorker.draft`` (``eagle_worker_v2.py``) runs its steps the same way, through
+the same two hooks: ``prepare_for_v2_draft`` builds a DECODE batch of the committed ``seq_lens``
+(``seq_lens_cpu`` copied by its ``prepare_for_decode``) with the step locs copied from
+``req_to_token`` at ``seq_len + step``; ``self.draft_attn_backend.init_forward_metadata`` is the
+multi-step backend's; each step runs ``self.draft_runner.forward(..., skip_attn_backend_init=True)``,
+i.e. ``ModelRunner.forward`` (the draft runner has no graph runner of its own, so ``_forward_raw``
+goes to ``forward_decode``). Only its draft CUDA graph (``cuda_graph_runner.replay``) bypasses
+both, and that graph's capture is refused (below). ``test_spec_v2_draft_steps.py`` runs sglang's
+own ``EagleDraftWorker.draft`` through these hooks.
 
 The runtime holds one plan per forward, so here:
 

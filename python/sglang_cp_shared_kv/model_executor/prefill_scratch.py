@@ -73,15 +73,21 @@ def default_prefill_scratch_tokens(
     return context_len + extra
 
 
-def scratch_sizing(server_args, context_len: int) -> ScratchSizing:
-    """Slot 0's rule for this server (same on every rank: server args and the environment)."""
+def logical_capacity_reason(server_args) -> Optional[str]:
+    """Why slot 0 must hold the whole logical capacity, or None: sized for prefill batches only."""
     gather_reason = decode_gather_reason(server_args)
     if gather_reason is not None:
-        return ScratchSizing(None, f"decode gathers pages: {gather_reason}")
+        return f"decode gathers pages: {gather_reason}"
     if server_args.enable_mixed_chunk:
-        return ScratchSizing(
-            None, "--enable-mixed-chunk: running decode requests join extend batches"
-        )
+        return "--enable-mixed-chunk: running decode requests join extend batches"
+    return None
+
+
+def scratch_sizing(server_args, context_len: int) -> ScratchSizing:
+    """Slot 0's rule for this server (same on every rank: server args and the environment)."""
+    reason = logical_capacity_reason(server_args)
+    if reason is not None:
+        return ScratchSizing(None, reason)
     tokens = configured_prefill_scratch_tokens()
     if tokens is not None:
         return ScratchSizing(tokens, f"{PREFILL_SCRATCH_TOKENS_ENV}={tokens}")

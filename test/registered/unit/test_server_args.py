@@ -116,7 +116,7 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
             (("--hicache-storage-backend file",), dict(hicache_storage_backend="file")),
             (("--enable-hisparse",), dict(enable_hisparse=True)),
             (("--nsa-prefill-cp-mode round-robin-split",), dict(nsa_prefill_cp_mode="in-seq-split")),
-            (("speculative decoding",), dict(speculative_algorithm="EAGLE")),
+            (("SGLANG_CP_SHARED_KV_MTP=1",), dict(speculative_algorithm="EAGLE")),
             (("--disable-cuda-graph",), dict(disable_cuda_graph=False)),
             (("--disable-piecewise-cuda-graph",), dict(disable_piecewise_cuda_graph=False)),
             (("--enable-return-routed-experts",), dict(enable_return_routed_experts=True)),

@@ -22,6 +22,7 @@ from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_worker_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
+from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
 from sglang_cp_shared_kv.testing.server_args_cases import runtime_server_args
 
@@ -305,8 +306,6 @@ class TestAttachDraftRuntime(_AttachCase):
         return runner
 
     def test_draft_pool_gets_a_runtime_sharing_the_targets_scratch_once_spec_is_accepted(self):
-        from sglang_cp_shared_kv import server_args as cp_server_args
-
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
         target_runner = self._model_runner(pool, self._allocator(pool))
         self._attach(target_runner)
@@ -314,11 +313,12 @@ class TestAttachDraftRuntime(_AttachCase):
         mirror = mirror_of(target_runner.req_to_token_pool)
         spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1)
         draft_runner = self._draft_runner(target_runner, **spec)
-        # Refused today: the speculative forward modes are not all planned.
-        with self.assertRaisesRegex(ValueError, "--speculative-algorithm EAGLE"):
-            self._attach(draft_runner)
+        # Refused without the opt-in (MTP is not served yet).
+        with mock.patch.dict(os.environ, {MTP_ENV: "0"}):
+            with self.assertRaisesRegex(ValueError, f"--speculative-algorithm EAGLE.*{MTP_ENV}=1"):
+                self._attach(draft_runner)
         self.assertIsNone(runtime_of(draft_runner.token_to_kv_pool))
-        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+        with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
             self._attach(draft_runner)  # both AFTER hooks of init_attention_backend, in order
             attach_draft_worker_runtime(None, draft_runner)
         draft = runtime_of(draft_runner.token_to_kv_pool)
@@ -329,12 +329,33 @@ class TestAttachDraftRuntime(_AttachCase):
         self.assertIs(mirror_of(target_runner.req_to_token_pool), mirror)  # not re-attached
         # top-k 2 stays refused whatever is served
         other = self._draft_runner(target_runner, speculative_algorithm="EAGLE", speculative_eagle_topk=2)
-        with mock.patch.object(cp_server_args, "SPECULATIVE_FORWARD_MODES_SERVED", True):
+        with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
             with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
                 self._attach(other)
             with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
                 attach_draft_worker_runtime(None, other)
         self.assertIsNone(runtime_of(other.token_to_kv_pool))
+
+    def test_a_pd_prefill_server_attaches_the_draft_to_its_prefill_sized_scratch(self):
+        """A PD prefill server runs no decode (its scratch holds prefill batches only) and its
+        draft only extends, so the draft pool attaches there; a draft step would raise.
+        Planted, each caught: the PD prefill server judged as one that runs draft steps; the draft
+        runtime built as if the scratch held the logical capacity (which first failed here)."""
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        pd = dict(disaggregation_mode="prefill")
+        target_runner = self._model_runner(pool, self._allocator(pool), **pd)
+        self._attach(target_runner, prefetch_slot=None)
+        self.assertFalse(runtime_of(pool).scratch_serves_decode)
+        spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, **pd)
+        draft_runner = self._draft_runner(target_runner, **spec)
+        with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
+            self._attach(draft_runner, prefetch_slot=None)
+            attach_draft_worker_runtime(None, draft_runner)
+        draft = runtime_of(draft_runner.token_to_kv_pool)
+        self.assertIs(draft.scratch, runtime_of(pool).scratch)
+        step = SimpleNamespace(forward_mode=ForwardMode.DECODE)
+        with self.assertRaisesRegex(ValueError, "sized for prefill batches only"):
+            draft.plan_draft_step(SimpleNamespace(speculative_step_id=0), step)
 
 
 class TestIndexerLayerTable(CustomTestCase):

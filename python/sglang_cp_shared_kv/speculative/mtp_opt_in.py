@@ -1,0 +1,59 @@
+"""MTP (EAGLE / NEXTN with the built-in NextN layer, top-k 1) with shared KV: an explicit opt-in.
+
+Every forward mode MTP runs is planned and checked on one GPU through sglang's own classes, but MTP
+has not been served with shared KV yet, so the server refuses it unless ``SGLANG_CP_SHARED_KV_MTP=1``
+opts in. The opt-in lifts only that rule (``server_args.speculative_problems``); the settings MTP
+cannot be combined with stay refused whatever it says (``mtp_combination_problems``). Read from the
+launching process's environment, which every scheduler inherits: every rank decides the same.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+from sglang_cp_shared_kv.model_executor.decode_path import (
+    DECODE_PATH_ENV,
+    GATHER,
+    PER_OWNER,
+    is_pd_prefill_server,
+)
+from sglang_cp_shared_kv.model_executor.prefill_scratch import logical_capacity_reason
+
+MTP_ENV = "SGLANG_CP_SHARED_KV_MTP"
+_ON = ("1", "true", "yes")
+_OFF = ("", "0", "false", "no")
+
+
+def mtp_opted_in() -> bool:
+    """``SGLANG_CP_SHARED_KV_MTP``: unset / 0 / false / no (off) or 1 / true / yes (on); a
+    ``ValueError`` naming it for anything else."""
+    raw = os.environ.get(MTP_ENV)
+    value = "" if raw is None else raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{MTP_ENV} must be 1 (opt in to MTP with shared KV) or 0 / unset, got {raw!r}")
+
+
+def mtp_combination_problems(server_args, flag: str) -> List[str]:
+    """Settings MTP with shared KV cannot run with, one message each naming both settings."""
+    algorithm = server_args.speculative_algorithm
+    problems = []
+    if not server_args.disable_cuda_graph:
+        # The draft's graphs (EAGLEDraftCudaGraphRunner) capture the step backends' metadata, which
+        # the page gather cannot replay (peer_page_reads refuses it, but only once the model loaded).
+        problems.append(
+            f"--speculative-algorithm {algorithm} with {flag} requires --disable-cuda-graph: the "
+            "draft's decode steps and the target verify gather pages, which CUDA graphs cannot replay"
+        )
+    if not is_pd_prefill_server(server_args) and logical_capacity_reason(server_args) is None:
+        # The draft's decode steps gather over the whole batch (draft_decode_steps); per-owner
+        # decode sizes the gather scratch for prefill batches only (prefill_scratch).
+        problems.append(
+            f"--speculative-algorithm {algorithm} with {DECODE_PATH_ENV}={PER_OWNER}: the draft's "
+            "decode steps gather the pages of every request, but per-owner decode sizes the gather "
+            f"scratch for prefill batches only; use {DECODE_PATH_ENV}={GATHER} (the default) with MTP"
+        )
+    return problems
