@@ -170,6 +170,23 @@ class TestPdRunnerDryRun(CustomTestCase):
         servers, _ = self.pairs({"PD_TP": "4", "PD_DECODE_GPUS": "4,5,6,7", "PD_DECODE_TP": "4"})
         self.check_pair(servers, 4, "0,1,2,3", "4,5,6,7", 4, (0.35, 0.75))
 
+    def test_mtp_dry_run_pairs_serve_the_nextn_model_with_mtp(self):
+        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"PD_NEXTN_MODEL_DIR": str(tmp / "nextn"), "PD_MODEL_DIR": str(tmp / "plain")}
+            proc = run_runner("scripts/gpu/pd_smoke_runs.sh", ["mtp-dry-run"], env, tmp)
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+            servers = servers_in(proc.stdout)
+            self.assertEqual(json.loads((tmp / "nextn" / "config.json").read_text())["num_nextn_predict_layers"], 1)
+        self.assertEqual(len(servers), 4)
+        for mode, side, env_vars, argv in servers:
+            self.assertEqual(flag(argv, "--model-path"), str(tmp / "nextn"))
+            start = argv.index("--speculative-algorithm")
+            self.assertEqual(argv[start : start + len(MTP_SERVER_ARGS)], list(MTP_SERVER_ARGS), (mode, side))
+            self.assertEqual(env_vars.get(MTP_OPT_IN_ENV), "1")
+
     def test_glm5_width_pair_at_tp8_shares_every_gpu(self):
         servers, config = self.pairs({"PD_TP": "8", "PD_MODEL": "glm5-width"})
         every = "0,1,2,3,4,5,6,7"
