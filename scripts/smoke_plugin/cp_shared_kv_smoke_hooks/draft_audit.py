@@ -41,7 +41,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -214,7 +214,7 @@ def register_hooks(registry, audit_dir: Path, rank_of, shared_kv: bool) -> None:
     registry.register(f"{_RUNTIME}.store_index_k", around_store_index_k, HookType.AROUND)
 
 
-def stored_draft_rows(draft_pool, positions_and_rows) -> Optional[dict]:
+def stored_draft_rows(draft_pool, positions_and_rows) -> dict:
     """The draft pool's rows of a finished request for the pool dump: its KV and indexer K (one layer)."""
     from cp_shared_kv_smoke_hooks.kv_audit import token_bytes
 
