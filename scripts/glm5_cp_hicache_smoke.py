@@ -10,6 +10,11 @@ of the server log. Greedy outputs are reported, not judged (stock sglang's NSA k
 run-to-run deterministic); with ``--audit`` the KV audits judge the bytes (docs/e2e-smoke.md). Exits 1
 on any failure, 2 on bad arguments.
 
+``--mtp`` serves both servers with MTP (EAGLE with the model's NextN layer, 3 steps, top-k 1, 4 draft
+tokens; the model needs a NextN layer: ``make_tiny_glm5_config.py --nextn``) and the shared-KV
+server's MTP opt-in; the audits then cover the draft pool too (``smoke_plugin/.../draft_audit.py``
+says what is judged) and the mean accept length on and off is reported, not judged.
+
   python scripts/glm5_cp_hicache_smoke.py --model-path /models/GLM-5 --dry-run
   python scripts/glm5_cp_hicache_smoke.py --model-path /tmp/tiny-glm5 --load-format dummy
 """
@@ -31,6 +36,7 @@ SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
 from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
     RequestPlan,
     build_plan,
@@ -41,6 +47,7 @@ from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, sca
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
 from sglang_cp_shared_kv.testing.e2e.server_process import (
     MAX_SGLANG_PORT,
+    MTP_OPT_IN_ENV,
     ServeConfig,
     ServerError,
     SglangServer,
@@ -50,6 +57,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (
 from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     RequestRecord,
     RunReport,
+    accept_length_summary,
     capacity_failures,
     capacity_figures,
     compare_runs,
@@ -64,6 +72,8 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
 # sglang 0.5.11 forces page_size 64 for DSA models on CUDA (server_args.py).
 NSA_CUDA_PAGE_SIZE = 64
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+SERVE_PLANTS = tuple(p for p in PLANTS if p != "pd-send-wrong-page")
+DRAFT_PLANTS = ("draft-wrong-owner", "draft-stale-load-back")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -96,8 +106,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="KV audits (the oracle): pool dumps of every finished request; read audit under shared KV")
     p.add_argument("--reference-dir", default=None,
                    help="out dir of a reference run (shared KV off, --audit): compare this run's pool dumps with it")
-    p.add_argument("--plant", default=None, choices=["read-wrong-owner", "load-back-wrong-page", "decode-wrong-page"],
-                   help="plant a bug in the shared-KV servers (to show the oracle catches it)")
+    p.add_argument("--plant", default=None, choices=SERVE_PLANTS,
+                   help="plant a bug in the shared-KV servers (to show the oracle catches it); the draft-* "
+                        "plants need --mtp")
+    p.add_argument("--mtp", action="store_true",
+                   help="MTP on both servers (EAGLE, NextN layer, 3/1/4) with the shared-KV opt-in; the audits "
+                        "cover the draft pool; the model needs a NextN layer (make_tiny_glm5_config.py --nextn)")
     p.add_argument("--burst", type=int, default=0,
                    help="after the plan, N concurrent requests sharing a prefix, of different lengths")
     p.add_argument("--tpot-contexts", default="",
@@ -109,6 +123,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--port must be in 1..{MAX_SGLANG_PORT} (sglang also uses port + 10000)")
     if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
+    if args.plant in DRAFT_PLANTS and not args.mtp:
+        p.error(f"--plant {args.plant} needs --mtp (it plants a bug in the draft pool)")
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
@@ -127,6 +143,16 @@ def mode_name(shared_kv: bool) -> str:
 def logical_device_tokens(args, shared_kv: bool) -> int:
     """sglang caps each rank's pool at --max-total-tokens; shared KV then exposes cp_size x that."""
     return args.physical_tokens_per_rank * (args.tp if shared_kv else 1)
+
+
+def check_model_has_nextn(model_path: str) -> None:
+    """``--mtp`` builds the draft from the model's NextN layer: a config without one cannot serve it."""
+    config = Path(model_path) / "config.json"
+    if config.is_file() and not json.loads(config.read_text()).get("num_nextn_predict_layers"):
+        raise ValueError(
+            f"--mtp: {config} has no num_nextn_predict_layers (no NextN layer to draft with); "
+            "make_tiny_glm5_config.py --nextn writes a tiny GLM-5 with one"
+        )
 
 
 def make_plan(args) -> RequestPlan:
@@ -157,6 +183,7 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
             mem_fraction_static=args.mem_fraction_static,
             load_format=args.load_format,
             extra_args=shlex.split(args.extra_server_args),
+            mtp=args.mtp,
         )
         for shared_kv in modes_of(args.shared_kv)
     ]
@@ -179,6 +206,8 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[SMOKE_AUDIT_DIR_ENV] = str(audit_dir(out_dir, shared_kv))
     if args.plant and shared_kv:
         extra[SMOKE_PLANT_ENV] = args.plant
+    if args.mtp:  # the shared-KV server's opt-in; the stock reference runs MTP without it
+        extra[MTP_OPT_IN_ENV] = "1"
     return extra
 
 
@@ -278,6 +307,8 @@ def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> Run
         report.failures += hicache_failures(activity)
     report.failures += log_failures(report.findings)
     report.failures += capacity_failures(config.shared_kv, config.tp_size, report.figures)
+    if args.mtp:
+        report.figures["mtp_accept_length"] = accept_length_summary(report.records)
     if args.audit:
         audit_checks(args, config, out_dir, report)
     return report
@@ -301,6 +332,8 @@ def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) ->
         if decode_totals["ranks"]:
             report.figures["decode_read_audit"] = decode_totals
         report.failures += decode_read_audit.failures(decode_totals)
+    if args.mtp:
+        draft_checks(config.shared_kv, run_dir, report)
     reference = None
     if args.reference_dir:
         reference = audit_dir(Path(args.reference_dir), False)
@@ -313,6 +346,20 @@ def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) ->
         report.failures += comparison.failures
 
 
+def draft_checks(shared_kv: bool, run_dir: Path, report: RunReport) -> None:
+    """MTP: the draft pool's audits (``draft_audit``). Under shared KV the draft's write and read
+    audits and the cached-prefix ledger judge; on the stock reference the ledger is reported (stock
+    0.5.11 leaves the draft of a prefix loaded back from host stale)."""
+    ledger = kv_audit_compare.cached_row_ledger(run_dir)
+    report.figures["cached_prefix_ledger"] = ledger.to_json()
+    if not shared_kv:
+        return
+    totals = kv_audit_compare.draft_audit_totals(run_dir)
+    report.figures.update(totals)
+    report.failures += kv_audit_compare.draft_audit_failures(totals)
+    report.failures += ledger.draft_failures()
+
+
 def print_request(mode: str, tp_size: int, r: RequestRecord) -> None:
     """One line per request. Every rank counts the same logical evictions / load-backs in its own
     tree and /metrics sums them, so counter deltas are shown divided by the rank count."""
@@ -323,6 +370,7 @@ def print_request(mode: str, tp_size: int, r: RequestRecord) -> None:
         f"{r.cached_device_tokens}/{r.cached_host_tokens} ttft_ms={ttft} "
         f"evicted={d.get('evicted_tokens', 0) / tp_size:.0f} loaded_back={d.get('load_back_tokens', 0) / tp_size:.0f} "
         f"host_slots_used_all_ranks={d.get('host_used_tokens', 0):+.0f} out={r.output_ids[:6]}"
+        + (f" accept_length={r.completion_tokens / r.spec_verify_ct:.2f}" if r.spec_verify_ct else "")
         + (f" ERROR {r.error}" if r.error else ""),
         flush=True,
     )
@@ -343,7 +391,8 @@ def print_summary(reports: List[RunReport], comparison: List[str]) -> None:
             from_host = statistics.median(r["from_host_ttft_ms"] for r in rows)
             print(f"TTFT, median of {len(rows)} prefixes of {rows[0]['prefix_tokens']} tokens: "
                   f"recomputed {recomputed:.1f} ms, prefix from host {from_host:.1f} ms")  # fmt: skip
-        for key in ("read_audit", "pool_audit", "burst", "tpot"):
+        for key in ("read_audit", "pool_audit", "draft_read_audit", "draft_write_audit", "cached_prefix_ledger",
+                    "mtp_accept_length", "burst", "tpot"):
             if key in c:
                 print(f"{key}: {json.dumps(c[key])}")
         for f in report.findings:
@@ -400,6 +449,8 @@ def _raise_on_sigterm(signum, frame):
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
+        if args.mtp:
+            check_model_has_nextn(args.model_path)
         plan = make_plan(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

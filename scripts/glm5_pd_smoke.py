@@ -33,6 +33,12 @@ stock NSA prefill CP at ``--prefill-tp`` (2 by default), which sglang 0.5.11 ref
 ``SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE=1`` on that server. With ``--load-format dummy`` it also
 gives both servers the unit-gain dummy init (``SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT=1``; the decode
 computes tokens 2.. with its own weights), unless ``--dummy-init stock``.
+
+``--mtp``: MTP on both servers of each pair (EAGLE with the model's NextN layer, 3/1/4, and the
+shared-KV opt-in; the model needs a NextN layer, ``make_tiny_glm5_config.py --nextn``). The stock
+decode server receives the draft pool's KV and indexer K with the target's: the transfer audit then
+covers the draft rows byte for byte too, and the shared-KV prefill's draft audits and cached-prefix
+ledger judge (``smoke_plugin/.../draft_audit.py``); accept lengths (the decode's) are reported.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     kv_audit_compare,
 )
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
+
+DRAFT_PLANTS = ("draft-wrong-owner", "draft-stale-load-back")
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
@@ -78,6 +86,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (
 from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     RequestRecord,
     RunReport,
+    accept_length_summary,
     capacity_failures,
     capacity_figures,
     compare_runs,
@@ -136,6 +145,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="out dir of an earlier --audit run with shared KV off: the reference dumps")
     p.add_argument("--plant", choices=PLANTS, default=None,
                    help="a deliberate bug in the shared-KV prefill (test route): the audits must catch it")
+    p.add_argument("--mtp", action="store_true",
+                   help="MTP on both servers (EAGLE, NextN layer, 3/1/4); the audits cover the draft pool")
     p.add_argument("--dry-run", action="store_true", help="print the commands and the request plan, launch nothing")
     args = p.parse_args(argv)
     for name in ("prefill_port", "decode_port", "bootstrap_port"):
@@ -148,6 +159,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--prefill-tp must be at least 2 (NSA prefill CP)")
     if (args.plant or args.reference_dir) and not args.audit:
         p.error("--plant and --reference-dir need --audit (the audits are what judges them)")
+    if args.plant in DRAFT_PLANTS and not args.mtp:
+        p.error(f"--plant {args.plant} needs --mtp (it plants a bug in the draft pool)")
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
@@ -181,6 +194,16 @@ def make_plan(args) -> RequestPlan:
     check_plan_fits_model(plan, args.model_path)
     return plan
 
+
+
+def check_model_has_nextn(model_path: str) -> None:
+    """``--mtp`` builds the draft from the model's NextN layer: a config without one cannot serve it."""
+    config = Path(model_path) / "config.json"
+    if config.is_file() and not json.loads(config.read_text()).get("num_nextn_predict_layers"):
+        raise ValueError(
+            f"--mtp: {config} has no num_nextn_predict_layers (no NextN layer to draft with); "
+            "make_tiny_glm5_config.py --nextn writes a tiny GLM-5 with one"
+        )
 
 
 def decode_max_total_tokens(args, plan: RequestPlan) -> int:
@@ -255,6 +278,7 @@ def pair_configs(args, plan: RequestPlan, ports: Dict[str, int], out_dir: Path) 
             common_env=common_env(args),
             prefill_only_env={**prefill_only_env(args, shared_kv), **audit_env(args, out_dir, shared_kv, "prefill")},
             decode_only_env=audit_env(args, out_dir, shared_kv, "decode"),
+            mtp=args.mtp,
         )
         for shared_kv in modes_of(args.shared_kv)
     ]
@@ -314,7 +338,7 @@ def run_pair(args, config: PDPairConfig, plan: RequestPlan, out_dir: Path) -> Ru
                     after = HiCacheCounters.of(parse_metrics(prefill.get_text("/metrics")))
                     record = RequestRecord.from_response(
                         planned.index, planned.name, planned.prompt_tokens, result, after.minus(counters)
-                    )
+                    ).with_spec_counts(result.decode_meta_info)
                     counters = after
                     report.records.append(record)
                     tpots.append(result.tpot_s)
@@ -346,6 +370,8 @@ def run_pair(args, config: PDPairConfig, plan: RequestPlan, out_dir: Path) -> Ru
     report.failures += log_failures(report.findings)
     report.failures += [f"decode {line}" for line in log_failures(decode_findings)]
     report.failures += capacity_failures(config.shared_kv, config.prefill_tp, report.figures)
+    if args.mtp:
+        report.figures["mtp_accept_length"] = accept_length_summary(report.records)
     if args.audit:
         audit_checks(args, config.shared_kv, out_dir, report)
     return report
@@ -358,12 +384,24 @@ def audit_checks(args, shared_kv: bool, out_dir: Path, report: RunReport) -> Non
       every byte of every layer, what the prefill server held (merged over its CP ranks);
     * shared-KV pair: the prefill's read audit, and its dumps against the shared-KV-off pair's
       (layer-0 rows depend only on (token, position): another token's row fails, rounding passes).
+    * MTP: the transfer audit covers the draft rows (a stock decode server with MTP receives a
+      complete draft pool); the shared-KV prefill's draft write and read audits and its
+      cached-prefix ledger judge; the stock prefill's ledger is reported.
     """
     transfer = kv_audit_compare.compare_runs(
         audit_dir(out_dir, shared_kv, "decode"), audit_dir(out_dir, shared_kv, "prefill")
     )
     report.figures["transfer_audit"] = transfer.to_json()
-    report.failures += kv_audit_compare.copy_failures(transfer, "transfer audit")
+    report.failures += kv_audit_compare.copy_failures(transfer, "transfer audit", with_draft=args.mtp)
+    if args.mtp:
+        prefill_dir = audit_dir(out_dir, shared_kv, "prefill")
+        ledger = kv_audit_compare.cached_row_ledger(prefill_dir)
+        report.figures["cached_prefix_ledger"] = ledger.to_json()
+        if shared_kv:
+            totals = kv_audit_compare.draft_audit_totals(prefill_dir)
+            report.figures.update(totals)
+            report.failures += [f"prefill {f}" for f in kv_audit_compare.draft_audit_failures(totals)]
+            report.failures += [f"prefill {f}" for f in ledger.draft_failures()]
     if not shared_kv:
         return
     totals = kv_audit_compare.read_audit_totals(audit_dir(out_dir, True, "prefill"))
@@ -400,7 +438,8 @@ def print_summary(reports: List[RunReport], comparison: List[str], args_audit: b
         print(f"prefill physical tokens/rank:  {c.get('physical_device_tokens_per_rank')}")
         print(f"hicache activity:              {c.get('hicache_activity')}")
         print(f"latency (client, PD pair):     {c.get('latency')}")
-        for key in ("transfer_audit", "read_audit", "pool_audit_prefill"):
+        for key in ("transfer_audit", "read_audit", "pool_audit_prefill", "draft_read_audit", "draft_write_audit",
+                    "cached_prefix_ledger", "mtp_accept_length"):
             if key in c:
                 print(f"{key}: {json.dumps(c[key])[:600]}")
         for row in c.get("ttft", []):
@@ -423,6 +462,8 @@ def _raise_on_sigterm(signum, frame):
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
+        if args.mtp:
+            check_model_has_nextn(args.model_path)
         plan = make_plan(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 """Write a GLM-5 (GlmMoeDsaForCausalLM) model directory for ``sglang serve --load-format dummy``.
 
   python scripts/make_tiny_glm5_config.py /tmp/tiny-glm5
+  python scripts/make_tiny_glm5_config.py /tmp/tiny-glm5-nextn --nextn
   python scripts/make_tiny_glm5_config.py /tmp/glm5-width-tp2 --glm5-width --tp 2 --weights fp8
   python scripts/make_tiny_glm5_config.py --print-memory
 
@@ -11,7 +12,9 @@ classifies it as an NSA (DSA) MLA model. Default: the tiny GLM-5 (hidden 1024, s
 sglang_cp_shared_kv.testing.e2e.tiny_glm5). ``--glm5-width``: every width of GLM-5 (hidden 6144,
 real attention, indexer, experts and vocabulary, see ...e2e.glm5_width) with as many layers as fit
 ``--tp`` H200s next to a KV pool of ``--physical-tokens-per-rank`` (or ``--num-layers``).
-``--print-memory``: weight bytes per layer and the layers that fit at tp 2 / 4 / 8. Exit 1 if the
+``--nextn``: the tiny GLM-5 with GLM-5's NextN (MTP) layer, ``num_nextn_predict_layers: 1``, so
+that ``--speculative-algorithm EAGLE`` builds the draft from it (the check then loads sglang's draft
+config too). ``--print-memory``: weight bytes per layer and the layers that fit at tp 2 / 4 / 8. Exit 1 if the
 check fails.
 """
 
@@ -40,6 +43,8 @@ def main(argv=None) -> int:
                         help="sizing: the KV pool rows per rank that must fit beside the weights")
     parser.add_argument("--mem-fraction-static", type=float, default=0.85, help="sizing: sglang's static budget")
     parser.add_argument("--gpu-gib", type=float, default=glm5_width.H200_GIB, help="sizing: memory of one GPU")
+    parser.add_argument("--nextn", action="store_true",
+                        help="tiny model: add GLM-5's NextN (MTP) layer (num_nextn_predict_layers 1)")
     parser.add_argument("--print-memory", action="store_true", help="print the memory table (tp 2/4/8) and exit")
     args = parser.parse_args(argv)
     if args.print_memory:
@@ -48,6 +53,8 @@ def main(argv=None) -> int:
         return 0
     if args.out_dir is None:
         parser.error("out_dir is required unless --print-memory")
+    if args.nextn and args.glm5_width:
+        parser.error("--nextn is for the tiny model")
     if args.glm5_width:
         num_layers = args.num_layers
         if num_layers is None:
@@ -57,7 +64,7 @@ def main(argv=None) -> int:
             num_layers = plan.num_layers
         out = write_model_dir(args.out_dir, glm5_width.glm5_width_config(num_layers, args.weights))
     else:
-        out = write_tiny_glm5_model(args.out_dir, num_hidden_layers=args.num_layers or 4)
+        out = write_tiny_glm5_model(args.out_dir, num_hidden_layers=args.num_layers or 4, nextn=args.nextn)
     print(f"wrote {out}")
     if args.no_check:
         return 0

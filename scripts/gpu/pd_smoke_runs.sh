@@ -12,6 +12,12 @@
 #      audit: decode bytes == prefill bytes; shared-KV prefill vs stock prefill; read audit).
 #      Mode `plant` instead runs one shared-KV pair with the planted page-pairing bug
 #      (pd-send-wrong-page): its transfer audit must FAIL.
+#      Mode `mtp` runs both pairs with MTP on both servers (--mtp: EAGLE with the NextN layer, 3/1/4,
+#      and the shared-KV opt-in) on the tiny GLM-5 with its NextN layer (make_tiny_glm5_config.py
+#      --nextn): the transfer audit then covers the draft pool's rows byte for byte (the stock decode
+#      server receives a complete draft pool), the shared-KV prefill's draft write / read audits and
+#      cached-prefix ledger judge, accept lengths are reported. Mode `mtp-plant` runs one shared-KV
+#      MTP pair with PD_PLANT (default draft-wrong-owner; or draft-stale-load-back): it must FAIL.
 #
 # The whole run stays inside PD_BUDGET_S (default 530 s, so that installing the last part fits in the
 # same 600 s call): the smoke gets what the probe left, minus a minute to stop servers and pack logs;
@@ -21,9 +27,10 @@
 # Results under $OUT (at most 8 files come back): probe.log, probe.json, pd_smoke.log, report.json,
 # pd_logs.tgz (both servers' logs of both pairs, the probe's engine logs).
 #
-# Usage: bash scripts/gpu/pd_smoke_runs.sh [probe|all|plant|dry-run] [more glm5_pd_smoke.py arguments]
+# Usage: bash scripts/gpu/pd_smoke_runs.sh [probe|all|plant|mtp|mtp-plant|dry-run|mtp-dry-run] [more glm5_pd_smoke.py arguments]
 #   dry-run: the smoke prints both pairs' commands, environments (GPUs) and plan, launches nothing;
-#            no machine check, no probe (no GPU needed, remote_env.sh not sourced).
+#            no machine check, no probe (no GPU needed, remote_env.sh not sourced). mtp-dry-run: the
+#            same for the mtp mode's pairs.
 #
 # Environment (all optional):
 #   PD_TP=2|4|8         prefill --tp (= CP size), on GPUs 0..PD_TP-1
@@ -40,7 +47,8 @@
 set -uo pipefail
 start_s=$(date +%s)
 mode="${1:-all}"
-skip=""; [[ "$mode" == dry-run ]] && skip=1
+skip=""; [[ "$mode" == *dry-run ]] && skip=1
+mtp=(); [[ "$mode" == mtp* ]] && mtp=(--mtp)
 SKIP_STAGED_ENV="$skip" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/pd_out}"
 RUNS=/tmp/pd_runs
@@ -49,10 +57,13 @@ PREFILL_GPUS="$(seq -s, 0 $(( TP - 1 )))"
 case "${PD_MODEL:-tiny}" in
   tiny)
     MODEL="${PD_MODEL_DIR:-/tmp/tiny-glm5}"
+    [[ ${#mtp[@]} -gt 0 ]] && MODEL="${PD_NEXTN_MODEL_DIR:-/tmp/tiny-glm5-nextn}"
     DECODE_GPUS="${PD_DECODE_GPUS:-$(( TP - 1 ))}"; DECODE_TP="${PD_DECODE_TP:-1}"
     MEM=(--prefill-mem-fraction-static 0.35 --decode-mem-fraction-static 0.75)
-    make_model=(--no-check) ;;
+    make_model=(--no-check)
+    [[ ${#mtp[@]} -gt 0 ]] && make_model=(--nextn --no-check) ;;
   glm5-width)
+    [[ ${#mtp[@]} -gt 0 ]] && { echo "the mtp modes run the tiny model (PD_MODEL=tiny)" >&2; exit 2; }
     MODEL="${PD_MODEL_DIR:-/tmp/glm5-width-pd-tp$TP}"
     export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${PD_AUDIT_LAYERS:-2}"
     DECODE_GPUS="${PD_DECODE_GPUS:-$PREFILL_GPUS}"; DECODE_TP="${PD_DECODE_TP:-$TP}"
@@ -72,12 +83,12 @@ pack_logs() {
   [[ -f "$RUNS/smoke/report.json" ]] && cp "$RUNS/smoke/report.json" "$OUT/report.json"
 }
 
-if [[ "$mode" == dry-run ]]; then
+if [[ "$mode" == *dry-run ]]; then
   [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" "${make_model[@]}" > /dev/null
   python3 scripts/glm5_pd_smoke.py --model-path "$MODEL" --load-format dummy --audit --shared-kv both \
     --prefill-tp "$TP" --prefill-gpus "$PREFILL_GPUS" --decode-tp "$DECODE_TP" --decode-gpu "$DECODE_GPUS" \
     "${MEM[@]}" --out-dir "$RUNS/smoke" --extra-prefill-args "--grammar-backend none" \
-    --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" --dry-run "$@"
+    --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" --dry-run "${mtp[@]}" "$@"
   exit $?
 fi
 {
@@ -109,11 +120,13 @@ smoke_s=$(( $(left) - 60 ))
 echo "pd smoke: $smoke_s s left for it"
 if [[ "$mode" == plant ]]; then
   pairs=(--shared-kv on --plant pd-send-wrong-page)
+elif [[ "$mode" == mtp-plant ]]; then
+  pairs=(--shared-kv on --plant "${PD_PLANT:-draft-wrong-owner}")
 else
   pairs=(--shared-kv both)
 fi
 timeout -s TERM -k 75 "$smoke_s" python3 scripts/glm5_pd_smoke.py --model-path "$MODEL" --load-format dummy \
-  --audit "${pairs[@]}" --out-dir "$RUNS/smoke" --startup-timeout 300 --request-timeout 150 \
+  --audit "${pairs[@]}" "${mtp[@]}" --out-dir "$RUNS/smoke" --startup-timeout 300 --request-timeout 150 \
   --prefill-tp "$TP" --prefill-gpus "$PREFILL_GPUS" --decode-tp "$DECODE_TP" --decode-gpu "$DECODE_GPUS" "${MEM[@]}" \
   --extra-prefill-args "--grammar-backend none" \
   --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" \
@@ -121,7 +134,7 @@ timeout -s TERM -k 75 "$smoke_s" python3 scripts/glm5_pd_smoke.py --model-path "
 smoke_rc=$?
 echo "pd smoke: exit $smoke_rc ($(( $(date +%s) - start_s )) s in all)"
 pack_logs
-grep -E "^(\[pd-shared-kv-(on|off)\] (prefill|decode):|== |prefill logical|prefill physical|hicache activity|latency|  prefix|transfer_audit|read_audit|pool_audit|prefill log ERROR|decode log|FAIL|PASSED|FAILED|terminated)" \
+grep -E "^(\[pd-shared-kv-(on|off)\] (prefill|decode):|== |prefill logical|prefill physical|hicache activity|latency|  prefix|transfer_audit|read_audit|pool_audit|draft_read_audit|draft_write_audit|cached_prefix_ledger|mtp_accept_length|prefill log ERROR|decode log|FAIL|PASSED|FAILED|terminated)" \
   "$OUT/pd_smoke.log" | cut -c1-400
 if [[ -f "$OUT/report.json" ]]; then
   python3 - "$OUT/report.json" <<'PY'

@@ -17,7 +17,19 @@
 #
 #   confirm       the bf16 write_through/chunked/burst and fp8 runs with their references only.
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf   (results under $OUT)
+#   mtp           MTP on every server (--mtp: EAGLE with the NextN layer, 3 steps, top-k 1, 4 draft
+#                 tokens, and the shared-KV opt-in), the tiny GLM-5 with its NextN layer
+#                 (make_tiny_glm5_config.py --nextn): a stock MTP reference with HiCache (bf16
+#                 write_through + chunked prefill) and the shared-KV runs against it (spec v2, sglang's
+#                 default; spec v1 with --disable-overlap-schedule), a radix-only stock fp8 MTP
+#                 reference and the fp8 shared-KV run with HiCache against it. Each shared-KV run is
+#                 judged as in correctness plus the draft pool's write and read audits and the
+#                 cached-prefix ledger; accept lengths are reported.
+#   mtp-plants    the two draft plants (draft-wrong-owner, draft-stale-load-back) on bf16 MTP runs
+#                 against the mtp mode's bf16 reference (run here too if it is not in the runs dir
+#                 yet); each must FAIL.
+#
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -30,7 +42,9 @@
 #   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
+#   SMOKE_NEXTN_MODEL_DIR   the mtp modes' model (default /tmp/tiny-glm5-nextn; tiny model only)
 set -uo pipefail
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 SKIP_STAGED_ENV="${SMOKE_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
@@ -39,9 +53,15 @@ RUNS="${SMOKE_RUNS_DIR:-/tmp/smoke_runs}"
 mkdir -p "$OUT" "$RUNS"
 case "${SMOKE_MODEL:-tiny}" in
   tiny)
-    MODEL="${SMOKE_MODEL_DIR:-/tmp/tiny-glm5}"
-    [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null ;;
+    if [[ "$MODE" == mtp* ]]; then  # the draft is the model's NextN layer
+      MODEL="${SMOKE_NEXTN_MODEL_DIR:-/tmp/tiny-glm5-nextn}"
+      [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --nextn --no-check >/dev/null
+    else
+      MODEL="${SMOKE_MODEL_DIR:-/tmp/tiny-glm5}"
+      [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null
+    fi ;;
   glm5-width)
+    [[ "$MODE" == mtp* ]] && { echo "the mtp modes run the tiny model (SMOKE_MODEL=tiny)" >&2; exit 2; }
     MODEL="${SMOKE_MODEL_DIR:-/tmp/glm5-width-tp$TP}"
     SERIAL=1
     export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${SMOKE_AUDIT_LAYERS:-2}"
@@ -62,7 +82,7 @@ spawn() {  # spawn smoke NAME ARGS...: in the background, or in turn with SMOKE_
   if [[ -n "$SERIAL" ]]; then "$@"; else "$@" & fi
 }
 GRAMMAR="--grammar-backend none"
-case "${1:?correctness|confirm|plants|perf}" in
+case "$MODE" in
   correctness)
     spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
@@ -115,6 +135,30 @@ r = kv_audit_compare.compare_runs(runs / "ref_fp8/audit_shared-kv-off", runs / "
 print("ref_fp8 (stock HiCache) vs ref_fp8_radix pool_audit:", json.dumps(r.to_json())[:3000])
 PY
     ;;
+  mtp)
+    spawn smoke ref_mtp_bf16 --mtp --shared-kv off --audit \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    spawn smoke on_mtp_bf16_wt_chunked --mtp --shared-kv on --audit --reference-dir "$RUNS/ref_mtp_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    spawn smoke on_mtp_bf16_spec_v1 --mtp --shared-kv on --audit --reference-dir "$RUNS/ref_mtp_bf16" \
+      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule"
+    # fp8 against a stock reference that never loads back (stock 0.5.11's NSA host pool corrupts fp8
+    # KV on load-back, and leaves the draft of a loaded-back prefix stale).
+    spawn smoke ref_mtp_fp8_radix --mtp --shared-kv off --no-hicache --audit \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+    spawn smoke on_mtp_fp8 --mtp --shared-kv on --audit --reference-dir "$RUNS/ref_mtp_fp8_radix" \
+      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
+    wait ;;
+  mtp-plants)
+    if [[ -n "${SMOKE_DRY_RUN:-}" || ! -f "$RUNS/ref_mtp_bf16/report.json" ]]; then
+      spawn smoke ref_mtp_bf16 --mtp --shared-kv off --audit \
+        --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    fi
+    for bug in draft-wrong-owner draft-stale-load-back; do
+      spawn smoke "plant_$bug" --mtp --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_mtp_bf16" \
+        --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    done
+    wait ;;
   perf)
     for mode in off on; do
       smoke "perf_$mode" --shared-kv $mode --physical-tokens-per-rank 81920 --max-prefix-tokens 32768 \
@@ -125,4 +169,4 @@ mkdir -p "$OUT/logs"
 for d in "$RUNS"/*/; do for f in "$d"server_*.log; do [[ -f $f ]] && cp "$f" "$OUT/logs/$(basename "$d").log"; done; done
 tar -C "$OUT" -czf "$OUT/server_logs.tgz" logs && rm -rf "$OUT/logs"
 [[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -f "$OUT"/ref_*.log
-for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done
+for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|draft_read_audit|draft_write_audit|cached_prefix_ledger|mtp_accept_length|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done

@@ -20,6 +20,13 @@ audits look at the bytes instead.
    are expected in decode: every rank computes the new token's KV itself and reads its own copy
    while it is filled locally, the owner's copy afterwards; ranks may round differently.
 
+With MTP (``--speculative-algorithm EAGLE``), the pool dumps hold the draft pool's rows too
+(``draft_positions``, ``draft_kv``, ``draft_index``: the NextN layer's KV and indexer K of the
+positions this rank stores, under shared KV its owned pages by the target's layout), and each dump
+records how many prompt tokens the request got from the cache (``cached_tokens``), for the
+cached-prefix ledger. The read audit runs on the draft's runtime as well, into its own file
+(``read_audit_draft.rank<r>.json``); what is judged about the draft, and why: ``draft_audit``.
+
 Both cost an extra collective or device-to-host copy per layer: smoke servers only.
 """
 
@@ -81,7 +88,8 @@ def stored_rows_of(pool, logical_locs: torch.Tensor):
     return positions[owned], layout.physical_locs_or_dummy(logical_locs[owned])
 
 
-def dump_finished_request(audit_dir: Path, cache, req) -> None:
+def dump_finished_request(audit_dir: Path, cache, req, draft_pool=None) -> None:
+    """``draft_pool``: the MTP draft worker's pool (same locs as the target's), dumped alongside."""
     pool = cache.token_to_kv_pool_allocator.get_kvcache()
     n = req.kv_committed_len
     locs = cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].long()
@@ -95,6 +103,11 @@ def dump_finished_request(audit_dir: Path, cache, req) -> None:
     index = torch.stack(
         [token_bytes(buf[rows // ps], rows % ps, ps, "index") for buf in pool.index_k_with_scale_buffer[:layers]], 1
     )
+    draft = {}
+    if draft_pool is not None:
+        from cp_shared_kv_smoke_hooks.draft_audit import stored_draft_rows
+
+        draft = stored_draft_rows(draft_pool, stored_rows_of(draft_pool, locs))
     out = audit_dir / "pool"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{req.rid}.rank{_rank()}.npz"
@@ -106,6 +119,9 @@ def dump_finished_request(audit_dir: Path, cache, req) -> None:
             kv=kv.cpu().numpy(),
             index=index.cpu().numpy(),
             kv_dtype=np.array(str(pool.dtype)),
+            # Prompt tokens served from the cache (device or host) at the request's first schedule.
+            cached_tokens=np.array(int(getattr(req, "cached_tokens", 0) or 0)),
+            **draft,
         )
     os.replace(tmp, out / f"{req.rid}.rank{_rank()}.npz")
 
@@ -116,25 +132,49 @@ def dump_finished_request(audit_dir: Path, cache, req) -> None:
 class ReadAudit:
     """Counts of rows read through the scratch that differ from their owner's row (see module doc)."""
 
-    def __init__(self, audit_dir: Path):
-        self.path = audit_dir / f"read_audit.rank{_rank()}.json"
+    def __init__(self, audit_dir: Path, name: str = "read_audit"):
+        """``name``: ``read_audit`` (the target's runtime) or ``read_audit_draft`` (the draft's)."""
+        self.path = audit_dir / f"{name}.rank{_rank()}.json"
         self.counts = {"forwards": 0, "padding_requests": 0, "dummy_refs": 0}
         for kind in ("kv", "index"):
             self.counts.update({f"{kind}_rows": 0, f"{kind}_bit_diffs": 0, f"{kind}_wrong": 0})
         self.referenced_locs = None
+        # The EAGLE draft's steps, planned together: (step backend, references, description).
+        self.draft_steps: list = []
 
     def begin_forward(self, forward_batch) -> None:
         """Referenced locs of every real request of the forward. ``req_pool_idx`` 0 is never handed
         to a request (sglang's ``ReqToTokenPool`` starts its free slots at 1): it is the padding row
         DP-attention batches are padded with (one token at loc 0, output discarded), left out."""
+        self.draft_steps = []
+        self.referenced_locs, self.forward_desc, padding = self.references_of(forward_batch)
+        self.counts["padding_requests"] += padding
+        self.counts["forwards"] += 1
+
+    def plan_draft_step(self, backend, forward_batch) -> None:
+        """A draft step was planned (all steps are, before the first runs): its references are the
+        committed tokens its metadata reads (``draft_step_lengths``), kept until the step runs."""
+        self.draft_steps.append((backend, *self.references_of(forward_batch)))
+
+    def begin_draft_step(self, backend) -> None:
+        """The step of ``backend`` runs on its own plan: its references are the forward's."""
+        for step_backend, locs, desc, padding in self.draft_steps:
+            if step_backend is backend:
+                self.referenced_locs, self.forward_desc = locs, desc
+                self.counts["padding_requests"] += padding
+                self.counts["forwards"] += 1
+                return
+
+    @staticmethod
+    def references_of(forward_batch):
+        """(referenced locs of the real requests, a description, padding requests)."""
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices.tolist()
         seq_lens = forward_batch.seq_lens_cpu.tolist()
         parts = [req_to_token[r, :n].long() for r, n in zip(rows, seq_lens) if r != PADDING_REQ_POOL_IDX]
-        self.counts["padding_requests"] += sum(1 for r in rows if r == PADDING_REQ_POOL_IDX)
-        self.referenced_locs = torch.cat(parts) if parts else None
-        self.forward_desc = f"{forward_batch.forward_mode.name} req_pool_indices={rows[:8]} seq_lens={seq_lens[:8]}"
-        self.counts["forwards"] += 1
+        padding = sum(1 for r in rows if r == PADDING_REQ_POOL_IDX)
+        desc = f"{forward_batch.forward_mode.name} req_pool_indices={rows[:8]} seq_lens={seq_lens[:8]}"
+        return (torch.cat(parts) if parts else None), desc, padding
 
     def check_layer(self, runtime, pool_pages: torch.Tensor, scratch_pages: torch.Tensor, kind: str):
         """``pool_pages`` / ``scratch_pages``: one layer viewed as ``[pages, page bytes]`` (uint8)."""
@@ -204,18 +244,31 @@ def token_bytes(pages: torch.Tensor, slots: torch.Tensor, page_size: int, kind: 
 
 
 def register_hooks(registry, audit_dir: str) -> None:
+    from cp_shared_kv_smoke_hooks import draft_audit
+    from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled_in_env
+
     root = Path(audit_dir)
     root.mkdir(parents=True, exist_ok=True)
     audits = {}
 
     def audit_of(runtime) -> ReadAudit:
-        return audits.setdefault(id(runtime), ReadAudit(root))
+        if id(runtime) not in audits:
+            name = "read_audit_draft" if draft_audit.is_draft_pool(runtime.pool) else "read_audit"
+            audits[id(runtime)] = ReadAudit(root, name)
+        return audits[id(runtime)]
 
     def before_cache_finished_req(cache, req, *args, **kwargs):
-        dump_finished_request(root, cache, req)
+        dump_finished_request(root, cache, req, draft_audit.process_draft_pool())
 
     def after_begin_forward(plan, runtime, forward_batch):
         audit_of(runtime).begin_forward(forward_batch)
+
+    def after_plan_draft_step(plan, runtime, backend, forward_batch):
+        audit_of(runtime).plan_draft_step(backend, forward_batch)
+
+    def after_begin_draft_step(selected, runtime, backend):
+        if selected:
+            audit_of(runtime).begin_draft_step(backend)
 
     def after_store_mla_kv(result, runtime, original, layer, *args, **kwargs):
         if layer.layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
@@ -249,11 +302,13 @@ def register_hooks(registry, audit_dir: str) -> None:
 
     registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
     registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
-    from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled_in_env
-
-    if not cp_shared_kv_enabled_in_env():  # the read audit checks the shared-KV gather only
+    shared_kv = cp_shared_kv_enabled_in_env()
+    draft_audit.register_hooks(registry, root, _rank, shared_kv)
+    if not shared_kv:  # the read audit checks the shared-KV gather only
         return
     registry.register(f"{_RUNTIME}.begin_forward", after_begin_forward, HookType.AFTER)
+    registry.register(f"{_RUNTIME}.plan_draft_step", after_plan_draft_step, HookType.AFTER)
+    registry.register(f"{_RUNTIME}.begin_draft_step", after_begin_draft_step, HookType.AFTER)
     registry.register(f"{_RUNTIME}.store_mla_kv", after_store_mla_kv, HookType.AFTER)
     registry.register(f"{_RUNTIME}.store_index_k", after_store_index_k, HookType.AFTER)
     # Per-owner decode reads no scratch: its own audit checks the rows each rank attends to.

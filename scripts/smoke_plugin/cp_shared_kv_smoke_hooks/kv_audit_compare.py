@@ -12,16 +12,25 @@ of another token differs by about its own norm (relative error ~1.4 for independ
 rounding difference by ~1e-2 at most: ``WRONG_ROW_RELATIVE_ERROR`` sits between. Deeper layers
 depend on attention, whose noise stock sglang already shows between two identical requests: their
 errors are reported, not judged.
+
+The MTP draft pool (dumps with ``draft_*`` arrays, ``draft_audit``): its rows are merged the same way
+(every position exactly once: judged) and compared with the reference's, reported only (a draft
+row is a function of the target's last hidden state: attention noise, as a deep layer). What judges
+the draft: the draft's write and read audits (``draft_audit_failures``), the cached-prefix ledger
+(``cached_row_ledger``: rows of positions served from the cache equal, bit for bit, those of the
+request that stored them) and, between the two servers of a PD pair, the copy rule
+(``copy_failures``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +46,10 @@ class MergedRequest:
     index: np.ndarray  # [n, layers, token bytes] uint8
     kv_dtype: str
     problems: List[str] = field(default_factory=list)
+    # The MTP draft pool's rows (one layer), None when the server ran no draft.
+    draft_kv: Optional[np.ndarray] = None
+    draft_index: Optional[np.ndarray] = None
+    cached_tokens: int = 0  # prompt tokens the request got from the cache (device or host)
 
 
 def finished_dumps(run_dir: Path) -> List[Path]:
@@ -73,22 +86,37 @@ def load_dumps(run_dir: Path) -> Dict[str, List[dict]]:
     return by_rid
 
 
+def _merge_rows(what: str, n: int, parts: List[dict], positions_key: str, keys: Tuple[str, ...]):
+    """The ranks' rows of ``keys`` joined by position, and the positions stored by no or several ranks."""
+    counts = np.zeros(n, dtype=np.int64)
+    rows = {key: np.zeros((n,) + parts[0][key].shape[1:], dtype=np.uint8) for key in keys}
+    for part in parts:
+        positions = part[positions_key]
+        np.add.at(counts, positions, 1)
+        for key in keys:
+            rows[key][positions] = part[key]
+    problems = []
+    if (counts == 0).any():
+        problems.append(f"{what}: {int((counts == 0).sum())} of {n} positions stored by no rank")
+    if (counts > 1).any():
+        problems.append(f"{what}: {int((counts > 1).sum())} of {n} positions stored by several ranks")
+    return rows, problems
+
+
 def merge_request(rid: str, parts: List[dict]) -> MergedRequest:
     token_ids = parts[0]["token_ids"]
     n = len(token_ids)
-    counts = np.zeros(n, dtype=np.int64)
-    kv = np.zeros((n,) + parts[0]["kv"].shape[1:], dtype=np.uint8)
-    index = np.zeros((n,) + parts[0]["index"].shape[1:], dtype=np.uint8)
-    for part in parts:
-        positions = part["positions"]
-        np.add.at(counts, positions, 1)
-        kv[positions] = part["kv"]
-        index[positions] = part["index"]
-    merged = MergedRequest(token_ids, kv, index, str(parts[0]["kv_dtype"]))
-    if (counts == 0).any():
-        merged.problems.append(f"{rid}: {int((counts == 0).sum())} of {n} positions stored by no rank")
-    if (counts > 1).any():
-        merged.problems.append(f"{rid}: {int((counts > 1).sum())} of {n} positions stored by several ranks")
+    rows, problems = _merge_rows(rid, n, parts, "positions", ("kv", "index"))
+    merged = MergedRequest(token_ids, rows["kv"], rows["index"], str(parts[0]["kv_dtype"]), problems)
+    if "cached_tokens" in parts[0]:
+        merged.cached_tokens = int(parts[0]["cached_tokens"])
+    with_draft = ["draft_kv" in part for part in parts]
+    if any(with_draft) and not all(with_draft):
+        merged.problems.append(f"{rid}: {with_draft.count(False)} of {len(parts)} ranks dumped no draft rows")
+    elif all(with_draft):
+        draft, draft_problems = _merge_rows(f"{rid} (draft)", n, parts, "draft_positions", ("draft_kv", "draft_index"))
+        merged.draft_kv, merged.draft_index = draft["draft_kv"], draft["draft_index"]
+        merged.problems += draft_problems
     return merged
 
 
@@ -132,10 +160,41 @@ class AuditComparison:
     identical_kv_positions: int = 0
     identical_index_positions: int = 0
     max_error_by_layer: List[float] = field(default_factory=list)
+    # The MTP draft pool's rows, where both dumps have them: reported, not judged (module doc).
+    draft_requests: int = 0
+    draft_identical_kv_positions: int = 0
+    draft_identical_index_positions: int = 0
+    draft_max_kv_error: float = 0.0
+    draft_max_index_error: float = 0.0
+    draft_kv_rows_above_wrong_row_error: int = 0
+    draft_index_rows_above_wrong_row_error: int = 0
+    draft_requests_without_reference_draft: int = 0
     failures: List[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
+
+    def compare_draft(self, merged: MergedRequest, ref: MergedRequest, same: np.ndarray) -> None:
+        if merged.draft_kv is None:
+            return
+        if ref.draft_kv is None:
+            self.draft_requests_without_reference_draft += 1
+            return
+        self.draft_requests += 1
+        kv_err = relative_row_errors(
+            kv_values(merged.draft_kv[same], merged.kv_dtype), kv_values(ref.draft_kv[same], ref.kv_dtype)
+        )
+        index_err = relative_row_errors(index_values(merged.draft_index[same]), index_values(ref.draft_index[same]))
+        if kv_err.numel():
+            self.draft_max_kv_error = max(self.draft_max_kv_error, float(kv_err.max()))
+            self.draft_max_index_error = max(self.draft_max_index_error, float(index_err.max()))
+        self.draft_kv_rows_above_wrong_row_error += int((kv_err > WRONG_ROW_RELATIVE_ERROR).sum())
+        self.draft_index_rows_above_wrong_row_error += int((index_err > WRONG_ROW_RELATIVE_ERROR).sum())
+        flat = len(same), -1
+        self.draft_identical_kv_positions += int((merged.draft_kv[same] == ref.draft_kv[same]).reshape(flat).all(axis=-1).sum())
+        self.draft_identical_index_positions += int(
+            (merged.draft_index[same] == ref.draft_index[same]).reshape(flat).all(axis=-1).sum()
+        )
 
 
 def compare_runs(run_dir: Path, reference_dir: Path) -> AuditComparison:
@@ -161,6 +220,7 @@ def compare_runs(run_dir: Path, reference_dir: Path) -> AuditComparison:
             kv_values(merged.kv[same], merged.kv_dtype), kv_values(ref.kv[same], ref.kv_dtype)
         )  # [positions, layers]
         index_err = relative_row_errors(index_values(merged.index[same]), index_values(ref.index[same]))
+        result.compare_draft(merged, ref, same)
         layers = kv_err.shape[1] if kv_err.numel() else 0
         if len(result.max_error_by_layer) < layers:
             result.max_error_by_layer += [0.0] * (layers - len(result.max_error_by_layer))
@@ -191,9 +251,10 @@ def compare_runs(run_dir: Path, reference_dir: Path) -> AuditComparison:
     return result
 
 
-def copy_failures(comparison: AuditComparison, what: str) -> List[str]:
+def copy_failures(comparison: AuditComparison, what: str, with_draft: bool = False) -> List[str]:
     """For dumps of the same KV on both ends of a copy (a PD transfer: what the decode server holds
-    against what the prefill server held): every compared position must be equal in every byte."""
+    against what the prefill server held): every compared position must be equal in every byte.
+    ``with_draft`` (MTP on both servers): the draft pool's rows too, in every compared request."""
     failures = list(comparison.failures)
     for kind in ("kv", "index"):
         identical = getattr(comparison, f"identical_{kind}_positions")
@@ -202,35 +263,170 @@ def copy_failures(comparison: AuditComparison, what: str) -> List[str]:
                 f"{what}: {comparison.positions_compared - identical} of "
                 f"{comparison.positions_compared} positions differ in some {kind} byte"
             )
+    if not with_draft:
+        return failures
+    if comparison.draft_requests != comparison.requests:
+        failures.append(
+            f"{what}: draft rows compared in {comparison.draft_requests} of {comparison.requests} requests "
+            f"({comparison.draft_requests_without_reference_draft} without the other side's draft rows)"
+        )
+    for kind in ("kv", "index"):
+        identical = getattr(comparison, f"draft_identical_{kind}_positions")
+        if comparison.draft_requests == comparison.requests and identical != comparison.positions_compared:
+            failures.append(
+                f"{what}: {comparison.positions_compared - identical} of {comparison.positions_compared} "
+                f"positions differ in some draft {kind} byte"
+            )
     return failures
 
 
-def read_audit_totals(run_dir: Path) -> Dict[str, int]:
+# ---------------------------------------------------------------- cached-prefix ledger
+
+_PLAN_RID = re.compile(r"^(?:smoke|pd)-(\d+)-")
+
+
+@dataclass
+class CachedRowLedger:
+    """Rows of positions served from the cache against the rows of the request that stored them.
+
+    A position below a request's ``cached_tokens`` came from the radix tree (device, or host through a
+    load-back) and is not written again by any forward of that request: the target's extend and the
+    draft's extend both start at the first uncached token. So its rows, target and draft, must equal
+    bit for bit the rows the last earlier request holding the same tokens up to and including that
+    position dumped when it finished (that request stored or itself reused them). Requests are
+    taken in the plan's order (``smoke-<index>-...`` / ``pd-<index>-...`` request ids); requests run
+    concurrently (the burst) are left out, since two of them may both compute a prefix while only one
+    copy stays in the tree."""
+
+    requests_with_cached_tokens: int = 0
+    positions_checked: int = 0
+    positions_without_source: int = 0
+    target_kv_rows_changed: int = 0
+    target_index_rows_changed: int = 0
+    draft_positions_checked: int = 0
+    draft_kv_rows_changed: int = 0
+    draft_index_rows_changed: int = 0
+    changed_by_request: Dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    def draft_failures(self, what: str = "cached-prefix ledger") -> List[str]:
+        """What the ledger judges: the draft's rows (the target's layer 0 is judged against the
+        reference; its ledger counts are reported)."""
+        if not self.draft_positions_checked:
+            return [f"{what}: no position served from the cache had draft rows to check"]
+        changed = self.draft_kv_rows_changed + self.draft_index_rows_changed
+        if not changed:
+            return []
+        worst = sorted(self.changed_by_request.items(), key=lambda item: -item[1])[:3]
+        return [
+            f"{what}: {self.draft_kv_rows_changed} draft KV and {self.draft_index_rows_changed} draft indexer-K rows "
+            f"of {self.draft_positions_checked} cached positions differ from the rows of the request that "
+            f"stored them (most: {worst})"
+        ]
+
+
+def _common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.nonzero(a[:n] != b[:n])[0]
+    return int(differ[0]) if len(differ) else n
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a != b).reshape(len(a), -1).any(axis=-1)
+
+
+def cached_row_ledger(run_dir: Path) -> CachedRowLedger:
+    """The ledger (see ``CachedRowLedger``) of one run's pool dumps."""
+    ledger = CachedRowLedger()
+    dumps = load_dumps(run_dir)
+    ordered = sorted((int(m.group(1)), rid) for rid in dumps for m in [_PLAN_RID.match(rid)] if m)
+    earlier: List[Tuple[str, MergedRequest]] = []
+    for _, rid in ordered:
+        merged = merge_request(rid, dumps[rid])
+        cached = min(merged.cached_tokens, len(merged.token_ids))
+        if cached:
+            ledger.requests_with_cached_tokens += 1
+            unsourced = np.ones(cached, dtype=bool)
+            changed = 0
+            for _, source in reversed(earlier):  # the latest request holding each position's prefix
+                covered = min(cached, _common_prefix_length(merged.token_ids, source.token_ids))
+                take = np.nonzero(unsourced[:covered])[0]
+                if not len(take):
+                    continue
+                unsourced[take] = False
+                ledger.positions_checked += len(take)
+                kv, index = _rows_differ(merged.kv[take], source.kv[take]), _rows_differ(merged.index[take], source.index[take])
+                ledger.target_kv_rows_changed += int(kv.sum())
+                ledger.target_index_rows_changed += int(index.sum())
+                if merged.draft_kv is not None and source.draft_kv is not None:
+                    ledger.draft_positions_checked += len(take)
+                    draft_kv = _rows_differ(merged.draft_kv[take], source.draft_kv[take])
+                    draft_index = _rows_differ(merged.draft_index[take], source.draft_index[take])
+                    ledger.draft_kv_rows_changed += int(draft_kv.sum())
+                    ledger.draft_index_rows_changed += int(draft_index.sum())
+                    changed += int((draft_kv | draft_index).sum())
+            ledger.positions_without_source += int(unsourced.sum())
+            if changed:
+                ledger.changed_by_request[rid] = changed
+        earlier.append((rid, merged))
+    return ledger
+
+
+def read_audit_totals(run_dir: Path, name: str = "read_audit") -> Dict[str, int]:
+    """Counts summed over ranks of ``<name>.rank<r>.json``: ``read_audit`` (the target's),
+    ``read_audit_draft`` (the draft's) or ``draft_write_audit``."""
     totals: Dict[str, int] = defaultdict(int)
-    for path in sorted(Path(run_dir).glob("read_audit.rank*.json")):
+    for path in sorted(Path(run_dir).glob(f"{name}.rank*.json")):
         for key, value in json.loads(path.read_text()).items():
             totals[key] += value
         totals["ranks"] += 1
     return dict(totals)
 
 
-def read_audit_failures(totals: Dict[str, int]) -> List[str]:
+def read_audit_failures(totals: Dict[str, int], what: str = "read audit") -> List[str]:
     """Rows of another token and references to never-allocated locs fail; rows that differ only in
     rounding (a rank's own decode KV against the owner's copy of the same token) are reported."""
     if not totals.get("ranks"):
-        return ["read audit: no rank reported"]
+        return [f"{what}: no rank reported"]
     failures = []
     for kind in ("kv", "index"):
         if not totals.get(f"{kind}_rows"):
-            failures.append(f"read audit: no {kind} rows were checked")
+            failures.append(f"{what}: no {kind} rows were checked")
         if totals.get(f"{kind}_wrong"):
             failures.append(
-                f"read audit: {totals[f'{kind}_wrong']} of {totals[f'{kind}_rows']} {kind} rows read "
+                f"{what}: {totals[f'{kind}_wrong']} of {totals[f'{kind}_rows']} {kind} rows read "
                 "through the scratch hold another token than their owner's rows"
             )
     if totals.get("dummy_refs"):
         failures.append(
-            f"read audit: {totals['dummy_refs']} referenced positions point into never-allocated "
+            f"{what}: {totals['dummy_refs']} referenced positions point into never-allocated "
             "logical pages (the dummy pages)"
         )
+    return failures
+
+
+def draft_audit_totals(run_dir: Path) -> Dict[str, Dict[str, int]]:
+    return {
+        "draft_read_audit": read_audit_totals(run_dir, "read_audit_draft"),
+        "draft_write_audit": read_audit_totals(run_dir, "draft_write_audit"),
+    }
+
+
+def draft_audit_failures(totals: Dict[str, Dict[str, int]]) -> List[str]:
+    """A shared-KV server with MTP: the draft's read audit as the target's, and its write audit
+    (every draft row a forward stored is its owner's row; rounding differences are reported)."""
+    failures = read_audit_failures(totals["draft_read_audit"], "draft read audit")
+    write = totals["draft_write_audit"]
+    if not write.get("ranks"):
+        return failures + ["draft write audit: no rank reported"]
+    for kind in ("kv", "index"):
+        if not write.get(f"{kind}_rows"):
+            failures.append(f"draft write audit: no {kind} rows were checked")
+        if write.get(f"{kind}_wrong"):
+            failures.append(
+                f"draft write audit: {write[f'{kind}_wrong']} of {write[f'{kind}_rows']} draft {kind} rows "
+                "written by a forward are not on their owner"
+            )
     return failures

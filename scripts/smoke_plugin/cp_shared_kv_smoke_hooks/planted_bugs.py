@@ -11,6 +11,13 @@
 * ``decode-wrong-page``: on cp rank 1, each per-owner decode forward's owned-page table is rotated
   by one column, so the rank scores and attends to the wrong physical page of each request (an
   owner-table bug; caught by the decode read audit).
+* ``draft-wrong-owner`` (MTP): in every store of the draft pool (KV and indexer K), the first page
+  of the stored locs is written by the next rank (into its own physical page of the same number)
+  instead of its owner, whose row stays stale (an owner-filter bug of the draft's runtime; caught by
+  the draft write audit).
+* ``draft-stale-load-back`` (MTP with HiCache): every host load-back restores the target's pages
+  only; the draft KV and indexer K of the loaded-back prefix stay whatever the new locs held, as
+  stock 0.5.11 leaves them (caught by the cached-prefix ledger).
 """
 
 from __future__ import annotations
@@ -25,7 +32,14 @@ from sglang.srt.plugins.hook_registry import HookType
 
 logger = logging.getLogger(__name__)
 
-PLANTS = ("read-wrong-owner", "load-back-wrong-page", "pd-send-wrong-page", "decode-wrong-page")
+PLANTS = (
+    "read-wrong-owner",
+    "load-back-wrong-page",
+    "pd-send-wrong-page",
+    "decode-wrong-page",
+    "draft-wrong-owner",
+    "draft-stale-load-back",
+)
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
 _PD_MANAGER = "sglang_cp_shared_kv.disaggregation.mooncake.conn.CpSharedKVMooncakeKVManager"
@@ -76,6 +90,55 @@ def decode_tables_one_page_off(tables, layout, *args, **kwargs):
     return dataclasses.replace(tables, physical_page_table=torch.roll(tables.physical_page_table, 1, dims=1))
 
 
+def draft_page_to_wrong_owner(original, runtime, plan, logical_locs):
+    """AROUND ``CpSharedKVRuntime.row_maps`` (the rows every store of a forward writes): on the draft
+    pool's runtime, the first real page of the locs goes to the next rank's physical page of the
+    same number, and the owner sends its rows to the dummy page. Host syncs: a plant, not the product."""
+    from cp_shared_kv_smoke_hooks.draft_audit import is_draft_pool
+
+    maps = original(runtime, plan, logical_locs)
+    layout = runtime.layout
+    if not is_draft_pool(runtime.pool) or layout.cp_size < 2:
+        return maps
+    ps, cp = layout.page_size, layout.cp_size
+    locs = logical_locs.long()
+    pages = locs // ps
+    real = pages >= cp  # logical pages 0 .. cp-1 are the dummy pages
+    if not bool(real.any()):
+        return maps
+    page = int(pages[real][0])
+    owner = page % cp
+    on_page = pages == page
+    physical = maps.physical_rows.clone()
+    if layout.cp_rank == owner:
+        physical[on_page] = locs[on_page] % ps  # the dummy page's slots, where non-owned rows sink
+    elif layout.cp_rank == (owner + 1) % cp:
+        physical[on_page] = (page // cp) * ps + locs[on_page] % ps
+    else:
+        return maps
+    return dataclasses.replace(maps, physical_rows=physical, physical_page_slot=(physical // ps, physical % ps))
+
+
+_SKIPPING_DRAFT_RESTORE = "_cp_shared_kv_smoke_skipping_draft_restore"
+
+
+def load_without_the_draft(original, controller, *args, **kwargs):
+    """AROUND ``CpHybridCacheController.start_loading``: this load restores the target only."""
+    setattr(controller, _SKIPPING_DRAFT_RESTORE, True)
+    try:
+        return original(controller, *args, **kwargs)
+    finally:
+        setattr(controller, _SKIPPING_DRAFT_RESTORE, False)
+
+
+def target_pools_only_while_loading(original, controller, with_draft: bool = True):
+    """AROUND ``CpHybridCacheController._target_and_draft_pools``: no draft pool inside a load."""
+    if getattr(controller, _SKIPPING_DRAFT_RESTORE, False) and with_draft:
+        logger.warning("planted bug: a host load-back leaves the draft pool's rows stale")
+        with_draft = False
+    return original(controller, with_draft)
+
+
 def register_hooks(registry, plant: str) -> None:
     if plant == "read-wrong-owner":
         registry.register(f"{_RUNTIME}.begin_forward", read_from_wrong_owner, HookType.AFTER)
@@ -85,6 +148,11 @@ def register_hooks(registry, plant: str) -> None:
         registry.register(f"{_PD_MANAGER}.send_kvcache", send_one_page_off, HookType.AROUND)
     elif plant == "decode-wrong-page":
         registry.register(f"{_PER_OWNER}.build_owner_decode_tables", decode_tables_one_page_off, HookType.AFTER)
+    elif plant == "draft-wrong-owner":
+        registry.register(f"{_RUNTIME}.row_maps", draft_page_to_wrong_owner, HookType.AROUND)
+    elif plant == "draft-stale-load-back":
+        registry.register(f"{_CONTROLLER}.start_loading", load_without_the_draft, HookType.AROUND)
+        registry.register(f"{_CONTROLLER}._target_and_draft_pools", target_pools_only_while_loading, HookType.AROUND)
     else:
         raise ValueError(f"unknown planted bug {plant!r}; one of {PLANTS}")
     logger.warning("cp-shared-kv smoke: planted bug %s is active", plant)

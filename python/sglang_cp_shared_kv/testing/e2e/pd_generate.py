@@ -27,6 +27,7 @@ MAX_BOOTSTRAP_ROOM = 2**63 - 1
 class PDGenerateResult(GenerateResult):
     tpot_s: Optional[float] = None
     prefill_meta_info: Optional[Dict[str, Any]] = None
+    decode_meta_info: Optional[Dict[str, Any]] = None  # the decode stream's last (MTP counts are the decode's)
 
 
 def generate_greedy_pd(
@@ -110,6 +111,7 @@ def generate_greedy_pd(
         error=error,
         tpot_s=tpot,
         prefill_meta_info=prefill_meta,
+        decode_meta_info=last.get("meta_info"),
     )
 
 

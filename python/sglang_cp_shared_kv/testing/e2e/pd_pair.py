@@ -20,6 +20,9 @@ What each side must set (docs/pd-disaggregation.md):
   endpoints and what it registers with the bootstrap server use ``get_local_ip_auto()``, which without
   the variable asks the route to 8.8.8.8 and then the hostname: on a host with no route out it may
   find nothing (the server exits, "Can not get local ip"). Both servers are on this host;
+* both, with MTP (``mtp``): GLM-5's MTP recipe (``server_process.MTP_SERVER_ARGS``) and the shared-KV
+  opt-in variable; the stock decode server then receives the draft pool's KV and indexer K with the
+  target's (sglang registers the draft buffers on both sides) and runs the draft itself;
 * both: NVLink multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
   ``NVSHMEM_DISABLE_NVLS=1``), set here too so that no launch depends on the caller's environment.
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, ServeConfig
+from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, MTP_OPT_IN_ENV, MTP_SERVER_ARGS, ServeConfig
 
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 MOONCAKE_FORCE_TCP_ENV = "MC_FORCE_TCP"
@@ -70,6 +73,7 @@ class PDPairConfig:
     # SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 on both servers: always with shared KV (None);
     # a stock pair may set it too (True) when timed against the shared-KV pair on fresh prompts.
     all_cp_ranks_transfer: Optional[bool] = None
+    mtp: bool = False  # MTP on both servers
 
     def prefill_command(self) -> List[str]:
         disaggregation = [
@@ -87,6 +91,7 @@ class PDPairConfig:
             mem_fraction_static=self.prefill_mem_fraction_static,
             load_format=self.load_format,
             extra_args=disaggregation + list(self.prefill_extra_args),
+            mtp=self.mtp,
         ).command()
 
     def decode_command(self) -> List[str]:
@@ -106,6 +111,8 @@ class PDPairConfig:
             cmd += ["--mem-fraction-static", f"{self.decode_mem_fraction_static:g}"]
         if self.load_format is not None:
             cmd += ["--load-format", self.load_format]
+        if self.mtp:
+            cmd += list(MTP_SERVER_ARGS)
         return cmd + list(self.decode_extra_args)
 
     def _both_env(self) -> Dict[str, str]:
@@ -114,6 +121,8 @@ class PDPairConfig:
             env[ALL_CP_RANKS_ENV] = "1"
         if self.mooncake_tcp:
             env[MOONCAKE_FORCE_TCP_ENV] = "true"
+        if self.mtp:
+            env[MTP_OPT_IN_ENV] = "1"
         return env
 
     def prefill_env(self) -> Dict[str, str]:

@@ -23,6 +23,17 @@ from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 
 LOOPBACK = "127.0.0.1"
 SHARED_KV_FLAG = CP_SHARED_KV_FLAG
+# MTP as GLM-5's H200 recipes run it: EAGLE with the model's NextN layer, 3 steps, top-k 1, 4 draft
+# tokens (the model directory needs ``num_nextn_predict_layers``: make_tiny_glm5_config.py --nextn).
+MTP_SERVER_ARGS = (
+    "--speculative-algorithm", "EAGLE",
+    "--speculative-num-steps", "3",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "4",
+)  # fmt: skip
+# The shared-KV server's explicit opt-in to MTP; given to every server of an MTP smoke (stock sglang,
+# the reference, runs MTP without it and ignores it).
+MTP_OPT_IN_ENV = "SGLANG_CP_SHARED_KV_MTP"
 
 
 @dataclass(frozen=True)
@@ -43,12 +54,15 @@ class ServeConfig:
     cuda_graphs: bool = False
     # Shared KV only: decode through the page gather (the default) or per owner (opt-in, env()).
     decode_path: str = "gather"
+    # MTP (``MTP_SERVER_ARGS``), with its opt-in in env().
+    mtp: bool = False
 
     def env(self) -> Dict[str, str]:
-        """The environment the launch needs besides the command line: the decode-path opt-ins."""
+        """The environment the launch needs besides the command line: the decode-path and MTP opt-ins."""
+        env = {MTP_OPT_IN_ENV: "1"} if self.mtp else {}
         if self.decode_path == "gather":
-            return {}
-        return {DECODE_PATH_ENV: PER_OWNER, **({GRAPH_DECODE_ENV: "1"} if self.cuda_graphs else {})}
+            return env
+        return {**env, DECODE_PATH_ENV: PER_OWNER, **({GRAPH_DECODE_ENV: "1"} if self.cuda_graphs else {})}
 
     def command(self) -> List[str]:
         if self.decode_path not in ("gather", PER_OWNER) or (self.decode_path != "gather" and not self.shared_kv):
@@ -80,6 +94,8 @@ class ServeConfig:
             cmd += ["--mem-fraction-static", f"{self.mem_fraction_static:g}"]
         if self.load_format is not None:
             cmd += ["--load-format", self.load_format]
+        if self.mtp:
+            cmd += list(MTP_SERVER_ARGS)
         return cmd + list(self.extra_args)
 
 

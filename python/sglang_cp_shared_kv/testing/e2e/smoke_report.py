@@ -32,6 +32,9 @@ class RequestRecord:
     # Metric deltas around this request; counters are summed over ranks (server_metrics docstring).
     metric_deltas: Dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
+    # MTP (sglang's meta_info with speculative decoding on): verify forwards and output tokens.
+    spec_verify_ct: Optional[int] = None
+    completion_tokens: Optional[int] = None
 
     @staticmethod
     def from_response(index, name, prompt_tokens, result, metric_deltas) -> "RequestRecord":
@@ -49,7 +52,34 @@ class RequestRecord:
             e2e_s=result.e2e_s,
             metric_deltas=dict(metric_deltas),
             error=result.error,
-        )
+        ).with_spec_counts(meta)
+
+    def with_spec_counts(self, meta_info: Optional[Dict[str, Any]]) -> "RequestRecord":
+        """Take ``spec_verify_ct`` / ``completion_tokens`` from a response's meta_info (sglang sets
+        the first only with speculative decoding on and at least one verify)."""
+        meta = meta_info or {}
+        if meta.get("spec_verify_ct"):
+            self.spec_verify_ct = int(meta["spec_verify_ct"])
+            self.completion_tokens = int(meta.get("completion_tokens") or len(self.output_ids))
+        return self
+
+
+def accept_length_summary(records: Sequence["RequestRecord"]) -> Dict[str, Any]:
+    """Mean MTP accept length (output tokens per verify forward, sglang's ``spec_accept_length``,
+    the bonus token included) over the requests that report it: pooled and per request. Dummy
+    weights make it noise: reported, never judged."""
+    spec = [r for r in records if r.spec_verify_ct]
+    if not spec:
+        return {"requests": 0}
+    per_request = [r.completion_tokens / r.spec_verify_ct for r in spec]
+    from_host = [r.completion_tokens / r.spec_verify_ct for r in spec if r.cached_host_tokens]
+    return {
+        "requests": len(spec),
+        "tokens_per_verify": round(sum(r.completion_tokens for r in spec) / sum(r.spec_verify_ct for r in spec), 4),
+        "mean_per_request": round(sum(per_request) / len(per_request), 4),
+        # Requests whose prompt came partly from host: where a stale draft would show.
+        "mean_prefix_from_host": round(sum(from_host) / len(from_host), 4) if from_host else None,
+    }
 
 
 @dataclass

@@ -9,6 +9,11 @@ production shapes; only depth, hidden size and vocabulary shrink.
 
 The tokenizer is a byte-level BPE built here with ``tokenizers`` (id ``b`` is byte ``b``), so the
 directory loads with no hub access; its length equals the config's ``vocab_size``.
+
+``nextn=True`` adds GLM-5's ``num_nextn_predict_layers: 1``: with ``--speculative-algorithm EAGLE``
+sglang then builds the MTP draft from the same directory (``DeepseekV3ForCausalLMNextN``, one NextN
+decoder layer with its own NSA indexer, a one-layer draft KV pool). Off by default, so the directory
+of the smokes without MTP stays what they have run with.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ ORDINARY_TOKEN_IDS = range(0, NUM_BYTE_TOKENS)
 MAX_POSITION_EMBEDDINGS = 131072  # room for the 64K-token TPOT request
 
 
-def tiny_glm5_config(num_hidden_layers: int = 4) -> Dict[str, Any]:
-    """config.json content. Fields follow zai-org/GLM-5's config; sizes marked 'real' are unchanged."""
+DRAFT_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"  # what sglang makes of it for a draft worker
+
+
+def tiny_glm5_config(num_hidden_layers: int = 4, nextn: bool = False) -> Dict[str, Any]:
+    """config.json content. Fields follow zai-org/GLM-5's config; sizes marked 'real' are unchanged.
+    ``nextn``: one NextN (MTP) layer, as GLM-5 ships."""
     if num_hidden_layers < 2:
         raise ValueError("the tiny GLM-5 needs >= 2 layers (one dense, the rest MoE)")
     first_k_dense = 1
-    return {
+    config = {
         "architectures": [ARCHITECTURE],
         "model_type": "glm_moe_dsa",
         "dtype": "bfloat16",
@@ -84,6 +93,9 @@ def tiny_glm5_config(num_hidden_layers: int = 4) -> Dict[str, Any]:
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": None,
     }
+    if nextn:
+        config["num_nextn_predict_layers"] = 1  # real
+    return config
 
 
 def _byte_to_unicode() -> Dict[int, str]:
@@ -127,9 +139,9 @@ def build_tiny_tokenizer(vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
-def write_tiny_glm5_model(out_dir: str | os.PathLike, num_hidden_layers: int = 4) -> Path:
+def write_tiny_glm5_model(out_dir: str | os.PathLike, num_hidden_layers: int = 4, nextn: bool = False) -> Path:
     """Write config.json, generation_config.json and the tokenizer files into ``out_dir``."""
-    return write_model_dir(out_dir, tiny_glm5_config(num_hidden_layers))
+    return write_model_dir(out_dir, tiny_glm5_config(num_hidden_layers, nextn=nextn))
 
 
 def write_model_dir(out_dir: str | os.PathLike, config: Dict[str, Any]) -> Path:
@@ -185,12 +197,24 @@ def check_model_dir(model_dir: str | os.PathLike) -> Dict[str, Any]:
         problems.append(f"index_head_dim is {index_head_dim}, sglang needs 128")
     if len(tokenizer) != hf_config.vocab_size:
         problems.append(f"tokenizer has {len(tokenizer)} tokens, config vocab_size {hf_config.vocab_size}")
+    nextn_layers = getattr(hf_config, "num_nextn_predict_layers", None)
+    draft_architecture = None
+    if nextn_layers is not None and not problems:
+        # Last: sglang caches the loaded config by path, and the draft's load renames its architecture.
+        draft_config = ModelConfig(model_path=model_dir, is_draft_model=True)
+        draft_architecture = draft_config.hf_config.architectures[0]
+        if draft_architecture != DRAFT_ARCHITECTURE:
+            problems.append(f"sglang's draft model is {draft_architecture}, not {DRAFT_ARCHITECTURE}")
+        if draft_config.num_nextn_predict_layers != 1:
+            problems.append(f"num_nextn_predict_layers is {draft_config.num_nextn_predict_layers}, sglang needs 1")
     if problems:
         raise ValueError(f"{model_dir}: " + "; ".join(problems))
     return {
         "architecture": model_config.hf_config.architectures[0],
         "hf_config_class": type(hf_config).__name__,
         "num_hidden_layers": model_config.num_hidden_layers,
+        "num_nextn_predict_layers": nextn_layers,
+        "draft_architecture": draft_architecture,
         "kv_lora_rank": model_config.kv_lora_rank,
         "qk_rope_head_dim": model_config.qk_rope_head_dim,
         "index_head_dim": model_config.index_head_dim,

@@ -47,6 +47,7 @@ class TestPDSmokeCli(CustomTestCase):
         cls.script = load_pd_smoke()
         cls.tmp = tempfile.TemporaryDirectory()
         cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
+        cls.nextn_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5-nextn", nextn=True))
 
     @classmethod
     def tearDownClass(cls):
@@ -61,9 +62,9 @@ class TestPDSmokeCli(CustomTestCase):
                 rc = e.code
         return rc, out.getvalue()
 
-    def dry_run(self, *argv):
+    def dry_run(self, *argv, model_dir=None):
         """{(mode, side): (env, command)} from the dry-run output, and the whole output."""
-        rc, out = self.run_main("--model-path", self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
+        rc, out = self.run_main("--model-path", model_dir or self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
         self.assertEqual(rc, 0, out)
         commands = {}
         for line in out.splitlines():
@@ -161,6 +162,26 @@ class TestPDSmokeCli(CustomTestCase):
             ("--hicache-ratio", "1", "--dry-run"),
         ):
             rc, _ = self.run_main("--model-path", self.model_dir, *argv)
+            self.assertEqual(rc, 2, argv)
+
+    def test_mtp_on_both_servers_of_both_pairs(self):
+        """--mtp: the MTP recipe and the opt-in on the prefill and on the stock decode server of each
+        pair (the decode receives the draft pool and runs the draft); the plants go to the shared-KV
+        prefill only; a draft plant needs --mtp, --mtp a NextN layer. Planted and caught: the recipe
+        left off the decode command (a decode without a draft pool receives no draft rows)."""
+        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+
+        commands, _ = self.dry_run("--mtp", "--audit", "--plant", "draft-wrong-owner", model_dir=self.nextn_dir)
+        self.assertEqual(len(commands), 4)
+        for (mode, side), (env, argv) in commands.items():
+            start = argv.index("--speculative-algorithm")
+            self.assertEqual(argv[start : start + len(MTP_SERVER_ARGS)], list(MTP_SERVER_ARGS), (mode, side))
+            self.assertEqual(env.get(MTP_OPT_IN_ENV), "1", (mode, side))
+            planted = env.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT")
+            self.assertEqual(planted, "draft-wrong-owner" if (mode, side) == ("pd-shared-kv-on", "prefill") else None)
+        for argv in (("--mtp", "--dry-run"), ("--audit", "--plant", "draft-stale-load-back", "--dry-run")):
+            model = self.model_dir if argv[0] == "--mtp" else self.nextn_dir
+            rc, _ = self.run_main("--model-path", model, *argv)
             self.assertEqual(rc, 2, argv)
 
     def test_sglang_parses_both_commands(self):

@@ -39,6 +39,7 @@ class TestSmokeCli(CustomTestCase):
         cls.script = load_smoke()
         cls.tmp = tempfile.TemporaryDirectory()
         cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
+        cls.nextn_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5-nextn", nextn=True))
 
     @classmethod
     def tearDownClass(cls):
@@ -70,8 +71,8 @@ class TestSmokeCli(CustomTestCase):
         self.assertNotEqual(on["SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"], off["SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"])
         self.assertNotIn("SGLANG_CP_SHARED_KV_SMOKE_PLANT", os.environ)
 
-    def dry_run_commands(self, *argv):
-        rc, out = self.run_main("--model-path", self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
+    def dry_run_commands(self, *argv, model_dir=None):
+        rc, out = self.run_main("--model-path", model_dir or self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
         self.assertEqual(rc, 0, out)
         commands = {}
         for line in out.splitlines():
@@ -132,6 +133,59 @@ class TestSmokeCli(CustomTestCase):
             os.environ.clear()
             os.environ.update(saved_env)
 
+    def test_mtp_dry_run_gives_both_servers_the_recipe_and_the_opt_in(self):
+        """--mtp: GLM-5's MTP recipe (EAGLE, 3 steps, top-k 1, 4 draft tokens) on both servers, which
+        still differ by the shared-KV flag only; the opt-in variable on both; without --mtp neither.
+        Planted and caught: the MTP arguments given to the shared-KV server only."""
+        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+
+        commands, _ = self.dry_run_commands("--mtp", "--audit", "--plant", "draft-stale-load-back", model_dir=self.nextn_dir)
+        (env_off, off), (env_on, on) = commands["shared-kv-off"], commands["shared-kv-on"]
+        self.assertEqual([w for w in on if w != SHARED_KV_FLAG], off)
+        recipe = list(MTP_SERVER_ARGS)
+        self.assertEqual(off[off.index("--speculative-algorithm") : off.index("--speculative-algorithm") + 8], recipe)
+        self.assertEqual(recipe[1::2], ["EAGLE", "3", "1", "4"])
+        self.assertEqual((env_off[MTP_OPT_IN_ENV], env_on[MTP_OPT_IN_ENV]), ("1", "1"))
+        self.assertEqual(env_on["SGLANG_CP_SHARED_KV_SMOKE_PLANT"], "draft-stale-load-back")
+        plain, _ = self.dry_run_commands()
+        for env, command in plain.values():
+            self.assertNotIn(MTP_OPT_IN_ENV, env)
+            self.assertNotIn("--speculative-algorithm", command)
+
+    def test_sglang_resolves_the_mtp_command_to_the_nextn_draft(self):
+        """The reference's MTP command through sglang's own ServerArgs: EAGLE, the draft from the model
+        itself (its NextN layer), 4 draft tokens. The shared-KV command differs by the flag only; until
+        the startup rules accept MTP under the opt-in, the only refusal it may meet is theirs."""
+        from sglang.srt.server_args import prepare_server_args
+
+        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+        commands, _ = self.dry_run_commands("--mtp", model_dir=self.nextn_dir)
+        saved_env = dict(os.environ)
+        try:
+            for mode, (env, command) in commands.items():
+                os.environ.pop(CP_SHARED_KV_ENV, None)
+                os.environ.update({k: v for k, v in env.items() if k.startswith("SGLANG_CP_SHARED_KV_MTP")})
+                with applied_hooks(register_server_args_hooks), mock.patch(
+                    "torch.cuda.get_device_capability", return_value=(9, 0)
+                ):
+                    try:
+                        args = prepare_server_args(command[2:] + ["--device", "cuda"])
+                    except ValueError as e:
+                        self.assertEqual(mode, "shared-kv-on", e)
+                        self.assertIn("--speculative-algorithm", str(e))
+                        continue
+                self.assertEqual(args.speculative_algorithm, "EAGLE", mode)
+                self.assertEqual(args.speculative_draft_model_path, self.nextn_dir, mode)
+                self.assertEqual(
+                    (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens), (3, 1, 4)
+                )
+                self.assertTrue(args.disable_cuda_graph)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+
     def test_bad_arguments_exit_2(self):
         rc, _ = self.run_main("--model-path", self.model_dir, "--port", "60000", "--dry-run")
         self.assertEqual(rc, 2)  # sglang would refuse it: it also binds port + 10000
@@ -145,6 +199,11 @@ class TestSmokeCli(CustomTestCase):
             (Path(short) / "config.json").write_text(json.dumps(config))
             rc, _ = self.run_main("--model-path", short, "--dry-run")
             self.assertEqual(rc, 2)
+        # MTP: a model without a NextN layer, and a draft plant without --mtp.
+        rc, _ = self.run_main("--model-path", self.model_dir, "--mtp", "--dry-run")
+        self.assertEqual(rc, 2)
+        rc, _ = self.run_main("--model-path", self.nextn_dir, "--audit", "--plant", "draft-wrong-owner", "--dry-run")
+        self.assertEqual(rc, 2)
 
 
 if __name__ == "__main__":

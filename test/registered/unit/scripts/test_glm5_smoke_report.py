@@ -10,6 +10,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import GenerateResult
 from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     RequestRecord,
     RunReport,
+    accept_length_summary,
     capacity_failures,
     capacity_figures,
     compare_runs,
@@ -81,6 +82,23 @@ class TestSmokeReport(CustomTestCase):
         self.assertIn("no host load-back", failures)
         self.assertIn("no request was served from host", failures)
         self.assertNotIn("no device eviction", failures)
+
+    def test_mtp_accept_length_from_sglangs_meta_info(self):
+        """sglang's meta_info with MTP carries spec_verify_ct and completion_tokens: accept length is
+        tokens per verify (bonus token included), pooled and per request, and for the requests whose
+        prompt came partly from host. Reported only; without MTP there is nothing."""
+        records = []
+        for i, (verify, host) in enumerate(((4, 0), (8, 0), (16, 128))):
+            meta = {"cached_tokens": host, "cached_tokens_details": {"host": host}, "spec_verify_ct": verify,
+                    "completion_tokens": 16}  # fmt: skip
+            records.append(RequestRecord.from_response(i, f"r{i}", 100, GenerateResult([1] * 16, meta, 0.1, 0.2), {}))
+        summary = accept_length_summary(records)
+        self.assertEqual(summary["requests"], 3)
+        self.assertAlmostEqual(summary["tokens_per_verify"], 48 / 28, places=4)
+        self.assertAlmostEqual(summary["mean_per_request"], (4 + 2 + 1) / 3, places=4)
+        self.assertEqual(summary["mean_prefix_from_host"], 1.0)
+        self.assertEqual(accept_length_summary(healthy_run().records), {"requests": 0})
+        self.assertIsNone(healthy_run().records[0].spec_verify_ct)
 
     def test_first_difference(self):
         self.assertIsNone(first_difference([1, 2, 3], [1, 2, 3]))

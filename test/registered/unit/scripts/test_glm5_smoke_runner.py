@@ -89,6 +89,8 @@ class Handler(BaseHTTPRequestHandler):
         if shared and host and os.environ.get("FAKE_CORRUPT_SHARED"):
             out[-1] ^= 1  # what a wrong page after load-back would do to a greedy token
         meta = {"cached_tokens": host, "cached_tokens_details": {"device": 0, "host": host}}
+        if "--speculative-algorithm" in argv:  # sglang's meta_info with MTP: verify forwards, tokens
+            meta.update(spec_verify_ct=(n + 1) // 2, completion_tokens=n)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -174,6 +176,20 @@ class TestSmokeRunner(CustomTestCase):
         self.assertEqual(rc, 0, [r["failures"] for r in report["runs"]])
         self.assertTrue(report["greedy_differences"])
         self.assertIn("shared-kv-on differs from shared-kv-off", report["greedy_differences"][0])
+        self.assert_no_server_process_left()
+
+    def test_mtp_reports_accept_lengths_of_both_servers(self):
+        """--mtp: both servers get the recipe, and the report carries each run's mean accept length
+        (tokens per verify forward from meta_info), reported and not judged."""
+        rc, report = self.run_smoke("--shared-kv", "both", "--mtp")
+        self.assertEqual(rc, 0, report and [r["failures"] for r in report["runs"]])
+        for run in report["runs"]:
+            self.assertIn("--speculative-algorithm", run["command"])
+            accept = run["figures"]["mtp_accept_length"]
+            self.assertEqual(accept["requests"], len(run["records"]))
+            self.assertEqual(accept["tokens_per_verify"], 2.0)  # 4 tokens over 2 verifies each
+        rc, report = self.run_smoke("--shared-kv", "on")
+        self.assertNotIn("mtp_accept_length", report["runs"][0]["figures"])
         self.assert_no_server_process_left()
 
     def test_a_server_that_dies_at_startup_fails_with_its_log_error(self):

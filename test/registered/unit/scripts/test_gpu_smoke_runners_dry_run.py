@@ -87,6 +87,39 @@ class TestServeRunnerDryRun(CustomTestCase):
         config = self.check_serve(8, "ref_fp8_radix on_bf16_wt_chunked", {})
         self.assertEqual(config["hidden_size"], 1024)
 
+    def test_mtp_modes_serve_the_nextn_model_with_mtp_and_the_opt_in(self):
+        """Modes mtp / mtp-plants: every server gets GLM-5's MTP recipe and the opt-in, the model
+        directory has its NextN layer, a spec v1 run turns the overlap scheduler off, the plants are
+        set on the shared-KV servers only and all judged against the stock MTP reference."""
+        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+
+        cases = (("mtp", "ref_mtp_bf16 on_mtp_bf16_spec_v1 on_mtp_fp8"),
+                 ("mtp-plants", "plant_draft-wrong-owner plant_draft-stale-load-back"))  # fmt: skip
+        for mode, only in cases:
+            with tempfile.TemporaryDirectory() as tmp:
+                tmp = Path(tmp)
+                env = {"SMOKE_DRY_RUN": "1", "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_NEXTN_MODEL_DIR": str(tmp / "nextn"),
+                       "SMOKE_MODEL_DIR": str(tmp / "plain"), "SMOKE_ONLY": only}  # fmt: skip
+                proc = run_runner("scripts/gpu/serve_smoke_runs.sh", [mode], env, tmp)
+                config = json.loads((tmp / "nextn" / "config.json").read_text())
+                self.assertEqual(config["num_nextn_predict_layers"], 1)
+                self.assertFalse((tmp / "plain").exists())
+                for name in only.split():
+                    self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                    (server,) = servers_in((tmp / "out" / f"{name}.log").read_text())
+                    _, _, env_vars, argv = server
+                    start = argv.index("--speculative-algorithm")
+                    self.assertEqual(argv[start : start + len(MTP_SERVER_ARGS)], list(MTP_SERVER_ARGS), name)
+                    self.assertEqual(env_vars.get(MTP_OPT_IN_ENV), "1", name)
+                    self.assertEqual(flag(argv, "--model-path"), str(tmp / "nextn"))
+                    self.assertEqual("--enable-nsa-prefill-cp-shared-kv" in argv, not name.startswith("ref_"))
+                    self.assertEqual("--disable-overlap-schedule" in argv, "spec_v1" in name)
+                    self.assertEqual("--kv-cache-dtype" in argv, "fp8" in name)
+                    plant = env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT")
+                    self.assertEqual(plant, name[len("plant_") :] if name.startswith("plant_") else None)
+                    if name.startswith("plant_"):
+                        self.assertEqual(flag(argv, "--hicache-write-policy"), "write_through")
+
     def test_glm5_width_model_at_tp8(self):
         config = self.check_serve(8, "on_bf16_wt_chunked", {"SMOKE_MODEL": "glm5-width"})
         self.assertEqual(config["hidden_size"], 6144)
@@ -136,6 +169,23 @@ class TestPdRunnerDryRun(CustomTestCase):
         self.check_pair(servers, 4, "0,1,2,3", "3", 1, (0.35, 0.75))
         servers, _ = self.pairs({"PD_TP": "4", "PD_DECODE_GPUS": "4,5,6,7", "PD_DECODE_TP": "4"})
         self.check_pair(servers, 4, "0,1,2,3", "4,5,6,7", 4, (0.35, 0.75))
+
+    def test_mtp_dry_run_pairs_serve_the_nextn_model_with_mtp(self):
+        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"PD_NEXTN_MODEL_DIR": str(tmp / "nextn"), "PD_MODEL_DIR": str(tmp / "plain")}
+            proc = run_runner("scripts/gpu/pd_smoke_runs.sh", ["mtp-dry-run"], env, tmp)
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+            servers = servers_in(proc.stdout)
+            self.assertEqual(json.loads((tmp / "nextn" / "config.json").read_text())["num_nextn_predict_layers"], 1)
+        self.assertEqual(len(servers), 4)
+        for mode, side, env_vars, argv in servers:
+            self.assertEqual(flag(argv, "--model-path"), str(tmp / "nextn"))
+            start = argv.index("--speculative-algorithm")
+            self.assertEqual(argv[start : start + len(MTP_SERVER_ARGS)], list(MTP_SERVER_ARGS), (mode, side))
+            self.assertEqual(env_vars.get(MTP_OPT_IN_ENV), "1")
 
     def test_glm5_width_pair_at_tp8_shares_every_gpu(self):
         servers, config = self.pairs({"PD_TP": "8", "PD_MODEL": "glm5-width"})

@@ -61,6 +61,26 @@ class TestMakeTinyGlm5Config(CustomTestCase):
         # Any id the model can emit decodes (greedy outputs of a dummy model are arbitrary ids).
         self.assertIsInstance(tokenizer.decode(list(range(config["vocab_size"]))), str)
 
+    def test_nextn_option_gives_sglang_a_one_layer_nextn_draft_and_is_off_by_default(self):
+        """--nextn adds GLM-5's MTP layer: sglang's draft config of the same directory is the NextN
+        model with one layer (the draft worker's pool then has one layer). Without it the directory
+        is unchanged (the smokes without MTP keep their model). Planted: the key written as
+        ``num_nextn_layers`` (the key the draft needs is missing), caught."""
+        from sglang.srt.configs.model_config import ModelConfig
+
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.assertNotIn("num_nextn_predict_layers", config)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "nextn"
+            rc = load_script("scripts/make_tiny_glm5_config.py").main([str(out), "--nextn"])
+            self.assertEqual(rc, 0)
+            nextn_config = json.loads((out / "config.json").read_text())
+            self.assertEqual(nextn_config["num_nextn_predict_layers"], 1)
+            self.assertEqual({k: v for k, v in nextn_config.items() if k != "num_nextn_predict_layers"}, config)
+            draft = ModelConfig(model_path=str(out), is_draft_model=True)
+            self.assertEqual(draft.hf_config.architectures, ["DeepseekV3ForCausalLMNextN"])
+            self.assertEqual(draft.num_nextn_predict_layers, 1)
+
     def test_check_rejects_a_config_sglang_would_not_run_as_nsa(self):
         from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_dir, write_tiny_glm5_model
 
