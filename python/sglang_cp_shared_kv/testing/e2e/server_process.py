@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
+from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
 
 LOOPBACK = "127.0.0.1"
 SHARED_KV_FLAG = CP_SHARED_KV_FLAG
@@ -33,7 +34,7 @@ MTP_SERVER_ARGS = (
 )  # fmt: skip
 # The shared-KV server's explicit opt-in to MTP; given to every server of an MTP smoke (stock sglang,
 # the reference, runs MTP without it and ignores it).
-MTP_OPT_IN_ENV = "SGLANG_CP_SHARED_KV_MTP"
+MTP_OPT_IN_ENV = MTP_ENV
 
 
 @dataclass(frozen=True)
