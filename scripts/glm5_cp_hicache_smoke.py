@@ -68,6 +68,7 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     scratch_share_failures,
     ttft_summary,
 )
+from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
 
 # sglang 0.5.11 forces page_size 64 for DSA models on CUDA (server_args.py).
 NSA_CUDA_PAGE_SIZE = 64
@@ -143,16 +144,6 @@ def mode_name(shared_kv: bool) -> str:
 def logical_device_tokens(args, shared_kv: bool) -> int:
     """sglang caps each rank's pool at --max-total-tokens; shared KV then exposes cp_size x that."""
     return args.physical_tokens_per_rank * (args.tp if shared_kv else 1)
-
-
-def check_model_has_nextn(model_path: str) -> None:
-    """``--mtp`` builds the draft from the model's NextN layer: a config without one cannot serve it."""
-    config = Path(model_path) / "config.json"
-    if config.is_file() and not json.loads(config.read_text()).get("num_nextn_predict_layers"):
-        raise ValueError(
-            f"--mtp: {config} has no num_nextn_predict_layers (no NextN layer to draft with); "
-            "make_tiny_glm5_config.py --nextn writes a tiny GLM-5 with one"
-        )
 
 
 def make_plan(args) -> RequestPlan:

@@ -96,6 +96,7 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     request_failures,
     ttft_summary,
 )
+from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
 
 NSA_CUDA_PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
 SGLANG_NSA_CP_TP_SIZE = 8  # what sglang 0.5.11 requires for NSA prefill CP without the plugin's flag
@@ -193,17 +194,6 @@ def make_plan(args) -> RequestPlan:
     )
     check_plan_fits_model(plan, args.model_path)
     return plan
-
-
-
-def check_model_has_nextn(model_path: str) -> None:
-    """``--mtp`` builds the draft from the model's NextN layer: a config without one cannot serve it."""
-    config = Path(model_path) / "config.json"
-    if config.is_file() and not json.loads(config.read_text()).get("num_nextn_predict_layers"):
-        raise ValueError(
-            f"--mtp: {config} has no num_nextn_predict_layers (no NextN layer to draft with); "
-            "make_tiny_glm5_config.py --nextn writes a tiny GLM-5 with one"
-        )
 
 
 def decode_max_total_tokens(args, plan: RequestPlan) -> int:

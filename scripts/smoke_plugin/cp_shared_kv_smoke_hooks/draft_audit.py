@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import List
 
 import torch
-import torch.distributed as dist
 
 from sglang.srt.plugins.hook_registry import HookType
 
@@ -89,16 +88,10 @@ def owner_rows(runtime, pool_pages: torch.Tensor, logical_locs: torch.Tensor, ki
     """Bytes of each logical loc's row on its owner: ``pool_pages`` (this rank's layer as
     ``[pages, page bytes]`` uint8) all-gathered over the CP group, then read at the owner's physical
     page. Every rank must call it (a collective)."""
-    from cp_shared_kv_smoke_hooks.kv_audit import token_bytes
+    from cp_shared_kv_smoke_hooks.kv_audit import gather_shards, token_bytes
 
-    layout = runtime.layout
-    ps, cp = layout.page_size, layout.cp_size
-    # The concatenated [cp * pages, page bytes] output, which gloo and NCCL both take.
-    gathered = torch.empty(
-        (cp * pool_pages.shape[0],) + tuple(pool_pages.shape[1:]), dtype=pool_pages.dtype, device=pool_pages.device
-    )
-    dist.all_gather_into_tensor(gathered, pool_pages.contiguous(), group=runtime.cp_group)
-    gathered = gathered.view((cp,) + tuple(pool_pages.shape))
+    ps, cp = runtime.layout.page_size, runtime.layout.cp_size
+    gathered = gather_shards(runtime, pool_pages)
     page = logical_locs // ps
     return token_bytes(gathered[page % cp, page // cp], logical_locs % ps, ps, kind)
 

@@ -129,6 +129,19 @@ def dump_finished_request(audit_dir: Path, cache, req, draft_pool=None) -> None:
 # ---------------------------------------------------------------- read audit
 
 
+
+def gather_shards(runtime, pool_pages: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``pool_pages`` (one layer as ``[pages, page bytes]``), ``[cp, pages, page bytes]``:
+    logical page ``q`` is at ``[q % cp, q // cp]``. A collective over the CP group."""
+    cp = runtime.layout.cp_size
+    # Gathered into the concatenated [cp * pages, page bytes] shape, which every backend accepts
+    # (gloo refuses the stacked [cp, pages, page bytes] output that NCCL also takes).
+    gathered = torch.empty(
+        (cp * pool_pages.shape[0],) + tuple(pool_pages.shape[1:]), dtype=pool_pages.dtype, device=pool_pages.device
+    )
+    dist.all_gather_into_tensor(gathered, pool_pages.contiguous(), group=runtime.cp_group)
+    return gathered.view((cp,) + tuple(pool_pages.shape))
+
 class ReadAudit:
     """Counts of rows read through the scratch that differ from their owner's row (see module doc)."""
 
@@ -181,15 +194,8 @@ class ReadAudit:
         locs = self.referenced_locs
         if locs is None or runtime.plan is None or locs.numel() == 0:
             return
-        layout = runtime.layout
-        ps, cp = layout.page_size, layout.cp_size
-        # Gathered into the concatenated [cp * pages, page bytes] shape, which every backend accepts
-        # (gloo refuses the stacked [cp, pages, page bytes] output that NCCL also takes).
-        gathered = torch.empty(
-            (cp * pool_pages.shape[0],) + tuple(pool_pages.shape[1:]), dtype=pool_pages.dtype, device=pool_pages.device
-        )
-        dist.all_gather_into_tensor(gathered, pool_pages.contiguous(), group=runtime.cp_group)
-        gathered = gathered.view((cp,) + tuple(pool_pages.shape))
+        ps, cp = runtime.layout.page_size, runtime.layout.cp_size
+        gathered = gather_shards(runtime, pool_pages)
         page = locs // ps
         allocated = page >= cp  # logical pages 0..cp-1 are the ranks' dummy pages, never handed out
         if kind == "kv" and not bool(allocated.all()):

@@ -163,6 +163,16 @@ def write_model_dir(out_dir: str | os.PathLike, config: Dict[str, Any]) -> Path:
     return out
 
 
+def check_model_has_nextn(model_path: str) -> None:
+    """``--mtp`` builds the draft from the model's NextN layer: a config without one cannot serve it."""
+    config = Path(model_path) / "config.json"
+    if config.is_file() and not json.loads(config.read_text()).get("num_nextn_predict_layers"):
+        raise ValueError(
+            f"--mtp: {config} has no num_nextn_predict_layers (no NextN layer to draft with); "
+            "make_tiny_glm5_config.py --nextn writes a tiny GLM-5 with one"
+        )
+
+
 def kv_row_bytes_per_layer(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int) -> Dict[str, int]:
     """Bytes one token occupies per layer in sglang's bf16 NSA device pool (KV row, indexer row)."""
     bf16_bytes = 2
