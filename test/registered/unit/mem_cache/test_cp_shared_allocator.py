@@ -1,10 +1,7 @@
 """CPSharedPagedTokenToKVPoolAllocator: logical pages, stock semantics, balance, determinism, OOM."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 import textwrap
 import unittest
 import unittest.mock
@@ -27,6 +24,7 @@ from sglang_cp_shared_kv.mem_cache.allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
     _owner_quotas,
 )
+from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -593,16 +591,7 @@ class TestStockAllocExtendOnExhaustion(CustomTestCase):
         compares the page demand with the free list: on exhaustion the kernel reads past the list.
         It still returns None afterwards; the harm is the out-of-bounds device read. Our allocator
         checks the exact demand first (TestCPSharedAllocatorOutOfMemory)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-c", STOCK_PROBE],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        report = run_interpreted(["-c", STOCK_PROBE], 300)
         self.assertTrue(report["result_is_none"])
         self.assertEqual(report["free_pages"], [1, 2, 3, 4])
         pages_read = {loc // 4 for loc in report["kernel_out"]}

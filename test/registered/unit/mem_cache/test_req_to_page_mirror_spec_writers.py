@@ -13,10 +13,7 @@ the registration (``_draft_preprocess_decode``, ``prepare_for_verify``, spec v2'
 ``prepare_for_decode``).
 """
 
-import json
-import os
 import subprocess
-import sys
 import unittest
 from types import SimpleNamespace
 
@@ -28,6 +25,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_spec_writers as spec_writers
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim, spec_scheduler_writes
+from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
 
@@ -35,17 +33,7 @@ TIMEOUT_S = 600
 
 
 def _run_story() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", spec_scheduler_writes.__name__, "--plants"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(proc.stderr[-4000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(["-m", spec_scheduler_writes.__name__, "--plants"], TIMEOUT_S)
 
 
 class TestMirrorFollowsSglangsSpeculativeWriters(CustomTestCase):

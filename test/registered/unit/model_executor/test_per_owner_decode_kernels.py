@@ -11,35 +11,24 @@ this rank's (the ``rank < cp_rank`` factor dropped); ``tie_rank < wanted_ties`` 
 padding column's row read as row 0; this rank's NaN LSE not treated as empty.
 """
 
-import json
-import os
-import subprocess
-import sys
 import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 class TestFusedKernelsMatchTheTorchReference(CustomTestCase):
     def test_in_the_triton_interpreter(self):
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        run = subprocess.run(
-            [sys.executable, "-m", "sglang_cp_shared_kv.testing.per_owner_decode_kernel_cases"],
-            env=env, capture_output=True, text=True, timeout=600,
-        )
-        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-        self.assertTrue(lines, run.stdout[-2000:] + run.stderr[-4000:])
-        result = json.loads(lines[-1])
+        result = run_interpreted(["-m", "sglang_cp_shared_kv.testing.per_owner_decode_kernel_cases"], 600)
         self.assertTrue(result["gather_equal"], result)
         for selection in result["selections"]:
             self.assertTrue(selection["equal"], selection)
         self.assertLessEqual(result["scaled_partial_worst_in_bf16_roundings"], 2.0, result)
         self.assertFalse(result["scaled_partial_nan"], result)
         self.assertTrue(result["passed"], result)
-        self.assertEqual(run.returncode, 0, run.stderr[-4000:])
 
 
 if __name__ == "__main__":

@@ -20,15 +20,12 @@ planning the committed tokens only (the draft-only pages not in the plan:
 ``test_the_step_s_token_is_a_local_fill_on_a_draft_page`` failed).
 """
 
-import json
-import os
-import subprocess
-import sys
 import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing import spec_v2_draft_steps as story
+from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -39,17 +36,7 @@ STEP_FORWARDS = story.NUM_STEPS - 1
 
 
 def _run_story() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", story.__name__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(proc.stderr[-4000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(["-m", story.__name__], TIMEOUT_S)
 
 
 def _loc(row: int, position: int) -> int:
