@@ -158,6 +158,29 @@ class SchedulerWrites:
         return mirror_mismatches(self.tree, self.pool, self.running, self.page_size)
 
 
+def mirrored_cp_stack(cache_class, physical_pages: int = 40, cp_size: int = 2, page_size: int = 64) -> SchedulerWrites:
+    """Rank 0 of a CP group on CPU: a tiny NSA pool of ``physical_pages``, the shared allocator over
+    ``cp_size`` x its pages, ``req_to_token`` with its host mirror, and a ``cache_class`` tree."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import TINY_NSA, nsa_pool
+
+    pool = nsa_pool(TINY_NSA, physical_pages * page_size, "cpu")
+    allocator = CPSharedPagedTokenToKVPoolAllocator(
+        cp_size * pool.size, page_size, TINY_NSA.dtype, "cpu", pool, False, cp_size, 0
+    )
+    req_to_token_pool = ReqToTokenPool(8, 2048, "cpu", False)
+    ReqToPageMirror.attach(req_to_token_pool, page_size)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+    )  # fmt: skip
+    return SchedulerWrites(cache_class(params), req_to_token_pool, allocator, page_size)
+
+
 def mirror_mismatches(tree, req_to_token_pool, running, page_size: int) -> List[str]:
     """The mirror's exactness: every running request's mirrored pages against ``req_to_token`` (every
     position below ``kv_allocated_len``), and every device node's host page ids against its value."""

@@ -304,27 +304,13 @@ class _GreedySampling:
 
 
 def _stack(cache: str, physical_pages: int = 40):
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
-    from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import TINY_NSA, nsa_pool
+    from sglang_cp_shared_kv.testing.scheduler_writes import mirrored_cp_stack
 
-    pool = nsa_pool(TINY_NSA, physical_pages * PAGE, "cpu")
-    allocator = CPSharedPagedTokenToKVPoolAllocator(
-        2 * pool.size, PAGE, TINY_NSA.dtype, "cpu", pool, False, 2, 0
-    )
-    req_to_token_pool = ReqToTokenPool(8, 2048, "cpu", False)
-    ReqToPageMirror.attach(req_to_token_pool, PAGE)
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-    )  # fmt: skip
-    tree = {"radix": RadixCache, "chunk": ChunkCache}[cache](params)
-    return tree, req_to_token_pool, allocator
+    writes = mirrored_cp_stack({"radix": RadixCache, "chunk": ChunkCache}[cache], physical_pages, 2, PAGE)
+    return writes.tree, writes.pool, writes.allocator
 
 
 def run_scenario(cache: str, spec_v2: bool, seed: int = 0, rounds: int = 40) -> Dict[str, object]:

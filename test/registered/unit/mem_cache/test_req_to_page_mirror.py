@@ -29,7 +29,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
-from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
     REQ_TO_PAGE_MIRROR_CHECK_ENV,
@@ -38,12 +37,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
 )
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
-    TINY_NSA,
-    build_cp_hicache_stack,
-    nsa_pool,
-    settle_write_acks,
-)
+from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     CpSharedKVRuntime,
@@ -53,7 +47,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scra
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 from sglang_cp_shared_kv.testing.page_mirror import mirrored
 from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
-from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites
+from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites, mirrored_cp_stack
 
 register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
@@ -62,17 +56,7 @@ CP_SIZE = 2
 
 
 def _plain_stack(cache_class, physical_pages=40):
-    pool = nsa_pool(TINY_NSA, physical_pages * PAGE, "cpu")
-    allocator = CPSharedPagedTokenToKVPoolAllocator(
-        CP_SIZE * pool.size, PAGE, TINY_NSA.dtype, "cpu", pool, False, CP_SIZE, 0
-    )
-    req_to_token_pool = ReqToTokenPool(8, 2048, "cpu", False)
-    ReqToPageMirror.attach(req_to_token_pool, PAGE)
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-    )  # fmt: skip
-    return SchedulerWrites(cache_class(params), req_to_token_pool, allocator)
+    return mirrored_cp_stack(cache_class, physical_pages, CP_SIZE, PAGE)
 
 
 def _hicache_stack(physical_pages=40):
