@@ -58,14 +58,16 @@ class SchedulerWrites:
 
     # ---- scheduler steps ----
 
-    def admit(self, tokens: List[int]):
-        """A new request: match (at most len - 1 tokens), lock, load back a host hit."""
+    def admit(self, tokens: List[int], extra_key: Optional[str] = None):
+        """A new request: match (at most len - 1 tokens, the request's ``extra_key`` namespace, as
+        ``Req.init_next_round_input`` does), lock, load back a host hit."""
         from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import SimRequest
 
         req = (self.request_class or SimRequest)(self.next_rid, list(tokens), 0, self.pool)
+        req.extra_key = extra_key
         self.next_rid += 1
         match = self.tree.match_prefix(
-            MatchPrefixParams(key=RadixKey(tokens[: len(tokens) - 1]), req=req)
+            MatchPrefixParams(key=RadixKey(tokens[: len(tokens) - 1], extra_key), req=req)
         )
         req.prefix_indices = match.device_indices
         req.last_node, req.last_host_node = match.last_device_node, match.last_host_node
@@ -158,9 +160,14 @@ class SchedulerWrites:
         return mirror_mismatches(self.tree, self.pool, self.running, self.page_size)
 
 
-def mirrored_cp_stack(cache_class, physical_pages: int = 40, cp_size: int = 2, page_size: int = 64) -> SchedulerWrites:
+def mirrored_cp_stack(
+    cache_class, physical_pages: int = 40, cp_size: int = 2, page_size: int = 64, is_eagle: bool = False
+) -> SchedulerWrites:
     """Rank 0 of a CP group on CPU: a tiny NSA pool of ``physical_pages``, the shared allocator over
-    ``cp_size`` x its pages, ``req_to_token`` with its host mirror, and a ``cache_class`` tree."""
+    ``cp_size`` x its pages, ``req_to_token`` with its host mirror, and a ``cache_class`` tree.
+
+    ``is_eagle``: the tree keys its children by token bigrams, as the scheduler builds it for
+    ``--speculative-algorithm EAGLE / NEXTN``."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -176,7 +183,7 @@ def mirrored_cp_stack(cache_class, physical_pages: int = 40, cp_size: int = 2, p
     ReqToPageMirror.attach(req_to_token_pool, page_size)
     params = CacheInitParams(
         disable=False, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
-        page_size=page_size,
+        page_size=page_size, is_eagle=is_eagle,
     )  # fmt: skip
     return SchedulerWrites(cache_class(params), req_to_token_pool, allocator, page_size)
 
