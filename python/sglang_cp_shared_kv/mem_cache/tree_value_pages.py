@@ -89,14 +89,20 @@ def inserting_from(tree, row_pages: np.ndarray) -> Iterator[None]:
 
 def record_inserted_values(tree, key) -> None:
     """After an insert of the page-aligned ``key``: give every node on its path whose value is new
-    (no valid pages) the inserted row's pages at the node's depth."""
+    (no valid pages) the inserted row's pages at the node's depth.
+
+    The walk reads children exactly as the tree does: the tree's own key conversion (an EAGLE tree,
+    ``is_eagle``, keys by token bigrams) and ``RadixKey.child_key`` (page size, ``extra_key``). Depth
+    counts the key's logical units, which are row positions in both shapes: bigram ``i`` (tokens
+    ``i, i+1``) holds the KV loc of position ``i``, so a bigram key of ``n`` tokens covers positions
+    ``[0, n - 1)`` and its pages are ``row_pages[depth // page_size ...]`` as for plain keys.
+    """
     page_size = tree.page_size
-    tokens, extra_key = key.token_ids, key.extra_key
+    rest, _ = key.maybe_to_bigram_view(getattr(tree, "is_eagle", False))
     row_pages = getattr(tree, "cp_inserting_pages", None)
     node, depth = tree.root_node, 0
-    while depth < len(tokens):
-        plain = tokens[depth] if page_size == 1 else tuple(tokens[depth : depth + page_size])
-        child = node.children.get(plain if extra_key is None else (extra_key, plain))
+    while len(rest) > 0:
+        child = node.children.get(rest.child_key(page_size))
         if child is None:
             return
         length = len(child.key)
@@ -107,4 +113,4 @@ def record_inserted_values(tree, key) -> None:
                     f"outside cache_finished_req / cache_unfinished_req)"
                 )
             set_value_pages(child, row_pages[depth // page_size : (depth + length) // page_size])
-        node, depth = child, depth + length
+        node, depth, rest = child, depth + length, rest[length:]
