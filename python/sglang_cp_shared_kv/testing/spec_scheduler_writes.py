@@ -309,23 +309,27 @@ def _stack(cache: str, physical_pages: int = 40):
 
     from sglang_cp_shared_kv.testing.scheduler_writes import mirrored_cp_stack
 
-    writes = mirrored_cp_stack({"radix": RadixCache, "chunk": ChunkCache}[cache], physical_pages, 2, PAGE)
+    # The scheduler builds an EAGLE server's radix tree with bigram keys (is_eagle); ChunkCache has none.
+    cache_class = {"radix": RadixCache, "chunk": ChunkCache}[cache]
+    writes = mirrored_cp_stack(cache_class, physical_pages, 2, PAGE, is_eagle=True)
     return writes.tree, writes.pool, writes.allocator
 
 
 def run_scenario(cache: str, spec_v2: bool, seed: int = 0, rounds: int = 40) -> Dict[str, object]:
     """Prompts that end at, just before and just after page boundaries; EAGLE rounds with random
     acceptance (draft tokens that open pages, rejected pages freed and reused), one request
-    finishing inside a round (v1) and one new request admitted midway; every step checked."""
+    finishing inside a round (v1) and one new request admitted midway, which matches the finished
+    request's prompt in the tree (bigram keys on the radix cache); every step checked."""
     tree, pool, allocator = _stack(cache)
     writes = SpecSchedulerWrites(tree, pool, allocator, spec_v2=spec_v2, seed=seed)
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(1, 30_000) for _ in range(n)]  # noqa: E731
     problems: List[str] = []
-    stats = {"rounds": 0, "pages_opened_by_drafts": 0, "finished_in_verify": 0}
+    stats = {"rounds": 0, "pages_opened_by_drafts": 0, "finished_in_verify": 0, "prefix_matched": 0}
 
-    def admit(length, max_new=1 << 30):
-        req = writes.admit(tokens(length))
+    def admit(length, max_new=1 << 30, prefix=()):
+        req = writes.admit(list(prefix) + tokens(length - len(prefix)))
+        req.matched_len = len(req.prefix_indices)
         req.max_new_tokens = max_new
         with host_write_path():
             writes.extend([req], [length])
@@ -335,10 +339,11 @@ def run_scenario(cache: str, spec_v2: bool, seed: int = 0, rounds: int = 40) -> 
 
     admit(PAGE - 2)
     admit(PAGE)
-    admit(2 * PAGE + 1, max_new=9)
+    finishing = admit(2 * PAGE + 1, max_new=9)
     for round_index in range(rounds):
         if round_index == rounds // 2:
-            admit(3 * PAGE - 3)
+            late = admit(3 * PAGE - 3, prefix=finishing.origin_input_ids)
+            stats["prefix_matched"] = late.matched_len
         reqs = [r for r in writes.running if not r.finished()]
         accepted = [rng.randrange(0, NUM_STEPS + 1) for _ in reqs]
         stats["pages_opened_by_drafts"] += sum(

@@ -10,7 +10,9 @@ Triton is imported: the story runs in a subprocess.
 
 Planted bugs, each caught (``test_each_writer_left_out_is_caught``): each writer's hook left out of
 the registration (``_draft_preprocess_decode``, ``prepare_for_verify``, spec v2's
-``prepare_for_decode``).
+``prepare_for_decode``). The radix scenarios run on the tree an EAGLE server builds (bigram keys);
+with tree value pages looked up by raw tokens (main before the bigram fix) both raised "radix node N
+has no host page ids" at the first prompt longer than one page.
 """
 
 import subprocess
@@ -50,6 +52,14 @@ class TestMirrorFollowsSglangsSpeculativeWriters(CustomTestCase):
                 self.assertEqual(result["rounds"], 40)
                 # Draft tokens opened pages (new pages for the mirror to follow).
                 self.assertGreater(result["pages_opened_by_drafts"], 0)
+
+    def test_a_later_request_matches_the_bigram_keyed_prefix(self):
+        # The radix scenarios build the tree an EAGLE server builds (bigram keys): the request
+        # admitted midway matches the 2 pages of the finished request's 2 * PAGE + 1 prompt tokens
+        # (2 * PAGE bigrams), and its extend writes their pages (the story checks the mirror).
+        for name in ("radix-v1", "radix-v2"):
+            with self.subTest(scenario=name):
+                self.assertEqual(self.report["clean"][name]["prefix_matched"], 2 * spec_scheduler_writes.PAGE)
 
     def test_spec_v1_frees_rejected_pages_and_finishes_inside_verify(self):
         # The scenarios reach the frees and the finished-request branch of sglang's verify.
