@@ -51,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--physical-pages", type=int, default=8, help="device pages per rank")
     parser.add_argument("--hicache-ratio", type=host_to_device_ratio, default=1.5,
                         help="host / device, per rank; at least 1")  # fmt: skip
+    parser.add_argument(
+        "--eagle-keys", action="store_true",
+        help="the tree of an MTP server (--speculative-algorithm EAGLE / NEXTN): children keyed by "
+        "token bigrams",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
     return parser.parse_args(argv)
 
@@ -69,6 +74,7 @@ def main(argv=None) -> int:
                 eviction_policy=eviction_policy,
                 physical_pages=args.physical_pages,
                 hicache_ratio=args.hicache_ratio,
+                eagle_keys=args.eagle_keys,
             )
             for seed in args.seeds
             for write_policy in args.write_policies

@@ -66,6 +66,9 @@ class SimulationScenario:
     # An MTP draft pool of this many layers (0: none), registered with HiCache as the scheduler does;
     # its bytes are written with the target's and checked like them (draft-device/host-bytes).
     draft_layers: int = 0
+    # The tree keys its children by token bigrams (``is_eagle``), as the scheduler builds it for
+    # ``--speculative-algorithm EAGLE / NEXTN`` (an MTP server: use it with ``draft_layers``).
+    eagle_keys: bool = False
     # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
     # bug and check that the harness reports it. Must be picklable (a module-level function).
     plant: Optional[Callable[[HiCacheStack, int], None]] = None
@@ -75,6 +78,7 @@ class SimulationScenario:
             f"seed={self.seed} write_policy={self.write_policy} eviction={self.eviction_policy} "
             f"physical_pages={self.physical_pages} hicache_ratio={self.hicache_ratio}"
             + (f" draft_layers={self.draft_layers}" if self.draft_layers else "")
+            + (" eagle_keys" if self.eagle_keys else "")
         )
 
 
@@ -249,6 +253,7 @@ class _RankRun:
             max_running_requests=scenario.max_running_requests,
             max_context_len=max_request_tokens + NSA_PAGE_SIZE,
             draft_layers=scenario.draft_layers,
+            is_eagle=scenario.eagle_keys,
         )
         # The host mirror of req_to_token the peer-page plan reads, fed by the writer hooks (applied
         # in _rank); checked against the table after every step (invariant "req-to-token-mirror").

@@ -1,5 +1,5 @@
 """Multi-rank CP HiCache simulation: randomized workloads on every rank of cp 2 and cp 4 gloo groups keep
-every invariant, also with an MTP draft pool, and the harness reports planted cross-rank bugs (a
+every invariant, also with an MTP draft pool on EAGLE bigram keys, and the harness reports planted cross-rank bugs (a
 wrong host slot freed, a write committed against the group's refusal, a skipped collective, the
 draft of a loaded-back prefix left stale, a draft page restored one page off) with seed, step, rank
 and invariant.
@@ -124,10 +124,11 @@ def _plant_draft_page_restored_one_page_off(stack, cp_rank):
 
 
 class TestCpHiCacheSimulation(CustomTestCase):
-    def _assert_clean_run(self, cp_size, num_ops, seeds, draft_layers=0):
+    def _assert_clean_run(self, cp_size, num_ops, seeds, draft_layers=0, eagle_keys=False):
         scenarios = [
             SimulationScenario(
-                seed=seed, num_ops=num_ops, write_policy=policy, draft_layers=draft_layers
+                seed=seed, num_ops=num_ops, write_policy=policy, draft_layers=draft_layers,
+                eagle_keys=eagle_keys,
             )
             for seed, policy in zip(seeds, WRITE_POLICIES)
         ]
@@ -144,9 +145,14 @@ class TestCpHiCacheSimulation(CustomTestCase):
         self._assert_clean_run(cp_size=4, num_ops=220, seeds=(21, 22, 23))
 
     def test_cp2_with_an_mtp_draft_pool_every_write_policy_keeps_every_invariant(self):
-        """The draft's KV and indexer bytes (written with the target's) stay right on device and on
-        host through every load-back, split, write-back and host eviction of the workload."""
-        self._assert_clean_run(cp_size=2, num_ops=300, seeds=(31, 32, 33), draft_layers=1)
+        """An MTP server's stack: the draft's KV and indexer bytes (written with the target's) stay
+        right on device and on host through every load-back, split, write-back and host eviction of
+        the workload, on the tree the scheduler builds for EAGLE / NEXTN (bigram keys). With tree
+        value pages looked up by raw tokens (main before the bigram fix) it failed at its first
+        cache_unfinished_req (``exception``: "radix node N has no host page ids")."""
+        self._assert_clean_run(
+            cp_size=2, num_ops=300, seeds=(31, 32, 33), draft_layers=1, eagle_keys=True
+        )
 
     def _planted_violation(self, plant, seed, draft_layers=0) -> SimulationViolation:
         scenario = SimulationScenario(
@@ -249,6 +255,22 @@ class TestSimulationScriptArguments(CustomTestCase):
     def test_accepts_ratios_from_one(self):
         for ratio in ("1", "1.5", "4"):
             self.assertEqual(self.script.parse_args(["--hicache-ratio", ratio]).hicache_ratio, float(ratio))
+
+    def test_eagle_keys_reach_every_scenario(self):
+        import contextlib
+        import io
+        from unittest import mock
+
+        from sglang_cp_shared_kv.testing.cp_hicache_simulation import SimulationReport
+
+        for argv, expected in (([], False), (["--eagle-keys"], True)):
+            ran = []
+            fake = lambda cp_size, scenarios, timeout_s: ran.extend(scenarios) or SimulationReport(cp_size, [], 0.0)  # noqa: E731
+            with self.subTest(argv=argv), mock.patch.object(self.script, "run_simulation", fake), \
+                    contextlib.redirect_stdout(io.StringIO()):  # fmt: skip
+                self.assertEqual(self.script.main(argv + ["--cp-sizes", "2", "--seeds", "0", "1"]), 0)
+                self.assertEqual({s.eagle_keys for s in ran}, {expected})
+                self.assertEqual(len(ran), 2 * 3)  # seeds x write policies
 
 
 if __name__ == "__main__":
