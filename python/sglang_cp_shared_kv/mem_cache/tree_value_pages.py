@@ -12,6 +12,10 @@ of its pages (values are whole pages: keys are page-aligned), set wherever ``nod
 * split: the two halves of the split node's pages (``split_value_pages``);
 * load-back: the allocator's host record of the new locs (``CpHiRadixCache.load_back``).
 
+Key shapes: a node's key counts logical units, tokens or, on the tree of an MTP server
+(``is_eagle``), token bigrams; unit ``i`` holds the KV loc of row position ``i`` in both, so depths
+and page cuts are positions. Children are read as the tree reads them (``record_inserted_values``).
+
 ``cp_value_pages_of`` remembers the value tensor the pages describe; pages are valid only while
 ``node.value is node.cp_value_pages_of``, so a value replaced anywhere else (or evicted to ``None``)
 is never read with stale pages: ``path_pages`` raises instead. Only trees of a server whose
@@ -92,10 +96,11 @@ def record_inserted_values(tree, key) -> None:
     (no valid pages) the inserted row's pages at the node's depth.
 
     The walk reads children exactly as the tree does: the tree's own key conversion (an EAGLE tree,
-    ``is_eagle``, keys by token bigrams) and ``RadixKey.child_key`` (page size, ``extra_key``). Depth
-    counts the key's logical units, which are row positions in both shapes: bigram ``i`` (tokens
-    ``i, i+1``) holds the KV loc of position ``i``, so a bigram key of ``n`` tokens covers positions
-    ``[0, n - 1)`` and its pages are ``row_pages[depth // page_size ...]`` as for plain keys.
+    ``is_eagle``, keys by token bigrams; the insert already converted this key, so it is a no-op
+    there) and ``RadixKey.child_key`` (page size, ``extra_key``). Depth counts the key's logical
+    units, which are row positions in both shapes: bigram ``i`` (tokens ``i, i+1``) holds the KV loc
+    of position ``i``, so a bigram key of ``n`` tokens covers positions ``[0, n - 1)`` and its pages
+    are ``row_pages[depth // page_size ...]`` as for plain keys.
     """
     page_size = tree.page_size
     rest, _ = key.maybe_to_bigram_view(getattr(tree, "is_eagle", False))
