@@ -32,8 +32,9 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
-from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror, mirror_of
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from, path_pages, value_pages
+from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
 from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.testing.multi_rank import single_process_group
@@ -87,14 +88,30 @@ class _Story:
             if end == len(req.origin_input_ids):
                 return
 
-    def assert_prefix_pages_are_the_plans(self, req):
+    def assert_path_pages_are_the_prefix_pages(self, req):
         """The pages the next extend writes for a matched prefix (``path_pages``) are its locs' pages."""
         expected = (req.prefix_indices[:: PAGE] // PAGE).numpy()
         got = path_pages(req.last_node)
         self.test.assertEqual(got.tolist(), expected[: len(got)].tolist())
         self.test.assertEqual(len(got) * PAGE, len(req.prefix_indices) // PAGE * PAGE)
 
+    def assert_plan_gathers_the_prefix(self, req, prefix_len):
+        """The peer-page plan of ``req``'s extend, built from the mirror as the runtime builds it:
+        every prefix token is read from a gathered scratch page holding its logical page."""
+        allocator, row, seq_len = self.w.allocator, req.req_pool_idx, req.kv_allocated_len
+        pages = mirror_of(self.w.pool).pages[row][: -(-seq_len // PAGE)]
+        plan = build_peer_page_plan(
+            layout=allocator.layout, request_pages=[pages], old_page_counts=[-(-prefix_len // PAGE)],
+            num_logical_pages=allocator.size // PAGE + 1, scratch_num_pages=len(pages) * 2 + 1,
+            device="cpu",
+        )  # fmt: skip
+        locs = self.w.pool.req_to_token[row, :prefix_len].long()
+        scratch_pages = plan.remap_token_locs(locs) // PAGE
+        self.test.assertTrue(bool(((scratch_pages >= 1) & (scratch_pages <= plan.gathered_region_pages)).all()))
+        self.test.assertEqual(sum(plan.gather_page_counts), -(-prefix_len // PAGE))
+
     def run(self, chunk=None):
+        """The first request in ``chunk``-token chunks; the second in one extend (its plan checked)."""
         document = self.tokens(3 * PAGE + 10)
         a = self.w.admit(document + self.tokens(20), self.extra_key)
         self.prefill(a, chunk)
@@ -105,8 +122,12 @@ class _Story:
         self.check("cache_finished_req")
         b = self.w.admit(document + self.tokens(PAGE), self.extra_key)
         self.test.assertEqual(len(b.prefix_indices), 3 * PAGE)
-        self.assert_prefix_pages_are_the_plans(b)
-        self.prefill(b, chunk)
+        self.assert_path_pages_are_the_prefix_pages(b)
+        self.w.extend([b], [len(b.origin_input_ids)])
+        self.check("the second request's extend")
+        self.assert_plan_gathers_the_prefix(b, 3 * PAGE)
+        self.w.after_extend(b)
+        self.check("the second request's cache_unfinished_req")
         self.w.finish(b)
         self.check("the second request's finish")
         return document
@@ -158,7 +179,7 @@ class TestEagleBigramKeys(CustomTestCase):
             tree.ready_to_load_host_cache()
             tree.loading_check()
             story.check("load-back")
-            story.assert_prefix_pages_are_the_plans(c)
+            story.assert_path_pages_are_the_prefix_pages(c)
             story.prefill(c, chunk=PAGE + 5)
             writes.finish(c)
             story.check("finish after load-back")
