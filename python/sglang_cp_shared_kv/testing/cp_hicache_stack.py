@@ -193,7 +193,10 @@ def build_cp_hicache_stack(
     """One rank's CP shared-KV stack; ``physical_pages`` real pages per rank (plus the dummy page 0).
 
     ``draft_layers`` > 0: an MTP draft pool of that many layers (NextN: 1), the target's shard size
-    and rows, registered with HiCache as the scheduler does it (``register_draft_pool``)."""
+    and rows, registered with HiCache as the scheduler does it (``register_draft_pool``).
+    ``is_eagle``: the tree keyed by token bigrams, as the scheduler builds it for an MTP server
+    (``--speculative-algorithm EAGLE / NEXTN``); stories through the scheduler's entry points that
+    stand for an MTP server pass it (the simulation's ``eagle_keys``)."""
     pool = nsa_pool(shape, physical_pages * NSA_PAGE_SIZE, device)
     allocator = CPSharedPagedTokenToKVPoolAllocator(
         size=cp_size * pool.size,
