@@ -1,6 +1,6 @@
 """Multi-rank CP HiCache simulation: randomized workloads on every rank of cp 2 and cp 4 gloo groups keep
-every invariant, also with an MTP draft pool on EAGLE bigram keys, and the harness reports planted cross-rank bugs (a
-wrong host slot freed, a write committed against the group's refusal, a skipped collective, the
+every invariant, also with an MTP draft pool on EAGLE bigram keys, and the harness reports planted
+cross-rank bugs (a wrong host slot freed, a write committed against the group's refusal, a skipped collective, the
 draft of a loaded-back prefix left stale, a draft page restored one page off) with seed, step, rank
 and invariant.
 
@@ -265,7 +265,11 @@ class TestSimulationScriptArguments(CustomTestCase):
 
         for argv, expected in (([], False), (["--eagle-keys"], True)):
             ran = []
-            fake = lambda cp_size, scenarios, timeout_s: ran.extend(scenarios) or SimulationReport(cp_size, [], 0.0)  # noqa: E731
+
+            def fake(cp_size, scenarios, timeout_s, ran=ran):
+                ran.extend(scenarios)
+                return SimulationReport(cp_size, [], 0.0)
+
             with self.subTest(argv=argv), mock.patch.object(self.script, "run_simulation", fake), \
                     contextlib.redirect_stdout(io.StringIO()):  # fmt: skip
                 self.assertEqual(self.script.main(argv + ["--cp-sizes", "2", "--seeds", "0", "1"]), 0)

@@ -19,6 +19,7 @@ Planted bugs, each caught here:
 * ``extra_key`` dropped from the child lookup: the extra_key tests raised "no host page ids".
 """
 
+import contextlib
 import random
 import unittest
 
@@ -45,8 +46,16 @@ register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 PAGE = 64
 
 
-def _hooks():
-    return applied_hooks(req_to_page_mirror_writers.register_hooks)
+_HOOKS = contextlib.ExitStack()
+
+
+def setUpModule():
+    # The mirror's writer hooks, applied once for the module (applying them costs about a second).
+    _HOOKS.enter_context(applied_hooks(req_to_page_mirror_writers.register_hooks))
+
+
+def tearDownModule():
+    _HOOKS.close()
 
 
 def _radix_stack(is_eagle):
@@ -79,7 +88,8 @@ class _Story:
         """Chunked prefill (chunks not multiples of a page), ``cache_unfinished_req`` after each."""
         while True:
             prefix = len(req.prefix_indices)
-            end = len(req.origin_input_ids) if chunk is None else min(prefix + chunk, len(req.origin_input_ids))
+            total = len(req.origin_input_ids)
+            end = total if chunk is None else min(prefix + chunk, total)
             self.w.extend([req], [end])
             self.check(f"extend of request {req.rid} to {end}")
             self.w.after_extend(req)
@@ -107,7 +117,8 @@ class _Story:
         )  # fmt: skip
         locs = self.w.pool.req_to_token[row, :prefix_len].long()
         scratch_pages = plan.remap_token_locs(locs) // PAGE
-        self.test.assertTrue(bool(((scratch_pages >= 1) & (scratch_pages <= plan.gathered_region_pages)).all()))
+        gathered = (scratch_pages >= 1) & (scratch_pages <= plan.gathered_region_pages)
+        self.test.assertTrue(bool(gathered.all()))
         self.test.assertEqual(sum(plan.gather_page_counts), -(-prefix_len // PAGE))
 
     def run(self, chunk=None):
@@ -135,70 +146,62 @@ class _Story:
 
 class TestEagleBigramKeys(CustomTestCase):
     def test_radix_cache(self):
-        with _hooks():
-            _Story(self, _radix_stack(is_eagle=True)).run()
+        _Story(self, _radix_stack(is_eagle=True)).run()
 
     def test_radix_cache_chunked_prefill(self):
         # Chunks of 100 tokens: every chunk's cache_unfinished_req inserts a longer bigram key that
         # continues (and splits) the nodes of the previous one.
-        with _hooks():
-            _Story(self, _radix_stack(is_eagle=True)).run(chunk=100)
+        _Story(self, _radix_stack(is_eagle=True)).run(chunk=100)
 
     def test_radix_cache_with_extra_key(self):
-        with _hooks():
-            writes = _radix_stack(is_eagle=True)
-            document = _Story(self, writes, extra_key="lora-7").run()
-            # Another namespace never shares those nodes.
-            other = writes.admit(document + [1, 2, 3], extra_key="salt-1")
-            self.assertEqual(len(other.prefix_indices), 0)
-            writes.tree.dec_lock_ref(other.last_node)
+        writes = _radix_stack(is_eagle=True)
+        document = _Story(self, writes, extra_key="lora-7").run()
+        # Another namespace never shares those nodes.
+        other = writes.admit(document + [1, 2, 3], extra_key="salt-1")
+        self.assertEqual(len(other.prefix_indices), 0)
+        writes.tree.dec_lock_ref(other.last_node)
 
     def test_bigram_count_decides_what_a_prompt_caches(self):
         # A prompt of k pages + 1 tokens has k pages of bigrams; one of exactly k pages, k - 1.
-        with _hooks():
-            writes = _radix_stack(is_eagle=True)
-            story = _Story(self, writes)
-            for length, cached_pages in ((2 * PAGE + 1, 2), (2 * PAGE, 1), (PAGE, 0)):
-                req = writes.admit(story.tokens(length))
-                story.prefill(req)
-                self.assertEqual(len(path_pages(req.last_node)), cached_pages, length)
-                self.assertEqual(req.cache_protected_len, cached_pages * PAGE)
+        writes = _radix_stack(is_eagle=True)
+        story = _Story(self, writes)
+        for length, cached_pages in ((2 * PAGE + 1, 2), (2 * PAGE, 1), (PAGE, 0)):
+            req = writes.admit(story.tokens(length))
+            story.prefill(req)
+            self.assertEqual(len(path_pages(req.last_node)), cached_pages, length)
+            self.assertEqual(req.cache_protected_len, cached_pages * PAGE)
 
     def test_hicache_with_backup_eviction_and_load_back(self):
-        with _hooks():
-            writes = _hicache_stack(is_eagle=True)
-            story = _Story(self, writes)
-            document = story.run()
-            tree = writes.tree
-            settle_write_acks(tree)
-            tree.evict(EvictParams(num_tokens=writes.allocator.size))
-            # The document's EAGLE-keyed pages live on host only: a new request loads them back.
-            c = writes.admit(document + story.tokens(PAGE))
-            self.assertEqual(c.host_hit_length, 3 * PAGE)
-            self.assertEqual(len(c.prefix_indices), 3 * PAGE)
-            tree.ready_to_load_host_cache()
-            tree.loading_check()
-            story.check("load-back")
-            story.assert_path_pages_are_the_prefix_pages(c)
-            story.prefill(c, chunk=PAGE + 5)
-            writes.finish(c)
-            story.check("finish after load-back")
+        writes = _hicache_stack(is_eagle=True)
+        story = _Story(self, writes)
+        document = story.run()
+        tree = writes.tree
+        settle_write_acks(tree)
+        tree.evict(EvictParams(num_tokens=writes.allocator.size))
+        # The document's EAGLE-keyed pages live on host only: a new request loads them back.
+        c = writes.admit(document + story.tokens(PAGE))
+        self.assertEqual(c.host_hit_length, 3 * PAGE)
+        self.assertEqual(len(c.prefix_indices), 3 * PAGE)
+        tree.ready_to_load_host_cache()
+        tree.loading_check()
+        story.check("load-back")
+        story.assert_path_pages_are_the_prefix_pages(c)
+        story.prefill(c, chunk=PAGE + 5)
+        writes.finish(c)
+        story.check("finish after load-back")
 
     def test_hicache_chunked_prefill_with_extra_key(self):
-        with _hooks():
-            _Story(self, _hicache_stack(is_eagle=True), extra_key="lora-7").run(chunk=100)
+        _Story(self, _hicache_stack(is_eagle=True), extra_key="lora-7").run(chunk=100)
 
 
 class TestPlainKeys(CustomTestCase):
     """The same stories on the tree a server without MTP builds (the pre-existing key shape)."""
 
     def test_radix_cache_with_extra_key(self):
-        with _hooks():
-            _Story(self, _radix_stack(is_eagle=False), extra_key="lora-7").run(chunk=100)
+        _Story(self, _radix_stack(is_eagle=False), extra_key="lora-7").run(chunk=100)
 
     def test_hicache(self):
-        with _hooks():
-            _Story(self, _hicache_stack(is_eagle=False)).run()
+        _Story(self, _hicache_stack(is_eagle=False)).run()
 
 
 class TestPageSizeOne(CustomTestCase):
@@ -217,7 +220,7 @@ class TestPageSizeOne(CustomTestCase):
     def test_every_node_gets_its_pages(self):
         for is_eagle in (False, True):
             for extra_key in (None, "lora-7"):
-                with self.subTest(is_eagle=is_eagle, extra_key=extra_key), _hooks():
+                with self.subTest(is_eagle=is_eagle, extra_key=extra_key):
                     tree = self._tree(is_eagle)
                     first, second = list(range(1, 21)), list(range(1, 11)) + list(range(50, 60))
                     for tokens, base in ((first, 100), (second, 300), (first[:15], 500)):
