@@ -1,8 +1,8 @@
 """Multi-rank CP HiCache simulation: randomized workloads on every rank of cp 2 and cp 4 gloo groups keep
 every invariant, also with an MTP draft pool on EAGLE bigram keys, and the harness reports planted
-cross-rank bugs (a wrong host slot freed, a write committed against the group's refusal, a skipped collective, the
-draft of a loaded-back prefix left stale, a draft page restored one page off) with seed, step, rank
-and invariant.
+cross-rank bugs (a wrong host slot freed, a write committed against the group's refusal, a skipped
+collective, the draft of a loaded-back prefix left stale, a draft page restored one page off) with
+seed, step, rank and invariant.
 
 Also the regression test of the bug the simulation found in ``CpHiRadixCache.load_back``.
 """
