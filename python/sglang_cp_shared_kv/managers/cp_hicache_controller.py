@@ -18,9 +18,9 @@ sharded by the target's layout, so its rows of a node are the target's physical 
 load moves the draft's KV and indexer K at exactly the target's host slots and device rows, inside the
 same copy, and adds no host slot, ack or load operation of its own.
 
-Acknowledgement cardinality: sglang's ``writing_check`` pops acks after a MIN all-reduce of completed
-counts, and ``loading_check`` releases locks per producer event without any collective, so every rank
-must produce one ack per write and one load operation per load even when it owns nothing in the node.
+Acknowledgement cardinality: ``CpHiRadixCache.writing_check`` and ``loading_check`` pop acks after a MIN
+all-reduce of completed counts, so every rank must produce one ack per write and one load operation per
+load even when it owns nothing in the node.
 A rank that owns nothing records a completed ack / an empty load op and launches no transfer.
 """
 

@@ -156,6 +156,7 @@ class CpHiRadixCache(HiRadixCache):
         self._agreed_ok = torch.zeros((), dtype=torch.int32)
         self._agreed_max = torch.zeros((), dtype=torch.int64)
         self._agreed_write_acks = torch.zeros((), dtype=torch.int32)
+        self._agreed_load_acks = torch.zeros((), dtype=torch.int32)
         self._write_acks_in_flight = None  # the write-ack all-reduce started by the last writing_check
         self._ack_reduce_groups = None  # groups the write-ack count reduces over (first writing_check)
         self.host_ledger: Optional[CpHostSlotLedger] = None  # built once the host pools exist
@@ -335,6 +336,39 @@ class CpHiRadixCache(HiRadixCache):
                 self._record_store_event(node, medium=StorageMedium.CPU)
                 self.dec_lock_ref(node)
         del queue[:count]
+
+    # ---- load acknowledgement ----
+
+    def loading_check(self):
+        """Release the locks of the load-backs finished on EVERY rank, the same ones at the same call.
+
+        Stock releases a load's lock when this rank's copy finished, with no collective. When that lock
+        is the node's only one (stock's ``PrefillAdder`` can decline a request right after
+        ``init_load_back``, e.g. with a ``--chunked-prefill-size`` that is not a multiple of the page),
+        a rank whose copy finished first has a larger ``evictable_size_`` and unlocked leaves, the same
+        ``evict()`` then leaves different trees on different ranks, and their next decisions and
+        collectives diverge (a hang). Acks being one per load on every rank does not help: the ranks'
+        copies finish at different times. So the count of finished loads is agreed like the write
+        acks' (a MIN over ranks; blocking, and only while a load-back is tracked, which every rank
+        knows alike), and every rank pops exactly that many in queue order.
+        """
+        if len(self.ongoing_load_back) == 0:
+            return  # every rank tracks the same load-backs: all skip the collective together
+        queue = self.cache_controller.ack_load_queue
+        finished = 0
+        for _, finish_event, _ in queue:
+            if not finish_event.query():
+                break
+            finished += 1
+        count = self._agreed_load_acks
+        count.fill_(finished)
+        self._all_reduce_attn_groups(count, torch.distributed.ReduceOp.MIN)
+        agreed = int(count.item())
+        for _, finish_event, ack_list in queue[:agreed]:
+            finish_event.synchronize()  # finished on this rank already (MIN <= this rank's count)
+            for ack_id in ack_list:
+                self.dec_lock_ref(self.ongoing_load_back.pop(ack_id))
+        del queue[:agreed]
 
     # ---- eviction order ----
     # Both evictions pop in one total order, ``(eviction priority, node.id)``: node.id breaks priority

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import random
 import sys
 import time
 import traceback
@@ -37,6 +38,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import (
     first_difference,
     shared_state,
 )
+from sglang_cp_shared_kv.testing.completion_skew import skew_completions
 from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
 from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
@@ -69,6 +71,12 @@ class SimulationScenario:
     # The tree keys its children by token bigrams (``is_eagle``), as the scheduler builds it for
     # ``--speculative-algorithm EAGLE / NEXTN`` (an MTP server: use it with ``draft_layers``).
     eagle_keys: bool = False
+    # Per-rank completion skew (``completion_skew.py``): each rank's write and load acks report finished
+    # up to this many queries late, drawn per ack and rank, so ranks' copies finish at different checks.
+    completion_skew: int = 0
+    # Probability that an admitted request is declined right after its ``init_load_back`` (stock's
+    # PrefillAdder can): the load's lock is then the node's only one until the load is acknowledged.
+    decline_after_load: float = 0.0
     # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
     # bug and check that the harness reports it. Must be picklable (a module-level function).
     plant: Optional[Callable[[HiCacheStack, int], None]] = None
@@ -79,6 +87,8 @@ class SimulationScenario:
             f"physical_pages={self.physical_pages} hicache_ratio={self.hicache_ratio}"
             + (f" draft_layers={self.draft_layers}" if self.draft_layers else "")
             + (" eagle_keys" if self.eagle_keys else "")
+            + (f" completion_skew={self.completion_skew}" if self.completion_skew else "")
+            + (f" decline_after_load={self.decline_after_load}" if self.decline_after_load else "")
         )
 
 
@@ -258,6 +268,9 @@ class _RankRun:
         # The host mirror of req_to_token the peer-page plan reads, fed by the writer hooks (applied
         # in _rank); checked against the table after every step (invariant "req-to-token-mirror").
         ReqToPageMirror.attach(stack.req_to_token_pool, NSA_PAGE_SIZE)
+        if scenario.completion_skew:
+            skew_rng = random.Random(f"completion skew {scenario.seed} {self.rank}")
+            skew_completions(stack.controller, skew_rng, scenario.completion_skew)
         if scenario.plant is not None:
             scenario.plant(stack, self.rank)
         return CpHiCacheWorkload(
@@ -265,6 +278,7 @@ class _RankRun:
             seed=scenario.seed,
             max_running_requests=scenario.max_running_requests,
             max_request_tokens=max_request_tokens,
+            decline_after_load=scenario.decline_after_load,
         )
 
     def _check(self, workload: CpHiCacheWorkload, invariants: RankInvariants) -> None:

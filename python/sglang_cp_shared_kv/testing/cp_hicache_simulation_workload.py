@@ -7,7 +7,8 @@ points sglang's scheduler uses, on the real ``CpHiRadixCache`` and CP allocator:
 
 * **admit**: a prefill round of 1-3 requests, each like ``PrefillAdder.add_one_req``: ``match_prefix``,
   the logical budget (``available + evictable`` minus what the round already promised), the adder's
-  lock, ``init_load_back`` (no quota, the adder's quota, or a shrunk one); then one
+  lock, ``init_load_back`` (no quota, the adder's quota, or a shrunk one; optionally declined right
+  after it, as the adder can: ``decline_after_load``); then one
   ``ready_to_load_host_cache``, then sglang's own ``alloc_for_extend`` (request slots,
   ``evict_from_tree_cache``, one batched ``alloc_extend``, ``write_cache_indices``), the KV write of
   the new tokens (``write_owned_kv``: each rank stores what it owns), and ``cache_unfinished_req``
@@ -157,8 +158,10 @@ class CpHiCacheWorkload:
         seed: int,
         max_running_requests: int,
         max_request_tokens: int,
+        decline_after_load: float = 0.0,
     ):
         self.stack = stack
+        self.decline_after_load = decline_after_load  # see SimulationScenario
         self.cache = stack.cache
         self.allocator = stack.allocator
         self.host = stack.controller.mem_pool_host
@@ -290,6 +293,11 @@ class CpHiCacheWorkload:
             )
             req.prefix_indices = torch.cat([req.prefix_indices, loaded])
             note += f", loaded back {len(loaded)} (quota {quota})"
+            if len(loaded) and self.decline_after_load and self.rng.random() < self.decline_after_load:
+                # PrefillAdder declining after init_load_back: only the load's lock holds the nodes.
+                self.cache.dec_lock_ref(adder_lock)
+                self.stats["admission declined after its load-back"] += 1
+                return None, note + ", declined after its load-back", 0
         self.cache.inc_lock_ref(req.last_node)
         self.cache.dec_lock_ref(adder_lock)
         req.cache_protected_len = len(req.prefix_indices)

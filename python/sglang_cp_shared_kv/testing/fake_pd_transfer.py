@@ -54,6 +54,7 @@ from sglang_cp_shared_kv.disaggregation.mooncake.conn import (  # noqa: E402
     check_cp_shared_kv_transfer_setup,
     cp_shared_kv_transfer_layout,
 )
+from sglang_cp_shared_kv.disaggregation.mooncake.request_failures import RequestTransferFailures  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 
 PAGE = 64  # NSATokenToKVPool's page size
@@ -62,13 +63,18 @@ DECODE_ENDPOINT = ("127.0.0.1", 17000)
 
 
 class CopyingTransferEngine:
-    """``batch_transfer_sync`` = bounds-checked ``memmove``; one per prefill rank."""
+    """``batch_transfer_sync`` = bounds-checked ``memmove``; one per prefill rank.
+
+    ``refuse`` (fault injection): a call with any destination range inside one of these (start, end)
+    ranges returns -1 and copies nothing, as mooncake does when it rejects a call (a full TCP queue)."""
 
     def __init__(self, peers: Dict[str, List[Tuple[int, int]]]):
         self.local: List[Tuple[int, int]] = []  # (start, end) registered by this rank
         self.peers = peers  # session id -> the peer's registered (start, end) ranges
         self.copies: List[Tuple[int, int, int]] = []
         self.errors: List[str] = []
+        self.refuse: List[Tuple[int, int]] = []
+        self.refused_calls = 0
 
     def batch_register(self, ptrs, lengths) -> int:
         self.local += [(int(p), int(p) + int(n)) for p, n in zip(ptrs, lengths)]
@@ -86,6 +92,9 @@ class CopyingTransferEngine:
             if not _inside(peer, dst, n):
                 self.errors.append(f"destination [{dst}, {dst + n}) outside the peer's registered buffers")
                 return -1
+        if any(_overlaps(self.refuse, dst, n) for dst, n in zip(peer_buffer_addresses, lengths)):
+            self.refused_calls += 1
+            return -1
         for src, dst, n in zip(buffers, peer_buffer_addresses, lengths):
             ctypes.memmove(dst, src, n)
             self.copies.append((src, dst, n))
@@ -94,6 +103,10 @@ class CopyingTransferEngine:
 
 def _inside(regions, start: int, length: int) -> bool:
     return any(lo <= start and start + length <= hi for lo, hi in regions)
+
+
+def _overlaps(regions, start: int, length: int) -> bool:
+    return any(start < hi and lo < start + length for lo, hi in regions)
 
 
 def build_nsa_pool(pages: int, *, layer_num: int = 2, kv_lora_rank: int = 16, rope_dim: int = 8):
@@ -188,6 +201,18 @@ class DecodeInstance:
         aux_ptrs, aux_lens, _ = self.metadata.get_buf_infos()
         return [(p, p + n) for p, n in zip(ptrs + state_ptrs + aux_ptrs, lens + state_lens + aux_lens)]
 
+    def buffer_regions(self, part: str) -> List[Tuple[int, int]]:
+        """(start, end) of one part's decode buffers: ``kv``, ``draft_kv``, ``indexer``, ``draft_indexer``
+        or ``aux`` (where a fault is injected with ``CopyingTransferEngine.refuse``)."""
+        pool = self.draft_pool if part.startswith("draft_") else self.pool
+        if part == "aux":
+            ptrs, lens, _ = self.metadata.get_buf_infos()
+        elif part.endswith("indexer"):
+            ptrs, lens, _ = pool.get_state_buf_infos()
+        else:
+            ptrs, lens, _ = pool.get_contiguous_buf_infos()
+        return [(p, p + n) for p, n in zip(ptrs, lens)]
+
     def register_info(self) -> KVArgsRegisterInfo:
         kv_ptrs, _, kv_item_lens = kv_buf_infos(self.pool, self.draft_pool)
         state_ptrs, _, state_item_lens = state_buf_infos(self.pool, self.draft_pool)
@@ -258,6 +283,7 @@ class PrefillRank:
     pool: NSATokenToKVPool
     metadata: MetadataBuffers
     engine: CopyingTransferEngine
+    draft_pool: Optional[NSATokenToKVPool] = None  # kept alive: the engine holds raw pointers into it
 
     def drain(self) -> None:
         """Run the stock transfer worker on everything queued so far."""
@@ -297,7 +323,7 @@ def build_prefill_rank(
     kv_args.state_type = "nsa"
 
     m = CpSharedKVMooncakeKVManager.__new__(CpSharedKVMooncakeKVManager)
-    m.cp_shared_kv_failed_state_sends = set()
+    m.cp_shared_kv_failures = RequestTransferFailures()
     m.cp_shared_kv_layout = cp_shared_kv_transfer_layout(
         server_args, DisaggregationMode.PREFILL, cp_size, cp_rank, pool.page_size
     )
@@ -324,7 +350,7 @@ def build_prefill_rank(
         decode.statuses.append((int(room), int(status), int(prefill_rank)))
 
     m.sync_status_to_decode_endpoint = record_status
-    return PrefillRank(m, pool, metadata, engine)
+    return PrefillRank(m, pool, metadata, engine, draft_pool)
 
 
 def connect_decode(rank: PrefillRank, decode: DecodeInstance, room: int, dst_pages, aux_index: int) -> None:

@@ -26,11 +26,12 @@ stock path hands the transfer worker) is logical. Here:
   Success status, so the decode instance counts ``cp_size`` arrivals and never waits forever.
 * The blocks of one batch reach the engine in calls of at most ``MAX_BLOCKS_PER_TRANSFER_CALL``
   (``_transfer_data``; why: ``transfer_blocks.py``).
-* A request whose pages cannot be paired fails alone: ``send_kvcache`` returns -1 (stock's failed
-  chunk), ``maybe_send_extra`` has ``send_aux`` report the failure (stock's failed last chunk); the
-  transfer thread lives on.
+* Any failure of any part of a request's transfer (pages that cannot be paired; an engine call
+  failing for the KV, the indexer K or the MTP draft's rows) fails that request alone, on every rank
+  and on decode, and the decode session stays usable for later requests: ``request_failures.py``
+  says how (stock would mark the whole decode session dead, or ignore a failed indexer-K send).
 
-Everything else (bootstrap, the transfer worker, aux, status, failures, timeouts) is stock. With
+Everything else (bootstrap, the transfer worker, aux, status, timeouts) is stock. With
 ``--enable-nsa-prefill-cp-shared-kv`` off on the server (``cp_shared_kv_layout is None``) both
 classes are the stock ones.
 """
@@ -46,6 +47,7 @@ import numpy as np
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVSender
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from sglang_cp_shared_kv.disaggregation.mooncake.request_failures import RequestTransferFailures
 from sglang_cp_shared_kv.disaggregation.page_pairing import owned_page_pairs, position_aligned
 from sglang_cp_shared_kv.disaggregation.transfer_blocks import MAX_BLOCKS_PER_TRANSFER_CALL, bounded_calls
 from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
@@ -84,25 +86,6 @@ def check_cp_shared_kv_transfer_setup(manager: "CpSharedKVMooncakeKVManager") ->
         )
 
 
-def fail_state_send(manager: "CpSharedKVMooncakeKVManager", req, error: ValueError) -> int:
-    """Fail ``req`` alone (``maybe_send_extra`` could not pair its indexer-K pages), the way stock
-    reports a failed transfer of its last chunk.
-
-    The stock transfer worker ignores ``maybe_send_extra``'s result and turns an exception into the
-    end of the transfer thread (every later request of this prefill server would hang). So the
-    failure is recorded here and ``send_aux``, which the worker calls next for the same request and
-    destination, reports it: the worker then marks the room Failed and tells the decode side, and
-    no metadata is sent. Unlike a -1 from ``send_kvcache`` this does not mark the decode session
-    failed: nothing is wrong with it.
-    """
-    reason = f"{CP_SHARED_KV_FLAG}: indexer-K pages of room {req.room} not sent: {error}"
-    logger.error(reason)
-    manager.record_failure(req.room, reason)
-    # One transfer thread handles a room, and the worker calls send_aux right after this.
-    manager.cp_shared_kv_failed_state_sends.add((req.room, req.mooncake_session_id))
-    return -1
-
-
 class CpSharedKVMooncakeKVManager(MooncakeKVManager):
     """``MooncakeKVManager`` whose KV and indexer-K transfers send only this rank's pages."""
 
@@ -110,7 +93,7 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
         from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
 
         # Set before the stock __init__ starts the transfer threads that read them.
-        self.cp_shared_kv_failed_state_sends = set()  # see maybe_send_extra
+        self.cp_shared_kv_failures = RequestTransferFailures()
         self.cp_shared_kv_layout = cp_shared_kv_transfer_layout(
             server_args,
             disaggregation_mode,
@@ -128,10 +111,27 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
                 self.cp_shared_kv_layout.cp_size,
             )
 
+    def transfer_worker(self, queue, executor, staging_buffer=None):
+        """The stock worker, on a queue that tells ``send_kvcache`` which request a chunk belongs to."""
+        if self.cp_shared_kv_layout is None:
+            return super().transfer_worker(queue, executor, staging_buffer)
+        return super().transfer_worker(self.cp_shared_kv_failures.tracking(queue), executor, staging_buffer)
+
+    def _fail_request(self, room: Optional[int], session_id: str, what: str, why: str) -> int:
+        """Fail ``room`` alone (``request_failures.py``); returns what the failing part returns to the
+        stock worker: 0, so that it marks no session, or -1 outside a tracked worker (stock's failure)."""
+        reason = f"{CP_SHARED_KV_FLAG}: {what} of room {room} not sent to {session_id}: {why}"
+        logger.error(reason)
+        if room is None:
+            return -1
+        self.record_failure(room, reason)
+        self.cp_shared_kv_failures.fail(room, session_id, reason)
+        return 0
+
     def _transfer_data(self, mooncake_session_id, transfer_blocks):
         """Stock's one engine call per batch, split into calls of at most
         ``MAX_BLOCKS_PER_TRANSFER_CALL`` blocks, in order; the first failing call's status is returned
-        and the rest are not sent (stock then fails the request, as for a failed single call)."""
+        and the rest are not sent (the part that called it then fails its request)."""
         if self.cp_shared_kv_layout is None:
             return super()._transfer_data(mooncake_session_id, transfer_blocks)
         for call in bounded_calls(transfer_blocks, MAX_BLOCKS_PER_TRANSFER_CALL):
@@ -141,21 +141,27 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
         return 0
 
     def send_kvcache(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor):
-        """KV pages of one chunk: ``prefill_kv_indices`` are the chunk's logical pages, ``dst_kv_indices``
-        the decode pages of the same positions; send the owned ones from their physical pages."""
+        """KV pages of one chunk (the target's and, with MTP, the draft's layers): ``prefill_kv_indices``
+        are the chunk's logical pages, ``dst_kv_indices`` the decode pages of the same positions; send
+        the owned ones from their physical pages."""
         layout = self.cp_shared_kv_layout
         if layout is None:
             return super().send_kvcache(
                 mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor
             )
+        room = self.cp_shared_kv_failures.current_room()
+        if self.cp_shared_kv_failures.has_failed(room, mooncake_session_id):
+            return 0  # an earlier chunk failed: nothing more of this request is sent
         try:
             pairs = owned_page_pairs(layout, prefill_kv_indices, dst_kv_indices)
         except ValueError as e:
-            logger.error("%s: KV chunk not sent: %s", CP_SHARED_KV_FLAG, e)
-            return -1  # the stock worker fails this request and tells the decode side
-        return super().send_kvcache(
+            return self._fail_request(room, mooncake_session_id, "KV chunk", str(e))
+        status = super().send_kvcache(
             mooncake_session_id, pairs.src_pages, dst_kv_ptrs, pairs.dst_pages, executor
         )
+        if status != 0:
+            return self._fail_request(room, mooncake_session_id, "KV chunk", f"transfer engine status {status}")
+        return 0
 
     def maybe_send_extra(
         self,
@@ -165,13 +171,18 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
         executor,
         target_rank_registration_info=None,
     ):
-        """NSA indexer-K pages of the whole request (last chunk): the owned positions only, from their
-        physical pages, into the decode's ``dst_state_indices`` of the same positions."""
+        """NSA indexer-K pages of the whole request (last chunk; the draft's too with MTP): the owned
+        positions only, from their physical pages, into the decode's ``dst_state_indices`` of the same
+        positions. The stock worker ignores the result: a failure fails the request through
+        ``send_aux``."""
         layout = self.cp_shared_kv_layout
         if layout is None or getattr(self.kv_args, "state_type", "none") != "nsa":
             return super().maybe_send_extra(
                 req, prefill_state_indices, dst_state_data_ptrs, executor, target_rank_registration_info
             )
+        session = req.mooncake_session_id
+        if self.cp_shared_kv_failures.has_failed(req.room, session):
+            return 0
         prefill, dst, aligned = position_aligned(prefill_state_indices, req.dst_state_indices)
         if not aligned:
             logger.warning(
@@ -185,40 +196,48 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
         try:
             pairs = owned_page_pairs(layout, prefill, dst)
         except ValueError as e:
-            return fail_state_send(self, req, e)
+            return self._fail_request(req.room, session, "indexer-K pages", str(e))
         owned_req = dataclasses.replace(req, dst_state_indices=pairs.dst_pages.tolist())
-        return super().maybe_send_extra(
+        status = super().maybe_send_extra(
             owned_req,
             pairs.src_pages.tolist(),
             dst_state_data_ptrs,
             executor,
             target_rank_registration_info,
         )
+        if status != 0:
+            return self._fail_request(req.room, session, "indexer-K pages", f"transfer engine status {status}")
+        return 0
 
     def send_aux(self, req, prefill_aux_index, dst_aux_ptrs):
-        """Stock, except for a request ``maybe_send_extra`` failed (``fail_state_send``)."""
-        key = (req.room, req.mooncake_session_id)
-        if self.cp_shared_kv_layout is not None and key in self.cp_shared_kv_failed_state_sends:
-            self.cp_shared_kv_failed_state_sends.discard(key)
-            return -1  # the request failed in maybe_send_extra: no metadata, status Failed
+        """Stock, except for a request whose transfer failed on this rank: no metadata, and -1, so the
+        stock worker sets the room Failed and tells the decode Failed (``request_failures.py``)."""
+        if self.cp_shared_kv_layout is not None:
+            if self.cp_shared_kv_failures.take(req.room, req.mooncake_session_id) is not None:
+                return -1
         return super().send_aux(req, prefill_aux_index, dst_aux_ptrs)
 
     def send_kvcache_hisparse(self, mooncake_session_id, prefill_kv_indices, *args, **kwargs):
         if self.cp_shared_kv_layout is None:
             return super().send_kvcache_hisparse(mooncake_session_id, prefill_kv_indices, *args, **kwargs)
-        logger.error(
-            "%s: the decode server runs --enable-hisparse, whose token-granular transfer is not "
-            "supported from a shared-KV prefill server; request failed",
-            CP_SHARED_KV_FLAG,
+        return self._fail_request(
+            self.cp_shared_kv_failures.current_room(),
+            mooncake_session_id,
+            "KV chunk",
+            "the decode server runs --enable-hisparse, whose token-granular transfer is not supported "
+            "from a shared-KV prefill server",
         )
-        return -1
 
     def send_kvcache_slice(self, mooncake_session_id, prefill_kv_indices, *args, **kwargs):
         if self.cp_shared_kv_layout is None:
             return super().send_kvcache_slice(mooncake_session_id, prefill_kv_indices, *args, **kwargs)
         # Reached only for non-MLA pools with different attention TP sizes; NSA pools are MLA.
-        logger.error("%s: head-sliced KV transfer is not supported; request failed", CP_SHARED_KV_FLAG)
-        return -1
+        return self._fail_request(
+            self.cp_shared_kv_failures.current_room(),
+            mooncake_session_id,
+            "KV chunk",
+            "head-sliced KV transfer is not supported",
+        )
 
 
 class CpSharedKVMooncakeKVSender(MooncakeKVSender):

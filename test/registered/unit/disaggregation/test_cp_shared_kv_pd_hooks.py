@@ -40,15 +40,16 @@ class TestGetKvClassHook(CustomTestCase):
         self.assertIsNot(manager, CpSharedKVMooncakeKVManager)
 
     def test_subclasses_override_only_the_transfer_methods(self):
-        """The manager changes what is sent, not the protocol: bootstrap, worker and status are
-        inherited (a stock change to those reaches shared KV unchanged); ``send_aux`` is stock except
-        that it reports a request ``maybe_send_extra`` failed (the worker ignores the latter's result);
-        ``_transfer_data`` is stock's engine call, split into calls of bounded size."""
+        """The manager changes what is sent, not the protocol: bootstrap and status are inherited (a
+        stock change to those reaches shared KV unchanged); the worker is stock's, run on a queue that
+        names the chunk's request; ``send_aux`` is stock except that it reports a request whose transfer
+        failed on this rank (``request_failures.py``); ``_transfer_data`` is stock's engine call, split
+        into calls of bounded size."""
         own = {name for name, value in vars(CpSharedKVMooncakeKVManager).items() if callable(value)}
         self.assertEqual(
             own,
             {"__init__", "send_kvcache", "maybe_send_extra", "send_aux", "send_kvcache_hisparse",
-             "send_kvcache_slice", "_transfer_data"},
+             "send_kvcache_slice", "_transfer_data", "transfer_worker", "_fail_request"},
         )  # fmt: skip
         self.assertIn("send", vars(CpSharedKVMooncakeKVSender))
         self.assertNotIn("poll", vars(CpSharedKVMooncakeKVSender))

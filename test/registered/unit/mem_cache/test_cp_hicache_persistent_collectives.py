@@ -1,4 +1,4 @@
-"""CpHiRadixCache's agreement collectives (load-back allocation, host eviction count, write acks) reduce tensors preallocated once, not a tensor built per call, and a ``writing_check`` enters
+"""CpHiRadixCache's agreement collectives (load-back allocation, host eviction count, write acks, load acks) reduce tensors preallocated once, not a tensor built per call, and a ``writing_check`` enters
 exactly one collective with writes in flight and none without (the write-ack count is reduced through
 ``_start_all_reduce_attn_groups``, which falls back to the blocking helper on a one-process group)."""
 
@@ -68,11 +68,13 @@ class TestPersistentCollectiveTensors(CustomTestCase):
         cache.evict_host(1)
         cache.evict_host(1)
         sites = self.recorded.by_site
-        for site in ("_all_ranks_ok", "_max_over_ranks", "_start_all_reduce_attn_groups"):
+        for site in ("_all_ranks_ok", "_max_over_ranks", "_start_all_reduce_attn_groups", "loading_check"):
             tensors = sites[site]
             self.assertGreaterEqual(len(tensors), 2, site)
             self.assertTrue(all(t is tensors[0] for t in tensors), f"{site} built a new tensor")
-        self.assertEqual(set(sites), {"_all_ranks_ok", "_max_over_ranks", "_start_all_reduce_attn_groups"})
+        self.assertEqual(
+            set(sites), {"_all_ranks_ok", "_max_over_ranks", "_start_all_reduce_attn_groups", "loading_check"}
+        )
 
     def test_writing_check_enters_one_collective_only_with_writes_in_flight(self):
         cache = self.cache
