@@ -104,13 +104,16 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   local name=$1; shift
   selected "$name" || return 0
   local limit=() t0; t0=$(date +%s)
+  [[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -rf "${RUNS:?}/$name"  # no verdict from an earlier call's report
+  mkdir -p "$RUNS/$name"
   if [[ -n "$BUDGET_S" ]]; then
     local left=$(( BUDGET_S - (t0 - start_s) - 30 ))
-    if (( left < 150 )); then echo "$name: SKIPPED (budget: ${left} s left)"; return 0; fi
+    if (( left < 150 )); then
+      echo "skipped 0" > "$RUNS/$name/runner_exit"
+      echo "$name: SKIPPED (budget: ${left} s left)"; return 0
+    fi
     limit=(timeout -s TERM -k 45 "$left")
   fi
-  [[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -rf "${RUNS:?}/$name"
-  mkdir -p "$RUNS/$name"
   "${limit[@]}" python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
     --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} \

@@ -46,6 +46,8 @@ def verdict(runs: Path, name: str) -> Tuple[str, bool]:
     report = run_dir / "report.json"
     if not report.exists():
         rc = exit_note[0] if exit_note else "?"
+        if rc == "skipped":
+            return f"FAILED {name}: SKIPPED, the call's budget ran out before it could start", False
         return f"FAILED {name}: no report (exit {rc}: killed by the budget, or crashed; see smoke_logs.tgz){timing}", False
     runs_ = json.loads(report.read_text())["runs"]
     failures: List[str] = [f for r in runs_ for f in r["failures"]]

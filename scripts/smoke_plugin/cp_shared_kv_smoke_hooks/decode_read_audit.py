@@ -60,6 +60,11 @@ def expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_ran
     return rows, owners
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on this stream: nothing may be read back to the host now."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class DecodeReadAudit:
     def __init__(self, audit_dir: Path, rank: int):
         self.path = Path(audit_dir) / f"decode_read_audit.rank{rank}.json"
@@ -71,7 +76,7 @@ class DecodeReadAudit:
         self.counts["forwards"] += 1
 
     def check(self, selection, candidates, indices, cp_rank: int) -> None:
-        if self.forward is None or torch.cuda.is_current_stream_capturing():
+        if self.forward is None or capturing():
             return
         layout, page_table_1, seq_lens = self.forward
         seq_lens = seq_lens.long()
@@ -161,7 +166,7 @@ def register_hooks(registry, audit_dir: Path) -> None:
         return None
 
     def after_refresh(tables, buffers, layout, real_page_table, seq_lens, *args, **kwargs):
-        if not torch.cuda.is_current_stream_capturing():  # a capture's batch is sglang's dummy
+        if not capturing():  # a capture's batch is sglang's dummy
             audit().check_tables(layout, real_page_table, seq_lens, tables)
         return None
 
