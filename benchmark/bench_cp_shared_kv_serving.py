@@ -56,6 +56,7 @@ SMOKE_PLUGIN_DIR = REPO_ROOT / "scripts" / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 
+from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
 from sglang_cp_shared_kv.testing.e2e.serving_workload import (
@@ -101,6 +102,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(single-request costs only; the opt-in SGLANG_CP_SHARED_KV_DECODE=per_owner and "
                         "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1)")
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (both servers)")
+    p.add_argument("--capacity-decode", choices=["gather", "per_owner"], default="gather",
+                   help="capacity part: the shared-KV server's decode path (per_owner: the gather scratch "
+                        "sized for prefill only, SGLANG_CP_SHARED_KV_DECODE=per_owner)")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="test-only: every rank of every server on device 0 (the smoke plugin's one-GPU hook, "
+                        "testing/e2e/one_gpu.py); timings are then of a time-sliced GPU, not of shared KV")
     # headline
     p.add_argument("--document-tokens", type=int, default=16384)
     p.add_argument("--turns", type=int, default=3)
@@ -141,6 +148,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--physical-tokens-per-rank must be a multiple of {PAGE_SIZE}")
     if args.hicache_ratio <= 1:
         p.error("--hicache-ratio must be > 1 (sglang requires the host pool to be larger than the device pool)")
+    if args.one_gpu and "pd" in args.parts:
+        p.error("--parts pd with --one-gpu: the PD pair on one GPU is scripts/gpu/pd_smoke_runs.sh with SMOKE_ONE_GPU=1")
+    if args.one_gpu:
+        args.extra_server_args = shlex.join(with_one_gpu_args(shlex.split(args.extra_server_args)))
     args.out_dir = Path(args.out_dir or f"bench_serving_{time.strftime('%Y%m%d_%H%M%S')}")
     args.doc_out = Path(args.doc_out or args.out_dir / "serving.md")
     return args
@@ -167,6 +178,8 @@ def server_env(args, shared_kv: bool) -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(SMOKE_PLUGIN_DIR)] + ([inherited] if inherited else []))
     if not shared_kv and args.tp != 8:
         env[SMOKE_LIFT_TP_RULE_ENV] = "1"
+    if getattr(args, "one_gpu", False):
+        env.update(one_gpu_env())
     return env
 
 
@@ -396,10 +409,11 @@ def run_capacity(args) -> Dict[str, Any]:
             physical_tokens_per_rank=UNCAPPED_TOKENS, hicache_ratio=None,
             mem_fraction_static=args.mem_fraction_static, load_format=args.load_format,
             extra_args=shlex.split(args.extra_server_args),
+            decode_path=args.capacity_decode if MODES[mode] else "gather",
         )  # fmt: skip
         label = f"capacity-{mode}"
-        server = SglangServer(launch_command(args, config.command()), config.port,
-                              args.out_dir / f"server_{label}.log", {**os.environ, **server_env(args, MODES[mode])})  # fmt: skip
+        server = SglangServer(launch_command(args, config.command()), config.port, args.out_dir / f"server_{label}.log",
+                              {**os.environ, **server_env(args, MODES[mode]), **config.env()})  # fmt: skip
         info: Dict[str, Any] = {}
         with server:
             try:
@@ -408,7 +422,7 @@ def run_capacity(args) -> Dict[str, Any]:
             except (ServerError, OSError, ValueError) as e:
                 out["failures"].append(f"{label}: {type(e).__name__}: {e}")
         figures = capacity_figures(info, parse_capacity_lines(server.log_lines_before_stop()), {})
-        out[mode] = {"command": config.command(), **figures}
+        out[mode] = {"command": config.command(), "env": config.env(), **figures}
         out["failures"] += [f"{label}: {f}" for f in capacity_failures(MODES[mode], args.tp, figures)]
         print(f"[{label}] logical {figures.get('logical_device_tokens_per_cp_group')}, physical per rank "
               f"{figures.get('physical_device_tokens_per_rank')}", flush=True)  # fmt: skip

@@ -10,6 +10,10 @@ of the server log. Greedy outputs are reported, not judged (stock sglang's NSA k
 run-to-run deterministic); with ``--audit`` the KV audits judge the bytes (docs/e2e-smoke.md). Exits 1
 on any failure, 2 on bad arguments.
 
+``--decode per-owner`` / ``per-owner-graphs`` runs the shared-KV server's decode per owner (eagerly,
+or under CUDA graphs), ``--prefetch-slot-tokens auto`` turns its layer-ahead prefetch on, and
+``--one-gpu`` puts every rank of every server on device 0 (test-only: ``testing/e2e/one_gpu.py``).
+
 ``--mtp`` serves both servers with MTP (EAGLE with the model's NextN layer, 3 steps, top-k 1, 4 draft
 tokens; the model needs a NextN layer: ``make_tiny_glm5_config.py --nextn``) and the shared-KV
 server's MTP opt-in; the audits then cover the draft pool too (``smoke_plugin/.../draft_audit.py``
@@ -68,6 +72,9 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     scratch_share_failures,
     ttft_summary,
 )
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
+from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV
+from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
 
 # sglang 0.5.11 forces page_size 64 for DSA models on CUDA (server_args.py).
@@ -75,6 +82,8 @@ NSA_CUDA_PAGE_SIZE = 64
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SERVE_PLANTS = tuple(p for p in PLANTS if p != "pd-send-wrong-page")
 DRAFT_PLANTS = ("draft-wrong-owner", "draft-stale-load-back")
+# --decode: the shared-KV server's decode path (the stock server keeps its own, eager like it).
+DECODE_CHOICES = ("gather", "per-owner", "per-owner-graphs")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -113,6 +122,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--mtp", action="store_true",
                    help="MTP on both servers (EAGLE, NextN layer, 3/1/4) with the shared-KV opt-in; the audits "
                         "cover the draft pool; the model needs a NextN layer (make_tiny_glm5_config.py --nextn)")
+    p.add_argument("--decode", choices=DECODE_CHOICES, default="gather",
+                   help="shared-KV server only: decode through the page gather (default), per owner "
+                        f"({DECODE_PATH_ENV}={PER_OWNER}), or per owner under CUDA graphs ({GRAPH_DECODE_ENV}=1, "
+                        "no --disable-cuda-graph)")
+    p.add_argument("--prefetch-slot-tokens", default=None,
+                   help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="test-only: every rank of every server on device 0 (the smoke plugin's one-GPU hook)")
     p.add_argument("--burst", type=int, default=0,
                    help="after the plan, N concurrent requests sharing a prefix, of different lengths")
     p.add_argument("--tpot-contexts", default="",
@@ -126,6 +143,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
     if args.plant in DRAFT_PLANTS and not args.mtp:
         p.error(f"--plant {args.plant} needs --mtp (it plants a bug in the draft pool)")
+    if args.decode != "gather" and args.mtp:
+        p.error(f"--decode {args.decode} with --mtp: the shared-KV server refuses MTP with per-owner decode")
+    if args.decode != "gather" and args.shared_kv == "off":
+        p.error(f"--decode {args.decode} needs --shared-kv on or both (it sets the shared-KV server's decode)")
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
@@ -163,6 +184,9 @@ def make_plan(args) -> RequestPlan:
 
 
 def serve_configs(args, port: int) -> List[ServeConfig]:
+    extra = shlex.split(args.extra_server_args)
+    if args.one_gpu:
+        extra = with_one_gpu_args(extra)
     return [
         ServeConfig(
             model_path=args.model_path,
@@ -173,8 +197,10 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
             hicache_ratio=None if args.no_hicache else args.hicache_ratio,
             mem_fraction_static=args.mem_fraction_static,
             load_format=args.load_format,
-            extra_args=shlex.split(args.extra_server_args),
+            extra_args=extra,
             mtp=args.mtp,
+            cuda_graphs=shared_kv and args.decode == "per-owner-graphs",
+            decode_path=PER_OWNER if shared_kv and args.decode != "gather" else "gather",
         )
         for shared_kv in modes_of(args.shared_kv)
     ]
@@ -199,6 +225,14 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[SMOKE_PLANT_ENV] = args.plant
     if args.mtp:  # the shared-KV server's opt-in; the stock reference runs MTP without it
         extra[MTP_OPT_IN_ENV] = "1"
+    if shared_kv and args.decode != "gather":
+        extra[DECODE_PATH_ENV] = PER_OWNER
+        if args.decode == "per-owner-graphs":
+            extra[GRAPH_DECODE_ENV] = "1"
+    if shared_kv and args.prefetch_slot_tokens is not None:
+        extra[PREFETCH_SLOT_TOKENS_ENV] = args.prefetch_slot_tokens
+    if args.one_gpu:
+        extra.update(one_gpu_env())
     return extra
 
 

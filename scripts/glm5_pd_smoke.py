@@ -34,6 +34,10 @@ stock NSA prefill CP at ``--prefill-tp`` (2 by default), which sglang 0.5.11 ref
 gives both servers the unit-gain dummy init (``SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT=1``; the decode
 computes tokens 2.. with its own weights), unless ``--dummy-init stock``.
 
+``--one-gpu`` (test-only): both servers of a pair and every prefill rank on device 0 of
+``CUDA_VISIBLE_DEVICES=0`` (the smoke plugin's one-GPU hook, ``testing/e2e/one_gpu.py``); the KV
+goes from prefill to decode through mooncake over TCP on loopback, as between two GPUs.
+
 ``--mtp``: MTP on both servers of each pair (EAGLE with the model's NextN layer, 3/1/4, and the
 shared-KV opt-in; the model needs a NextN layer, ``make_tiny_glm5_config.py --nextn``). The stock
 decode server receives the draft pool's KV and indexer K with the target's: the transfer audit then
@@ -66,6 +70,7 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
 
 DRAFT_PLANTS = ("draft-wrong-owner", "draft-stale-load-back")
+from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
@@ -108,8 +113,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="GLM-5 checkpoint dir, or a tiny dir from make_tiny_glm5_config.py")
     p.add_argument("--prefill-tp", type=int, default=2, help="prefill --tp (= CP size of NSA prefill CP)")
     p.add_argument("--decode-tp", type=int, default=1, help="decode --tp")
-    p.add_argument("--prefill-gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of the prefill server")
-    p.add_argument("--decode-gpu", default="1", help="CUDA_VISIBLE_DEVICES of the decode server")
+    p.add_argument("--prefill-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the prefill server (default 0,1; "
+                   "0 with --one-gpu)")
+    p.add_argument("--decode-gpu", default=None, help="CUDA_VISIBLE_DEVICES of the decode server (default 1; 0 "
+                   "with --one-gpu)")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="test-only: every rank of both servers on device 0 (the smoke plugin's one-GPU hook)")
     p.add_argument("--shared-kv", choices=["on", "off", "both"], default="both",
                    help="prefill with --enable-nsa-prefill-cp-shared-kv, without, or both (off first); compare")
     p.add_argument("--prefill-port", type=int, default=None)
@@ -158,6 +167,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
     if args.prefill_tp < 2:
         p.error("--prefill-tp must be at least 2 (NSA prefill CP)")
+    if args.one_gpu:
+        for name in ("prefill_gpus", "decode_gpu"):
+            if getattr(args, name) not in (None, "0"):
+                p.error(f"--{name.replace('_', '-')} {getattr(args, name)} with --one-gpu: every server runs on device 0")
+        args.prefill_gpus = args.decode_gpu = "0"
+    args.prefill_gpus = args.prefill_gpus or "0,1"
+    args.decode_gpu = args.decode_gpu or "1"
     if (args.plant or args.reference_dir) and not args.audit:
         p.error("--plant and --reference-dir need --audit (the audits are what judges them)")
     if args.plant in DRAFT_PLANTS and not args.mtp:
@@ -212,6 +228,8 @@ def common_env(args) -> Dict[str, str]:
     env["PYTHONPATH"] = str(SMOKE_PLUGIN_DIR) + (os.pathsep + inherited if inherited else "")
     if args.load_format == "dummy" and args.dummy_init == "unit-gain":
         env[SMOKE_DUMMY_INIT_ENV] = "1"  # both servers: the decode computes tokens 2.. with its weights
+    if args.one_gpu:
+        env.update(one_gpu_env())
     return env
 
 
@@ -263,8 +281,8 @@ def pair_configs(args, plan: RequestPlan, ports: Dict[str, int], out_dir: Path) 
             decode_mem_fraction_static=args.decode_mem_fraction_static,
             load_format=args.load_format,
             mooncake_tcp=not args.no_mooncake_tcp,
-            prefill_extra_args=shlex.split(args.extra_prefill_args),
-            decode_extra_args=shlex.split(args.extra_decode_args),
+            prefill_extra_args=one_gpu_args(args, args.extra_prefill_args),
+            decode_extra_args=one_gpu_args(args, args.extra_decode_args),
             common_env=common_env(args),
             prefill_only_env={**prefill_only_env(args, shared_kv), **audit_env(args, out_dir, shared_kv, "prefill")},
             decode_only_env=audit_env(args, out_dir, shared_kv, "decode"),
@@ -272,6 +290,10 @@ def pair_configs(args, plan: RequestPlan, ports: Dict[str, int], out_dir: Path) 
         )
         for shared_kv in modes_of(args.shared_kv)
     ]
+
+
+def one_gpu_args(args, extra: str) -> List[str]:
+    return with_one_gpu_args(shlex.split(extra)) if args.one_gpu else shlex.split(extra)
 
 
 def pick_ports(args) -> Dict[str, int]:

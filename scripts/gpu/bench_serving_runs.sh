@@ -20,6 +20,15 @@
 # Environment: BENCH_TP (2, 4, 8; default 2), BENCH_WEIGHTS (fp8 | bf16; default fp8), BENCH_DRY_RUN=1
 # (fake servers on loopback, no GPU; remote_env.sh not sourced). Results: <mode>_<part>.json (merge
 # them with --report-from), .md, .log and the plot under /tmp/bench_out (or OUT).
+#
+# SMOKE_ONE_GPU=1 (test-only; docs/gpu.md, "One-GPU test mode"): every rank on device 0 (the bench's
+# --one-gpu), parts headline and capacity only, on the tiny GLM-5 (BENCH_MODEL_DIR to change it; a
+# GLM-5-width model's weights would be counted BENCH_TP times against every rank's budget), each rank
+# given --mem-fraction-static 0.85 / BENCH_TP, the shared-KV server's decode per owner in the capacity
+# part (the tiny model's 4 layers are fewer than the CP size at 4 and 8: a scratch that holds one layer
+# of the logical capacity, what gather decode needs, would not fit beside the pool). What it gives: capacities (on vs off, the ranks' pool
+# sizes must agree) and cache hit rates, which do not depend on timing; timings are of a time-sliced
+# GPU and socket collectives, never the cost of shared KV.
 set -uo pipefail
 mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity}"; shift 2
 SKIP_STAGED_ENV="${BENCH_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
@@ -30,13 +39,26 @@ WEIGHTS="${BENCH_WEIGHTS:-fp8}"
 GPUS="$(seq -s, 0 $(( TP - 1 )))"
 MODEL="${BENCH_MODEL_DIR:-/tmp/glm5-width-bench-tp$TP-$WEIGHTS}"
 PD_MODEL="${BENCH_PD_MODEL_DIR:-/tmp/glm5-width-pd-tp$TP-$WEIGHTS}"
+MEM=0.85
+one_gpu=()
+if [[ -n "${SMOKE_ONE_GPU:-}" ]]; then
+  [[ "$part" == headline || "$part" == capacity ]] || { echo "SMOKE_ONE_GPU: parts headline and capacity only" >&2; exit 2; }
+  MODEL="${BENCH_MODEL_DIR:-/tmp/tiny-glm5}"
+  MEM="$(python3 -c "import sys; sys.path.insert(0, 'python'); from sglang_cp_shared_kv.testing.e2e.one_gpu import per_rank_mem_fraction as f; print(f(0.85, $TP))")"
+  one_gpu=(--one-gpu)
+fi
 mkdir -p "$OUT" "$RUNS"
-[[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --glm5-width --tp "$TP" \
-  --weights "$WEIGHTS" --mem-fraction-static 0.85 --physical-tokens-per-rank 196608 --no-check
+if [[ -n "${SMOKE_ONE_GPU:-}" ]]; then
+  [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null
+else
+  [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --glm5-width --tp "$TP" \
+    --weights "$WEIGHTS" --mem-fraction-static 0.85 --physical-tokens-per-rank 196608 --no-check
+fi
 case "$part" in
   headline) part_args=(--parts headline --physical-tokens-per-rank 163840) ;;
   ttft|tpot) part_args=(--parts "$part" --physical-tokens-per-rank 163840 --repeats 2) ;;
-  capacity) part_args=(--parts capacity) ;;
+  capacity) part_args=(--parts capacity)
+    [[ -n "${SMOKE_ONE_GPU:-}" ]] && part_args+=(--capacity-decode per_owner) ;;
   pd)
     [[ -f $PD_MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$PD_MODEL" --glm5-width --tp "$TP" \
       --weights "$WEIGHTS" --mem-fraction-static 0.4 --physical-tokens-per-rank 65536 --no-check
@@ -46,7 +68,7 @@ case "$part" in
 esac
 name="${mode}_${part}"
 python3 benchmark/bench_cp_shared_kv_serving.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
-  --shared-kv "$mode" "${part_args[@]}" --mem-fraction-static 0.85 --startup-timeout 420 \
+  --shared-kv "$mode" "${part_args[@]}" --mem-fraction-static "$MEM" --startup-timeout 420 "${one_gpu[@]}" \
   --extra-server-args "--grammar-backend none" --out-dir "$RUNS/$name" --doc-out "$OUT/$name.md" \
   ${BENCH_DRY_RUN:+--dry-run} "$@" > "$OUT/$name.log" 2>&1
 rc=$?

@@ -44,6 +44,9 @@
 #                       0.75 (0.85): sglang counts the fraction of the whole GPU, less what is in use, so
 #                       the decode gets the difference. On 8 GPUs with PD_TP=4, PD_DECODE_GPUS=4,5,6,7
 #                       gives the decode GPUs of its own.
+#   SMOKE_ONE_GPU=1     test-only (docs/gpu.md, "One-GPU test mode"): every prefill rank and the decode
+#                       server on device 0 (the smoke plugin's one-GPU hook, glm5_pd_smoke.py --one-gpu),
+#                       PD_TP 2, 4 or 8; the KV still crosses mooncake over TCP on loopback. Tiny model only.
 set -uo pipefail
 start_s=$(date +%s)
 mode="${1:-all}"
@@ -53,17 +56,22 @@ SKIP_STAGED_ENV="$skip" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/pd_out}"
 RUNS=/tmp/pd_runs
 TP="${PD_TP:-2}"
+ONE_GPU="${SMOKE_ONE_GPU:-}"
+[[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
 PREFILL_GPUS="$(seq -s, 0 $(( TP - 1 )))"
+[[ -n "$ONE_GPU" ]] && PREFILL_GPUS=0
 case "${PD_MODEL:-tiny}" in
   tiny)
     MODEL="${PD_MODEL_DIR:-/tmp/tiny-glm5}"
     [[ ${#mtp[@]} -gt 0 ]] && MODEL="${PD_NEXTN_MODEL_DIR:-/tmp/tiny-glm5-nextn}"
     DECODE_GPUS="${PD_DECODE_GPUS:-$(( TP - 1 ))}"; DECODE_TP="${PD_DECODE_TP:-1}"
+    [[ -n "$ONE_GPU" ]] && { DECODE_GPUS=0; DECODE_TP=1; }
     MEM=(--prefill-mem-fraction-static 0.35 --decode-mem-fraction-static 0.75)
     make_model=(--no-check)
     [[ ${#mtp[@]} -gt 0 ]] && make_model=(--nextn --no-check) ;;
   glm5-width)
     [[ ${#mtp[@]} -gt 0 ]] && { echo "the mtp modes run the tiny model (PD_MODEL=tiny)" >&2; exit 2; }
+    [[ -n "$ONE_GPU" ]] && { echo "SMOKE_ONE_GPU runs the tiny model (PD_MODEL=tiny)" >&2; exit 2; }
     MODEL="${PD_MODEL_DIR:-/tmp/glm5-width-pd-tp$TP}"
     export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${PD_AUDIT_LAYERS:-2}"
     DECODE_GPUS="${PD_DECODE_GPUS:-$PREFILL_GPUS}"; DECODE_TP="${PD_DECODE_TP:-$TP}"
@@ -74,6 +82,7 @@ case "${PD_MODEL:-tiny}" in
 esac
 BUDGET_S="${PD_BUDGET_S:-530}"  # e.g. PD_BUDGET_S=330 for mode plant (one pair)
 shift || true
+one_gpu=(); [[ -n "$ONE_GPU" ]] && one_gpu=(--one-gpu)
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS/smoke" "$RUNS/probe"
 left() { echo $(( BUDGET_S - ($(date +%s) - start_s) )); }
@@ -88,7 +97,7 @@ if [[ "$mode" == *dry-run ]]; then
   python3 scripts/glm5_pd_smoke.py --model-path "$MODEL" --load-format dummy --audit --shared-kv both \
     --prefill-tp "$TP" --prefill-gpus "$PREFILL_GPUS" --decode-tp "$DECODE_TP" --decode-gpu "$DECODE_GPUS" \
     "${MEM[@]}" --out-dir "$RUNS/smoke" --extra-prefill-args "--grammar-backend none" \
-    --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" --dry-run "${mtp[@]}" "$@"
+    --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" --dry-run "${mtp[@]}" "${one_gpu[@]}" "$@"
   exit $?
 fi
 {
@@ -126,7 +135,7 @@ else
   pairs=(--shared-kv both)
 fi
 timeout -s TERM -k 75 "$smoke_s" python3 scripts/glm5_pd_smoke.py --model-path "$MODEL" --load-format dummy \
-  --audit "${pairs[@]}" "${mtp[@]}" --out-dir "$RUNS/smoke" --startup-timeout 300 --request-timeout 150 \
+  --audit "${pairs[@]}" "${mtp[@]}" "${one_gpu[@]}" --out-dir "$RUNS/smoke" --startup-timeout 300 --request-timeout 150 \
   --prefill-tp "$TP" --prefill-gpus "$PREFILL_GPUS" --decode-tp "$DECODE_TP" --decode-gpu "$DECODE_GPUS" "${MEM[@]}" \
   --extra-prefill-args "--grammar-backend none" \
   --extra-decode-args "--grammar-backend none --cuda-graph-max-bs 8" \

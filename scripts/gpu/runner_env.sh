@@ -9,3 +9,8 @@ export SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABL
 export SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="${SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT:-120}"
 export SGLANG_DISAGGREGATION_WAITING_TIMEOUT="${SGLANG_DISAGGREGATION_WAITING_TIMEOUT:-120}"
 export PATH="${GPU_STAGE_SITE:-/tmp/site}/bin:$PATH"
+# One-GPU test mode (docs/gpu.md): the smokes also set these on every server; exported here so that
+# anything else the runner starts (the mooncake probe) sees the same.
+if [[ "${SMOKE_ONE_GPU:-}" == 1 ]]; then
+  export NCCL_SOCKET_IFNAME=lo SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0
+fi

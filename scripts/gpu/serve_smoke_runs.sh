@@ -29,7 +29,21 @@
 #                 against the mtp mode's bf16 reference (run here too if it is not in the runs dir
 #                 yet); each must FAIL.
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants   (results under $OUT)
+#   decode        the decode paths beside the gather, with the KV audits: per-owner decode eager
+#                 (SGLANG_CP_SHARED_KV_DECODE=per_owner) and under CUDA graphs
+#                 (SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1, no --disable-cuda-graph, graphs up to
+#                 batch 16), bf16 (fa3 per owner) and fp8 (flashmla_kv per owner), the layer-ahead
+#                 prefetch on (SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS=auto) in one bf16 gather run, one
+#                 eager and one graph run; a burst of 12 in each (batched decode), against the
+#                 references of correctness (run here too); the decode-wrong-page plant eager (fp8)
+#                 and under graphs (bf16); each plant must FAIL. (MTP is refused with per-owner decode.)
+#   onegpu-core   the most per minute at one SMOKE_TP: the two references, shared KV in gather /
+#                 per-owner eager / per-owner graphs, bf16 and fp8 (prefetch on in one run of each
+#                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
+#                 eager and under graphs); 12 servers. Meant for SMOKE_ONE_GPU=1 (docs/gpu.md, "One-GPU
+#                 test mode", gives the expected wall time per SMOKE_TP); SMOKE_ONLY splits it.
+#
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -43,10 +57,25 @@
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
 #   SMOKE_NEXTN_MODEL_DIR   the mtp modes' model (default /tmp/tiny-glm5-nextn; tiny model only)
+#   SMOKE_ONE_GPU=1         test-only: every rank of every server on device 0 (the smoke plugin's
+#                           one-GPU hook, --one-gpu; docs/gpu.md "One-GPU test mode"): SMOKE_TP 2, 4, 8
+#                           on one GPU. Pools stay capped by --max-total-tokens; at most SMOKE_PARALLEL
+#                           servers at once (default 16 / SMOKE_TP: 16 rank processes on 16 cores)
+#   SMOKE_PARALLEL=N        at most N smokes at once (default: all, or 16 / SMOKE_TP with SMOKE_ONE_GPU)
+#   SMOKE_BUDGET_S=S        the whole call within S seconds (default 540 with SMOKE_ONE_GPU, else none):
+#                           each smoke is stopped (SIGTERM stops its server) when the budget ends, and
+#                           a smoke that cannot start with 150 s left is SKIPPED
+# Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
+# logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
+ONE_GPU="${SMOKE_ONE_GPU:-}"
+[[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
+PARALLEL="${SMOKE_PARALLEL:-$([[ -n "$ONE_GPU" ]] && echo $(( TP >= 16 ? 1 : 16 / TP )) || echo 0)}"
+BUDGET_S="${SMOKE_BUDGET_S:-$([[ -n "$ONE_GPU" ]] && echo 540)}"
+start_s=$(date +%s)
 SKIP_STAGED_ENV="${SMOKE_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/smoke_out}"
 RUNS="${SMOKE_RUNS_DIR:-/tmp/smoke_runs}"
@@ -69,23 +98,63 @@ case "${SMOKE_MODEL:-tiny}" in
       --weights "${SMOKE_WEIGHTS:-fp8}" --mem-fraction-static 0.85 --no-check ;;
   *) echo "SMOKE_MODEL must be tiny or glm5-width" >&2; exit 2 ;;
 esac
+selected() { [[ -z "${SMOKE_ONLY:-}" || " $SMOKE_ONLY " == *" $1 "* ]]; }
+STARTED=()  # names of the smokes started, in order (the verdict lines)
 smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   local name=$1; shift
-  if [[ -n "${SMOKE_ONLY:-}" && " $SMOKE_ONLY " != *" $name "* ]]; then return 0; fi
-  python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
+  selected "$name" || return 0
+  local limit=() t0; t0=$(date +%s)
+  [[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -rf "${RUNS:?}/$name"  # no verdict from an earlier call's report
+  mkdir -p "$RUNS/$name"
+  if [[ -n "$BUDGET_S" ]]; then
+    local left=$(( BUDGET_S - (t0 - start_s) - 30 ))
+    if (( left < 150 )); then
+      echo "skipped 0" > "$RUNS/$name/runner_exit"
+      echo "$name: SKIPPED (budget: ${left} s left)"; return 0
+    fi
+    limit=(timeout -s TERM -k 45 "$left")
+  fi
+  "${limit[@]}" python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
-    --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} "$@" \
-    > "$OUT/$name.log" 2>&1
-  echo "$name: exit $?"
+    --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} \
+    ${ONE_GPU:+--one-gpu} "$@" > "$OUT/$name.log" 2>&1
+  local rc=$? took=$(( $(date +%s) - t0 ))
+  echo "$rc $took" > "$RUNS/$name/runner_exit"
+  echo "$name: exit $rc (${took} s)"
 }
-spawn() {  # spawn smoke NAME ARGS...: in the background, or in turn with SMOKE_SERIAL
-  if [[ -n "$SERIAL" ]]; then "$@"; else "$@" & fi
+spawn() {  # spawn smoke NAME ARGS...: in the background (at most PARALLEL at once), or in turn with SMOKE_SERIAL
+  [[ "$1" == smoke ]] && { selected "$2" || return 0; STARTED+=("$2"); }
+  if [[ -n "$SERIAL" ]]; then "$@"; return; fi
+  while (( PARALLEL > 0 && $(jobs -rp | wc -l) >= PARALLEL )); do wait -n; done
+  "$@" &
 }
 GRAMMAR="--grammar-backend none"
+BF16_WT="$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+FP8_WT="$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
+GRAPHS="--cuda-graph-max-bs 16"  # per-owner decode graphs: capture the batch sizes a smoke sends
+# The runs the correctness, decode and onegpu-core modes share (each judged against its reference).
+ref_bf16() {
+  spawn smoke ref_bf16 --shared-kv off --audit --burst 12 --extra-server-args "$BF16_WT"
+}
+ref_fp8_radix() {
+  spawn smoke ref_fp8_radix --shared-kv off --no-hicache --audit --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3"
+}
+on_bf16() {  # on_bf16 NAME ARGS...: shared KV, bf16 write_through + chunked prefill + burst, against ref_bf16
+  local name=$1; shift
+  spawn smoke "$name" --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" "$@"
+}
+on_fp8() {  # on_fp8 NAME ARGS...: shared KV, fp8 write_through + burst, against ref_fp8_radix
+  local name=$1; shift
+  spawn smoke "$name" --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_fp8_radix" "$@"
+}
+decode_plants() {  # the per-owner decode plant eager (fp8, flashmla_kv) and under graphs (bf16, fa3)
+  on_fp8 plant_decode-wrong-page --plant decode-wrong-page --decode per-owner --extra-server-args "$FP8_WT"
+  on_bf16 plant_decode-wrong-page_graphs --plant decode-wrong-page --decode per-owner-graphs \
+    --extra-server-args "$BF16_WT $GRAPHS"
+}
 case "$MODE" in
   correctness)
-    spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
-      --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
+    ref_bf16
     spawn smoke on_bf16_wt_chunked --shared-kv on --audit --burst 12 --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
     spawn smoke on_bf16_wb --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
@@ -100,6 +169,32 @@ case "$MODE" in
       --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
     spawn smoke on_bf16_no_overlap --shared-kv on --audit --reference-dir "$RUNS/ref_bf16" \
       --extra-server-args "$GRAMMAR --hicache-write-policy write_through --disable-overlap-schedule"
+    wait ;;
+  decode)
+    ref_bf16
+    ref_fp8_radix
+    on_bf16 on_bf16_gather_prefetch --prefetch-slot-tokens auto --extra-server-args "$BF16_WT"
+    on_bf16 on_bf16_owner_prefetch --decode per-owner --prefetch-slot-tokens auto --extra-server-args "$BF16_WT"
+    on_bf16 on_bf16_owner_graphs --decode per-owner-graphs --extra-server-args "$BF16_WT $GRAPHS"
+    on_fp8 on_fp8_owner --decode per-owner --extra-server-args "$FP8_WT"
+    on_fp8 on_fp8_owner_graphs_prefetch --decode per-owner-graphs --prefetch-slot-tokens auto \
+      --extra-server-args "$FP8_WT $GRAPHS"
+    decode_plants
+    wait ;;
+  onegpu-core)
+    ref_bf16
+    ref_fp8_radix
+    on_bf16 on_bf16_gather --extra-server-args "$BF16_WT"
+    on_bf16 on_bf16_owner_prefetch --decode per-owner --prefetch-slot-tokens auto --extra-server-args "$BF16_WT"
+    on_bf16 on_bf16_owner_graphs --decode per-owner-graphs --extra-server-args "$BF16_WT $GRAPHS"
+    on_fp8 on_fp8_gather --extra-server-args "$FP8_WT"
+    on_fp8 on_fp8_owner --decode per-owner --extra-server-args "$FP8_WT"
+    on_fp8 on_fp8_owner_graphs_prefetch --decode per-owner-graphs --prefetch-slot-tokens auto \
+      --extra-server-args "$FP8_WT $GRAPHS"
+    for bug in read-wrong-owner load-back-wrong-page; do
+      on_bf16 "plant_$bug" --plant "$bug" --extra-server-args "$BF16_WT"
+    done
+    decode_plants
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
     spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
@@ -118,10 +213,8 @@ case "$MODE" in
       spawn smoke "plant_$bug" --shared-kv on --audit --plant "$bug" --reference-dir "$RUNS/ref_bf16" \
         --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
     done
-    # fp8: decode runs per owner there (flashmla_kv); the decode read audit must catch a wrong page.
-    spawn smoke plant_decode-wrong-page --shared-kv on --audit --plant decode-wrong-page \
-      --reference-dir "$RUNS/ref_fp8_radix" \
-      --extra-server-args "$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
+    # Per-owner decode (opt-in): the decode read audit must catch a wrong page, eager and in graphs.
+    decode_plants
     wait
     python3 - "$RUNS" <<'PY' > "$OUT/fp8_vs_radix_reference.log" 2>&1
 import json, sys
@@ -165,8 +258,16 @@ PY
         --tpot-contexts 4096,16384,65536 --max-new-tokens 8 --extra-server-args "$GRAMMAR --hicache-write-policy write_through"
     done ;;
 esac
+wait
 mkdir -p "$OUT/logs"
 for d in "$RUNS"/*/; do for f in "$d"server_*.log; do [[ -f $f ]] && cp "$f" "$OUT/logs/$(basename "$d").log"; done; done
 tar -C "$OUT" -czf "$OUT/server_logs.tgz" logs && rm -rf "$OUT/logs"
-[[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -f "$OUT"/ref_*.log
-for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|draft_read_audit|draft_write_audit|cached_prefix_ledger|mtp_accept_length|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done
+if [[ -n "${SMOKE_DRY_RUN:-}" ]]; then exit 0; fi
+rm -f "$OUT"/ref_*.log
+if [[ -z "$ONE_GPU" ]]; then  # the long form (one-GPU calls print the verdict lines only)
+  for f in "$OUT"/*.log; do echo "== $f"; grep -E "^(FAIL|PASSED|FAILED|read_audit|pool_audit|draft_read_audit|draft_write_audit|cached_prefix_ledger|mtp_accept_length|tpot|TTFT|logical|physical|host|hicache activity|log ERROR)" "$f" | cut -c1-400; done
+fi
+(cd "$RUNS" && tar -czf "$OUT/reports.tgz" --ignore-failed-read */report.json 2>/dev/null)
+(cd "$OUT" && tar -czf smoke_logs.tgz --ignore-failed-read -- *.log 2>/dev/null && rm -f -- *.log)
+echo "== verdicts (${SMOKE_TP:-2} ranks per server${ONE_GPU:+, all on one GPU}; $(( $(date +%s) - start_s )) s)"
+[[ ${#STARTED[@]} -gt 0 ]] && python3 scripts/gpu/smoke_verdicts.py "$RUNS" "${STARTED[@]}" | tee "$OUT/verdicts.txt"

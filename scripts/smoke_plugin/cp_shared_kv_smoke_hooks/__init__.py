@@ -13,6 +13,8 @@ sets for those servers alone:
   ``SMOKE_AUDIT_LAYERS_ENV=<n>`` limits both audits to the first ``n`` layers (layer 0 decides the
   pool audit; dumps and per-layer gathers of every layer of a GLM-5-width model would not fit a run).
 * ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
+* ``SMOKE_ONE_GPU_ENV=1``: every rank of the server on device 0, each its own NCCL host
+  (``one_gpu``; the launcher's side: ``sglang_cp_shared_kv.testing.e2e.one_gpu``).
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ import logging
 import os
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang_cp_shared_kv.testing.e2e.one_gpu import ONE_GPU_PLUGIN_ENV
 
 SMOKE_DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
 SMOKE_LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
 SMOKE_AUDIT_DIR_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"
 SMOKE_AUDIT_LAYERS_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS"
 SMOKE_PLANT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_PLANT"
+SMOKE_ONE_GPU_ENV = ONE_GPU_PLUGIN_ENV
 
 logger = logging.getLogger(__name__)
 
 
 def register() -> None:
+    if os.environ.get(SMOKE_ONE_GPU_ENV) == "1":
+        from cp_shared_kv_smoke_hooks import one_gpu
+
+        one_gpu.register_hooks(HookRegistry)
     if os.environ.get(SMOKE_DUMMY_INIT_ENV) == "1":
         from cp_shared_kv_smoke_hooks import dummy_weights
 

@@ -17,6 +17,14 @@ it with the indices the rank hands the attention kernel:
 
 Counts go to ``<dir>/decode_read_audit.rank<r>.json``; rows of another owner are logged as ERROR.
 Smoke servers only: it reads the selection back to the host once per layer.
+
+Under decode CUDA graphs (``per_owner_decode_graphs``) no Python runs inside a replayed forward, and
+none may read the device while a graph is captured, so the per-layer check skips captures and
+cannot see replays. What a replay reads that can be wrong is its static owner tables, refreshed in
+Python before each replay (``OwnerTableBuffers.refresh``): the table audit checks every local score
+column of them against the same layout arithmetic (the column's position, its row, its owner, and
+each request's owned token count), counted as ``graph_forwards`` / ``graph_columns`` with the same
+``wrong_rows`` / ``wrong_owner`` / ``missing`` keys.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from sglang.srt.plugins.hook_registry import HookType
 logger = logging.getLogger(__name__)
 
 _PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
-COUNT_KEYS = ("forwards", "layers", "selected", "attended_rows", "wrong_rows", "wrong_owner", "missing", "padding_requests")
+_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode_graphs"
+COUNT_KEYS = ("forwards", "layers", "selected", "attended_rows", "wrong_rows", "wrong_owner", "missing",
+              "padding_requests", "graph_forwards", "graph_columns")  # fmt: skip
 
 
 def expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank):
@@ -50,6 +60,11 @@ def expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_ran
     return rows, owners
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on this stream: nothing may be read back to the host now."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class DecodeReadAudit:
     def __init__(self, audit_dir: Path, rank: int):
         self.path = Path(audit_dir) / f"decode_read_audit.rank{rank}.json"
@@ -61,7 +76,7 @@ class DecodeReadAudit:
         self.counts["forwards"] += 1
 
     def check(self, selection, candidates, indices, cp_rank: int) -> None:
-        if self.forward is None:
+        if self.forward is None or capturing():
             return
         layout, page_table_1, seq_lens = self.forward
         seq_lens = seq_lens.long()
@@ -89,8 +104,47 @@ class DecodeReadAudit:
                 int(wrong_rows.sum()), wrong_rows.numel(), b, int(positions[b, j]),
                 int(indices[b, j]), int(rows[b, j]), int(owners[b, j]),
             )
+        self.save()
+
+    def check_tables(self, layout, real_page_table, seq_lens, tables) -> None:
+        """A replay's static owner tables (rows ``[:bs]``) against the layout's arithmetic."""
+        ps, cp, rank = layout.page_size, layout.cp_size, layout.cp_rank
+        bs, width_pages = real_page_table.shape
+        seq_lens = seq_lens[:bs].long()
+        width_tokens = tables.physical_page_table.shape[1] * ps
+        positions = tables.local_positions(width_tokens).long()
+        rows = tables.local_physical_rows(width_tokens).long()
+        listed = positions >= 0
+        column = (positions // ps).clamp(0, width_pages - 1)
+        pages = real_page_table.long().gather(1, column)
+        expected_rows = (pages // cp) * ps + positions % ps
+        inside = listed & (positions < seq_lens.unsqueeze(1)) & (positions // ps < width_pages)
+        wrong_owner = listed & ~(inside & (pages >= cp) & (pages % cp == rank))
+        wrong_rows = listed & ~wrong_owner & (rows != expected_rows)
+        # Tokens this rank owns, per request, by the arithmetic alone.
+        page_column = torch.arange(width_pages, device=real_page_table.device).unsqueeze(0)
+        tokens = (seq_lens.unsqueeze(1) - page_column * ps).clamp(0, ps)
+        mine = (real_page_table.long() >= cp) & (real_page_table.long() % cp == rank)
+        expected_owned = torch.where(mine, tokens, 0).sum(dim=1)
+        c = self.counts
+        c["graph_forwards"] += 1
+        c["graph_columns"] += int(listed.sum())
+        c["wrong_rows"] += int(wrong_rows.sum())
+        c["wrong_owner"] += int(wrong_owner.sum())
+        c["missing"] += int((expected_owned - tables.owned_seq_lens[:bs].long()).abs().sum())
+        if bool(wrong_rows.any()):
+            b, j = (int(x) for x in torch.nonzero(wrong_rows)[0])
+            logger.error(
+                "cp-shared-kv smoke decode table audit: rank %d's graph owner tables map %d of %d columns "
+                "to the wrong row (first: request %d, position %d, row %d, expected %d)", rank,
+                int(wrong_rows.sum()), int(listed.sum()), b, int(positions[b, j]), int(rows[b, j]),
+                int(expected_rows[b, j]),
+            )  # fmt: skip
+        self.save()
+
+    def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(c))
+        tmp.write_text(json.dumps(self.counts))
         os.replace(tmp, self.path)
 
 
@@ -111,8 +165,14 @@ def register_hooks(registry, audit_dir: Path) -> None:
         audit().check(selection, candidates, indices, cp_rank)
         return None
 
+    def after_refresh(tables, buffers, layout, real_page_table, seq_lens, *args, **kwargs):
+        if not capturing():  # a capture's batch is sglang's dummy
+            audit().check_tables(layout, real_page_table, seq_lens, tables)
+        return None
+
     registry.register(f"{_PER_OWNER}.PerOwnerDecode.begin_forward", after_begin_forward, HookType.AFTER)
     registry.register(f"{_PER_OWNER}.owned_attention_indices", after_owned_attention_indices, HookType.AFTER)
+    registry.register(f"{_GRAPHS}.OwnerTableBuffers.refresh", after_refresh, HookType.AFTER)
 
 
 def totals(run_dir: Path) -> dict:
@@ -130,8 +190,8 @@ def failures(t: dict) -> list:
     if not t.get("ranks"):
         return []
     found = []
-    if not t.get("layers"):
-        found.append("decode read audit: no per-owner decode layer was checked")
+    if not t.get("layers") and not t.get("graph_forwards"):
+        found.append("decode read audit: no per-owner decode layer (or graph replay's tables) was checked")
     for key, what in (
         ("wrong_rows", "attention entries at a row other than the selected token's owner row"),
         ("wrong_owner", "selected tokens attributed to a rank that does not own them"),

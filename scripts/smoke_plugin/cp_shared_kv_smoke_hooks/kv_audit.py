@@ -276,8 +276,10 @@ def register_hooks(registry, audit_dir: str) -> None:
         if selected:
             audit_of(runtime).begin_draft_step(backend)
 
+    # A forward without a plan (per-owner decode, eager or captured) reads no scratch: nothing to
+    # check, and no slot was assembled (``kv_slot_for_read`` would raise).
     def after_store_mla_kv(result, runtime, original, layer, *args, **kwargs):
-        if layer.layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
+        if runtime.plan is None or layer.layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
             return
 
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
@@ -293,7 +295,7 @@ def register_hooks(registry, audit_dir: str) -> None:
         )
 
     def after_store_index_k(result, runtime, original, indexer, forward_batch, layer_id, *args, **kwargs):
-        if layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
+        if runtime.plan is None or layer_id - runtime.pool.start_layer >= audited_layers(len(runtime.pool.kv_buffer)):
             return
 
         from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID

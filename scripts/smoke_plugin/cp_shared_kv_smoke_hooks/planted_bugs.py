@@ -10,7 +10,9 @@
   still goes where it belongs).
 * ``decode-wrong-page``: on cp rank 1, each per-owner decode forward's owned-page table is rotated
   by one column, so the rank scores and attends to the wrong physical page of each request (an
-  owner-table bug; caught by the decode read audit).
+  owner-table bug; caught by the decode read audit). Planted where eager decode builds the tables
+  (``per_owner_decode``) and where decode CUDA graphs refresh their static ones
+  (``per_owner_decode_graphs``, which imports the builder under its own name).
 * ``draft-wrong-owner`` (MTP): in every store of the draft pool (KV and indexer K), the first page
   of the stored locs is written by the next rank (into its own physical page of the same number)
   instead of its owner, whose row stays stale (an owner-filter bug of the draft's runtime; caught by
@@ -44,6 +46,7 @@ _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRu
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
 _PD_MANAGER = "sglang_cp_shared_kv.disaggregation.mooncake.conn.CpSharedKVMooncakeKVManager"
 _PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
+_PER_OWNER_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode_graphs"
 
 
 def read_from_wrong_owner(plan, runtime, forward_batch):
@@ -147,7 +150,8 @@ def register_hooks(registry, plant: str) -> None:
     elif plant == "pd-send-wrong-page":
         registry.register(f"{_PD_MANAGER}.send_kvcache", send_one_page_off, HookType.AROUND)
     elif plant == "decode-wrong-page":
-        registry.register(f"{_PER_OWNER}.build_owner_decode_tables", decode_tables_one_page_off, HookType.AFTER)
+        for module in (_PER_OWNER, _PER_OWNER_GRAPHS):
+            registry.register(f"{module}.build_owner_decode_tables", decode_tables_one_page_off, HookType.AFTER)
     elif plant == "draft-wrong-owner":
         registry.register(f"{_RUNTIME}.row_maps", draft_page_to_wrong_owner, HookType.AROUND)
     elif plant == "draft-stale-load-back":

@@ -216,7 +216,12 @@ def capacity_figures(
 
 
 def capacity_failures(shared_kv: bool, tp_size: int, figures: Dict[str, Any]) -> List[str]:
-    """Shared KV must expose cp_size x the physical pool as logical capacity; without it, 1 x."""
+    """Shared KV must expose cp_size x the physical pool as logical capacity; without it, 1 x. The
+    ranks must agree on their pool (sglang sizes it from the minimum over ranks; where its
+    memory-imbalance check is off, as on one GPU, nothing else would notice)."""
+    physical = figures.get("physical_device_tokens_per_rank") or []
+    if len(physical) > 1:
+        return [f"the ranks' device pools differ: {physical} tokens (one size expected)"]
     ratio = figures.get("logical_over_physical")
     if ratio is None:
         return []

@@ -8,8 +8,16 @@ shared-KV flag on exactly the ``on_*`` runs, sglang's tp rule lifted for the sto
 plan sized for ``cp x`` the per-rank pool, and in the PD pair the GPUs and memory fractions of the
 prefill and the decode server.
 
+With ``SMOKE_ONE_GPU=1`` (every rank on device 0) every server must carry the one-GPU settings: the
+smoke plugin's switch and sglang's TP memory-imbalance check off in its environment, no custom
+all-reduce and no flashinfer all-reduce fusion on its command line, pools capped; the decode modes
+set per-owner decode (eager or under CUDA graphs, then without --disable-cuda-graph) and the
+prefetch on the shared-KV servers only; the PD pair puts both servers on device 0.
+
 Planted bugs this caught (each reverted): ``--tp 2`` left hard-coded in ``smoke()`` (every server
-at tp 2); the PD runner giving the decode ``$PREFILL_GPUS`` whatever ``PD_DECODE_GPUS`` said.
+at tp 2); the PD runner giving the decode ``$PREFILL_GPUS`` whatever ``PD_DECODE_GPUS`` said;
+``--one-gpu`` dropped from the serve runner's ``smoke()``; the PD runner keeping ``0,1,..`` for the
+prefill in one-GPU mode.
 """
 
 import json
@@ -27,7 +35,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing.e2e import glm5_width
 from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
 
-register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
 SERVE_LINE = re.compile(r"^\[(?P<mode>[a-z-]+)\]\s+(?:(?P<side>prefill|decode):\s+)?(?P<rest>.*sglang serve .*)$")
 
@@ -126,6 +134,61 @@ class TestServeRunnerDryRun(CustomTestCase):
         plan = glm5_width.layers_that_fit(8, "fp8", "bf16", 262144)
         self.assertEqual(config["num_hidden_layers"], plan.num_layers)
         self.assertEqual(config["quantization_config"]["quant_method"], "fp8")
+
+
+ONE_GPU_ENV = {"SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU": "1", "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
+               "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}  # fmt: skip
+ONE_GPU_ARGS = ("--disable-custom-all-reduce", "--enforce-disable-flashinfer-allreduce-fusion")
+
+
+class TestOneGpuRunnersDryRun(CustomTestCase):
+    def assert_one_gpu(self, env_vars, argv, what):
+        for key, value in ONE_GPU_ENV.items():
+            self.assertEqual(env_vars.get(key), value, (what, key))
+        for arg in ONE_GPU_ARGS:
+            self.assertIn(arg, argv, what)
+        self.assertIsNotNone(flag(argv, "--max-total-tokens"), what)  # pools capped: the GPU is shared
+
+    def test_serve_decode_runs_at_tp_2_4_8(self):
+        # name -> (per-owner decode, graphs, prefetch); one check per decode mode, spread over the sizes
+        expected = {"on_bf16_owner_graphs": (True, True, False), "plant_decode-wrong-page": (True, False, False),
+                    "on_fp8_owner_graphs_prefetch": (True, True, True), "ref_bf16": (False, False, False),
+                    "on_bf16_owner_prefetch": (True, False, True)}  # fmt: skip
+        for tp, only in ((2, "on_bf16_owner_graphs plant_decode-wrong-page"),
+                         (4, "ref_bf16 on_fp8_owner_graphs_prefetch"), (8, "on_bf16_owner_prefetch")):  # fmt: skip
+            with tempfile.TemporaryDirectory() as tmp, self.subTest(tp=tp):
+                tmp = Path(tmp)
+                env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_TP": str(tp), "SMOKE_ONLY": only,
+                       "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+                proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["onegpu-core"], env, tmp)
+                for name in only.split():
+                    self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                    (server,) = servers_in((tmp / "out" / f"{name}.log").read_text())
+                    _, _, env_vars, argv = server
+                    self.assert_one_gpu(env_vars, argv, name)
+                    self.assertEqual(flag(argv, "--tp"), str(tp))
+                    per_owner, graphs, prefetch = expected[name]
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE") == "per_owner", per_owner, name)
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH") == "1", graphs, name)
+                    self.assertEqual("--disable-cuda-graph" not in argv, graphs, name)
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS") == "auto", prefetch, name)
+                    self.assertEqual("--kv-cache-dtype" in argv, "fp8" in name or name == "plant_decode-wrong-page")
+                    if name.startswith("plant_"):
+                        self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT"), "decode-wrong-page")
+
+    def test_pd_pairs_share_device_0_at_tp8(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"PD_MODEL_DIR": str(tmp / "model"), "PD_TP": "8", "SMOKE_ONE_GPU": "1"}
+            proc = run_runner("scripts/gpu/pd_smoke_runs.sh", ["dry-run"], env, tmp)
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+            servers = servers_in(proc.stdout)
+        self.assertEqual(len(servers), 4)
+        for mode, side, env_vars, argv in servers:
+            self.assertEqual(env_vars["CUDA_VISIBLE_DEVICES"], "0", (mode, side))
+            self.assertEqual(env_vars.get("MC_FORCE_TCP"), "true")  # the KV crosses mooncake over TCP
+            self.assert_one_gpu(env_vars, argv, (mode, side))
+            self.assertEqual(flag(argv, "--tp"), "8" if side == "prefill" else "1")
 
 
 class TestPdRunnerDryRun(CustomTestCase):

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""One short line per serve-smoke run of ``serve_smoke_runs.sh``, for a reader of the last 12,000
+characters of a GPU call: the run's verdict, what its audits checked, and for a planted bug whether
+the oracle caught it (a plant must FAIL). Last line: every run as expected, or which were not.
+
+  python3 scripts/gpu/smoke_verdicts.py RUNS_DIR NAME...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+
+def audit_text(figures: dict) -> str:
+    parts = []
+    pool = figures.get("pool_audit")
+    if pool:
+        parts.append(f"pool {pool['layer0_wrong_kv_rows']}+{pool['layer0_wrong_index_rows']} wrong rows / "
+                     f"{pool['positions_compared']} positions")  # fmt: skip
+    read = figures.get("read_audit")
+    if read:
+        parts.append(f"read {read.get('kv_wrong', 0)}+{read.get('index_wrong', 0)} wrong / {read.get('kv_rows', 0)} rows")
+    dec = figures.get("decode_read_audit")
+    if dec:
+        parts.append(f"decode {dec.get('wrong_rows', 0)} wrong rows, {dec.get('wrong_owner', 0)} wrong owner, "
+                     f"{dec.get('missing', 0)} missing / {dec.get('layers', 0)} layers + "
+                     f"{dec.get('graph_forwards', 0)} graph replays")  # fmt: skip
+    for key in ("draft_write_audit", "draft_read_audit"):
+        if figures.get(key):
+            d = figures[key]
+            parts.append(f"{key.split('_audit')[0]} {d.get('kv_wrong', 0)}+{d.get('index_wrong', 0)} wrong")
+    if figures.get("mtp_accept_length"):
+        parts.append(f"accept {figures['mtp_accept_length'].get('tokens_per_verify')}")
+    return "; ".join(parts)
+
+
+def verdict(runs: Path, name: str) -> Tuple[str, bool]:
+    """(line, as expected)."""
+    plant = name.startswith("plant_")
+    run_dir = runs / name
+    exit_note = (run_dir / "runner_exit").read_text().split() if (run_dir / "runner_exit").exists() else []
+    timing = f" [{exit_note[1]} s]" if len(exit_note) > 1 else ""
+    report = run_dir / "report.json"
+    if not report.exists():
+        rc = exit_note[0] if exit_note else "?"
+        if rc == "skipped":
+            return f"FAILED {name}: SKIPPED, the call's budget ran out before it could start", False
+        return f"FAILED {name}: no report (exit {rc}: killed by the budget, or crashed; see smoke_logs.tgz){timing}", False
+    runs_ = json.loads(report.read_text())["runs"]
+    failures: List[str] = [f for r in runs_ for f in r["failures"]]
+    requests = sum(len(r.get("records", [])) for r in runs_)
+    audits = "; ".join(a for a in (audit_text(r["figures"]) for r in runs_) if a)
+    if plant:
+        if failures:
+            return f"FAILED {name} (as it must: the plant was caught): {failures[0][:160]}{timing}", True
+        return f"PASSED {name}: PLANT NOT CAUGHT ({requests} requests; {audits}){timing}", False
+    if failures:
+        return f"FAILED {name}: {len(failures)} failures, first: {failures[0][:200]}{timing}", False
+    return f"PASSED {name}: {requests} requests; {audits or 'no audit'}{timing}", True
+
+
+def main(argv: List[str]) -> int:
+    runs, names = Path(argv[0]), argv[1:]
+    unexpected = []
+    for name in names:
+        line, expected = verdict(runs, name)
+        print(line)
+        if not expected:
+            unexpected.append(name)
+    plants = sum(n.startswith("plant_") for n in names)
+    if unexpected:
+        print(f"VERDICT: UNEXPECTED in {len(unexpected)} of {len(names)} runs: {' '.join(unexpected)}")
+    else:
+        print(f"VERDICT: all {len(names)} runs as expected ({len(names) - plants} clean runs PASSED, {plants} plants caught)")
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
