@@ -436,11 +436,7 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     pool = model_runner.token_to_kv_pool
     if runtime_of(pool) is not None:
         return None
-    from sglang.srt.layers.dp_attention import (
-        get_attention_cp_group,
-        get_attention_cp_rank,
-        get_attention_cp_size,
-    )
+    from sglang.srt.layers.dp_attention import get_attention_cp_group
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 
     reasons = runtime_problems(model_runner.server_args)
@@ -456,13 +452,13 @@ def attach_runtime(result, model_runner, *args, **kwargs):
         reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
     if reasons:
         raise ValueError("; ".join(reasons))
-    layout = CpSharedKVLayout(get_attention_cp_size(), get_attention_cp_rank(), pool.page_size)
     allocator = model_runner.token_to_kv_pool_allocator
-    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator) or allocator.layout != layout:
+    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator):
         raise ValueError(
-            f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator with layout "
-            f"{layout}, got {type(allocator).__name__}"
+            f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator, got "
+            f"{type(allocator).__name__}"
         )
+    layout = allocator.layout  # the one layout (built by the allocator, installed with the capacity)
     from sglang.srt.distributed.parallel_state import get_world_group
 
     cp_group = get_attention_cp_group()
