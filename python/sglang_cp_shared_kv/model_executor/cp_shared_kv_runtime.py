@@ -464,11 +464,6 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     cp_group = get_attention_cp_group()
     sizing = _scratch_sizing(model_runner)
     scratch = create_gather_scratch(pool, layout.cp_size, sizing.prefill_tokens)
-    logger.info(
-        "CP shared KV gather scratch slot 0: %s (%s)",
-        "prefill batches only, admission caps them" if sizing.prefill_only else "logical capacity",
-        sizing.reason,
-    )
     context_len = model_runner.model_config.context_len
     if sizing.prefill_only and scratch.size < context_len:
         logger.warning(
@@ -501,17 +496,34 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     )
     # The plan's page ids come from this host mirror, fed by every writer of req_to_token.
     ReqToPageMirror.attach(model_runner.req_to_token_pool, pool.page_size)
-    logger.info(
-        "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens; layer-ahead "
-        "prefetch %s; %s layers store indexer K",
-        layout.cp_rank,
-        layout.cp_size,
-        pool.size,
-        layout.cp_size * pool.size,
-        f"on ({prefetch_slot.size} tokens in slot 1)" if prefetch_slot is not None else "off",
-        "all" if indexer_layer_ids is None else len(indexer_layer_ids),
+    log_startup_summary(
+        model_runner.server_args,
+        layout,
+        context_len=context_len,
+        physical_tokens=pool.size,
+        scratch_tokens=scratch.size,
+        prefetch_slot_tokens=prefetch_slot.size if prefetch_slot is not None else 0,
     )
     return None
+
+
+def log_startup_summary(
+    server_args, layout, context_len, physical_tokens, scratch_tokens, prefetch_slot_tokens
+) -> None:
+    """The one startup line of the server (CP rank 0; every rank sized the same: sglang takes the
+    minimum of the profiled pool sizes over the TP group, and every rank reads the same settings)."""
+    from sglang_cp_shared_kv.startup_summary import effective_settings, summary_line
+
+    if layout.cp_rank != 0:
+        return
+    rows = effective_settings(
+        server_args,
+        context_len,
+        logical_tokens=layout.cp_size * physical_tokens,
+        scratch_tokens=scratch_tokens,
+        prefetch_slot_tokens=prefetch_slot_tokens,
+    )
+    logger.info("%s on: %s", FLAG, summary_line(rows))
 
 
 def mark_dummy_run(original, model_runner, *args, **kwargs):
