@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
     ReqToPageMirror,
@@ -150,6 +151,8 @@ class CpSharedKVRuntime:
                 f"{DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
             )
         self.draft_step_plans = []  # a forward of its own ends the draft steps' plans
+        if cp_metrics() is not None:
+            cp_metrics().observe_usage()
         self.plan = self.build_plan(forward_batch, *planned_lengths(forward_batch))
         # Target verify and draft extend run the whole batch on every rank, like decode: serial path.
         self.pipeline.begin(self.plan, is_decode=not mode.is_context_parallel_extend())
@@ -459,6 +462,10 @@ def attach_runtime(result, model_runner, *args, **kwargs):
             f"{type(allocator).__name__}"
         )
     layout = allocator.layout  # the one layout (built by the allocator, installed with the capacity)
+    if getattr(model_runner.server_args, "enable_metrics", False):
+        from sglang_cp_shared_kv.observability import cp_shared_kv_metrics
+
+        cp_shared_kv_metrics.install(layout.cp_rank).watch(allocator=allocator)
     from sglang.srt.distributed.parallel_state import get_world_group
 
     cp_group = get_attention_cp_group()
