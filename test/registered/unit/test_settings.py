@@ -1,10 +1,9 @@
 """The plugin's settings (``settings.py``): one boolean rule, every bad value named and listed at once
 while ``ServerArgs`` is built (before any weight loads), and today's defaults.
 
-Planted once each: the old decode-graph reader (``"on"`` silently off) failed
-``test_one_boolean_rule_for_every_boolean``; parsing the prefetch slot only where the runtime
-attaches (after the weights) failed ``test_bad_values_stop_server_args_naming_each``; a default
-flipped to ``per_owner`` failed ``test_defaults``.
+Planted once: the startup validation leaving out the environment's problems (so a bad prefetch
+slot surfaced only where the runtime attaches, after the weights) failed
+``test_bad_values_stop_server_args_naming_each``.
 """
 
 import os
