@@ -28,21 +28,24 @@ from __future__ import annotations
 import argparse
 import contextvars
 import logging
-import os
 
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_cp_shared_kv.model_executor.decode_path import configured_decode_path
-from sglang_cp_shared_kv.speculative.mtp_opt_in import (
+from sglang_cp_shared_kv.speculative.mtp_opt_in import mtp_combination_problems, mtp_opted_in
+from sglang_cp_shared_kv.settings import (
+    ALL_CP_RANKS_ENV,
+    CP_SHARED_KV_ENV,
+    CP_SHARED_KV_FIELD,
+    CP_SHARED_KV_FLAG,
+    GRAPH_DECODE_ENV,
     MTP_ENV,
-    mtp_combination_problems,
-    mtp_opted_in,
+    cp_shared_kv_enabled_in_env,
+    current_settings,
+    current_settings_and_problems,
+    export_cp_shared_kv_env,
+    judged_with,
 )
 
 logger = logging.getLogger(__name__)
-
-CP_SHARED_KV_ENV = "SGLANG_CP_SHARED_KV"
-CP_SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
-CP_SHARED_KV_FIELD = "enable_nsa_prefill_cp_shared_kv"
 
 # The NSA indexer stores K in 64-token pages; a shared-KV page must be exactly one indexer page so
 # that KV and indexer K of a page live on the same rank. sglang sets 64 for DSA models on CUDA.
@@ -67,11 +70,6 @@ def cp_shared_kv_enabled(server_args) -> bool:
     """The flag on this ``ServerArgs``. Runtime hooks check it as well as the environment (which only
     decides whether they are registered), so a stray ``SGLANG_CP_SHARED_KV`` cannot turn them on."""
     return bool(getattr(server_args, CP_SHARED_KV_FIELD, False))
-
-
-def cp_shared_kv_enabled_in_env() -> bool:
-    """True in processes launched after the flag was validated on (see module docstring)."""
-    return os.environ.get(CP_SHARED_KV_ENV) == "1"
 
 
 def register_server_args_hooks(registry) -> None:
@@ -99,10 +97,12 @@ def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
         "and as the prefill server of a PD pair (mooncake). "
         f"Requires --enable-nsa-prefill-context-parallel (round-robin-split), --tp {_TP_SIZES_TEXT} on "
         "one node, the NSA attention backend for prefill and decode (sglang's default for NSA models), "
-        "--disable-cuda-graph and --disable-piecewise-cuda-graph, the radix cache on, and page size "
+        f"--disable-cuda-graph (unless decode runs per owner with {GRAPH_DECODE_ENV}=1) and "
+        "--disable-piecewise-cuda-graph, the radix cache on, and page size "
         f"{CP_SHARED_KV_PAGE_SIZE} (what sglang sets for NSA models on CUDA); refuses speculative "
         f"decoding (MTP with the NextN layer, top-k 1, is opt-in: {MTP_ENV}=1) and "
-        "HiCache storage backends. Provided by the sglang-cp-shared-kv plugin.",
+        "HiCache storage backends. Environment settings: docs/configuration.md. Provided by the "
+        "sglang-cp-shared-kv plugin.",
     )
 
 
@@ -197,22 +197,32 @@ def validate_cp_shared_kv_server_args(server_args) -> None:
                 CP_SHARED_KV_ENV,
                 CP_SHARED_KV_FLAG,
             )
-        os.environ.pop(CP_SHARED_KV_ENV, None)
+        export_cp_shared_kv_env(False)
         return
 
-    problems = _unsupported_combinations(server_args)
+    problems = cp_shared_kv_problems(server_args)
     if problems:
         raise ValueError(
             f"{CP_SHARED_KV_FLAG} cannot be used here:\n  - " + "\n  - ".join(problems)
         )
-    os.environ[CP_SHARED_KV_ENV] = "1"
-    logger.info(
-        "%s: on (attn_cp_size=%s, page_size=%s, hierarchical cache %s)",
+    export_cp_shared_kv_env(True)
+    # Validation runs several times per launch (__init__, from_cli_args, check_server_args): debug
+    # only; the startup summary is logged once per server when the runtime attaches.
+    logger.debug(
+        "%s: accepted (attn_cp_size=%s, page_size=%s)",
         CP_SHARED_KV_FLAG,
         server_args.attn_cp_size,
         server_args.page_size,
-        "on" if server_args.enable_hierarchical_cache else "off",
     )
+
+
+def cp_shared_kv_problems(server_args) -> list[str]:
+    """Every reason the flag cannot run with ``server_args`` and this environment, one sentence each
+    naming its setting: bad environment values first, then every rule judged with the bad values at
+    their defaults (so one launch attempt lists everything)."""
+    settings, setting_problems = current_settings_and_problems()
+    with judged_with(settings):
+        return setting_problems + _unsupported_combinations(server_args)
 
 
 def _unsupported_combinations(server_args) -> list[str]:
@@ -398,10 +408,6 @@ def runtime_problems(server_args) -> list[str]:
         reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-pdmux")
     if server_args.enable_torch_compile:
         reasons.append(f"{CP_SHARED_KV_FLAG} does not support --enable-torch-compile")
-    try:
-        configured_decode_path()  # read once more where per-owner decode attaches
-    except ValueError as error:
-        reasons.append(str(error))
     if (
         server_args.kv_cache_dtype.startswith("fp8")
         and server_args.nsa_prefill_backend in ("flashmla_sparse", "flashmla_auto")
@@ -496,9 +502,7 @@ def speculative_problems(server_args) -> list[str]:
 #   decode asks only rank 0, but rank 0 holds ``1/cp_size`` of the pages. The decode server must set it
 #   too; this check sees only the prefill server's environment.
 
-ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 SUPPORTED_BACKEND = "mooncake"
-_TRUE = ("true", "1", "yes", "y")  # what sglang's EnvBool reads as true
 
 
 def disaggregation_problems(server_args) -> list[str]:
@@ -528,11 +532,9 @@ def disaggregation_problems(server_args) -> list[str]:
             f"--disaggregation-transfer-backend {backend}: not supported with {CP_SHARED_KV_FLAG}; "
             f"use --disaggregation-transfer-backend {SUPPORTED_BACKEND}"
         )
-    value = os.environ.get(ALL_CP_RANKS_ENV)
-    if value is None or value.strip().lower() not in _TRUE:
-        shown = "unset" if value is None else f"set to {value!r}"
+    if not current_settings().all_cp_ranks_transfer:
         problems.append(
-            f"{ALL_CP_RANKS_ENV} is {shown}: --disaggregation-mode prefill with {CP_SHARED_KV_FLAG} "
+            f"{ALL_CP_RANKS_ENV} is off or unset: --disaggregation-mode prefill with {CP_SHARED_KV_FLAG} "
             f"needs {ALL_CP_RANKS_ENV}=1 on the prefill and the decode server (every CP rank sends "
             "the pages it owns)"
         )

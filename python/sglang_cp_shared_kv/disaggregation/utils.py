@@ -12,10 +12,21 @@ from __future__ import annotations
 from sglang.srt.plugins.hook_registry import HookType
 
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+INIT_KV_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 
 
 def register_hooks(registry) -> None:
     registry.register(GET_KV_CLASS, get_kv_class_around, HookType.AROUND)
+    registry.register(INIT_KV_MANAGER, init_kv_manager_around, HookType.AROUND)
+
+
+def init_kv_manager_around(original, queue, *args, **kwargs):
+    """The KV manager built here translates through the allocator's layout of the queue's pool."""
+    from sglang_cp_shared_kv.disaggregation.mooncake.conn import managers_built_for
+    from sglang_cp_shared_kv.mem_cache.allocator import layout_of_pool
+
+    with managers_built_for(layout_of_pool(queue.token_to_kv_pool)):
+        return original(queue, *args, **kwargs)
 
 
 def get_kv_class_around(original, transfer_backend, class_type):

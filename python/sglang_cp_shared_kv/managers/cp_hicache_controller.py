@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
 from sglang.srt.utils import get_device_module
 
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
@@ -113,6 +114,8 @@ class CpHybridCacheController(HybridCacheController):
             )
         controller.__class__ = cls
         controller.layout = layout
+        if cp_metrics() is not None:
+            cp_metrics().watch(controller=controller)
         return controller
 
     # ---- write (device -> host) ----
@@ -199,6 +202,9 @@ class CpHybridCacheController(HybridCacheController):
                 )
             )
             self.start_writing()
+        if cp_metrics() is not None:
+            cp_metrics().host_backup_pages.inc(reservation.required_host_slots // self.page_size)
+            cp_metrics().observe_usage()
         # Built from our own reservation (sorted whole-page positions, one slot each): no re-checks.
         return CpHiCacheNodeMetadata.derived(
             logical_len=reservation.logical_len,
@@ -282,6 +288,9 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=self._index_sharing_transfers(metadata.host_indices, physical),
             )
         self.load_queue.append(operation)
+        if cp_metrics() is not None:
+            cp_metrics().host_load_back_pages.inc(metadata.num_owned // self.page_size)
+            cp_metrics().observe_usage()
 
     # ---- the MTP draft pool (managers/cp_hicache_draft_pool.py builds its host pools) ----
 

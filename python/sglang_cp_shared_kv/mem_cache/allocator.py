@@ -58,7 +58,7 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,17 @@ class PagesHandedOut:
     new_pages: np.ndarray
     pages_before: Optional[np.ndarray] = None
     new_pages_per_req: Optional[np.ndarray] = None
+
+
+_POOL_LAYOUT_ATTR = "_cp_shared_kv_layout"
+
+
+def layout_of_pool(pool) -> Optional[CpSharedKVLayout]:
+    """The layout of the shared-KV allocator handing out ``pool``'s locs; None when none does.
+
+    For readers that see the pool but not the allocator (sglang hands the PD KV manager only the
+    pool's buffers)."""
+    return getattr(pool, _POOL_LAYOUT_ATTR, None)
 
 
 class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
@@ -107,7 +118,10 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             raise ValueError(f"{FLAG}: owner_run_pages must be an int >= 1, got {owner_run_pages!r}")
         # Consecutive pages of a request preferred on one owner (module docstring, step 2).
         self.owner_run_pages = owner_run_pages
+        # THE layout: built here once; the pool carries it (``layout_of_pool``) and the runtime, the
+        # CP HiRadixCache, the HiCache controller and the PD manager read it, never rebuild it.
         self.layout = CpSharedKVLayout(cp_size, cp_rank, page_size)
+        setattr(kvcache, _POOL_LAYOUT_ATTR, self.layout)
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         # Tokens of this rank's pool, excluding the dummy page 0.

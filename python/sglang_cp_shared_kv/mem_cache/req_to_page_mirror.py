@@ -20,15 +20,15 @@ table (a device-to-host copy, a sync: a debugging aid, off by default).
 
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import REQ_TO_PAGE_MIRROR_CHECK_ENV, current_settings
 
-REQ_TO_PAGE_MIRROR_CHECK_ENV = "SGLANG_CP_SHARED_KV_CHECK_PAGE_MIRROR"
+
 _MIRROR_ATTR = "_cp_req_to_page_mirror"
 
 
@@ -38,7 +38,7 @@ def mirror_of(req_to_token_pool) -> Optional["ReqToPageMirror"]:
 
 
 def mirror_check_enabled() -> bool:
-    return os.environ.get(REQ_TO_PAGE_MIRROR_CHECK_ENV, "").strip().lower() in ("1", "true", "yes")
+    return current_settings().check_page_mirror
 
 
 class ReqToPageMirror:

@@ -165,8 +165,8 @@ def refuse_untracked_tree_cache(result, scheduler, *args, **kwargs):
     tree = scheduler.tree_cache
     if not (type(tree) in (ChunkCache, RadixCache) or isinstance(tree, CpHiRadixCache)):
         raise ValueError(
-            f"{FLAG} supports the radix cache, HiCache (--enable-hierarchical-cache) and "
-            f"--disable-radix-cache, not {type(tree).__name__} (SGLANG_EXPERIMENTAL_CPP_RADIX_TREE, "
+            f"{FLAG} supports the radix cache and HiCache (--enable-hierarchical-cache), not "
+            f"{type(tree).__name__} (SGLANG_EXPERIMENTAL_CPP_RADIX_TREE, "
             f"SGLANG_ENABLE_UNIFIED_RADIX_TREE and --enable-streaming-session are unsupported)"
         )
     return None

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
     ReqToPageMirror,
@@ -150,6 +151,8 @@ class CpSharedKVRuntime:
                 f"{DECODE_PATH_ENV}={GATHER} sizes it for gathering decode"
             )
         self.draft_step_plans = []  # a forward of its own ends the draft steps' plans
+        if cp_metrics() is not None:
+            cp_metrics().observe_usage()
         self.plan = self.build_plan(forward_batch, *planned_lengths(forward_batch))
         # Target verify and draft extend run the whole batch on every rank, like decode: serial path.
         self.pipeline.begin(self.plan, is_decode=not mode.is_context_parallel_extend())
@@ -436,11 +439,7 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     pool = model_runner.token_to_kv_pool
     if runtime_of(pool) is not None:
         return None
-    from sglang.srt.layers.dp_attention import (
-        get_attention_cp_group,
-        get_attention_cp_rank,
-        get_attention_cp_size,
-    )
+    from sglang.srt.layers.dp_attention import get_attention_cp_group
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 
     reasons = runtime_problems(model_runner.server_args)
@@ -456,23 +455,22 @@ def attach_runtime(result, model_runner, *args, **kwargs):
         reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
     if reasons:
         raise ValueError("; ".join(reasons))
-    layout = CpSharedKVLayout(get_attention_cp_size(), get_attention_cp_rank(), pool.page_size)
     allocator = model_runner.token_to_kv_pool_allocator
-    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator) or allocator.layout != layout:
+    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator):
         raise ValueError(
-            f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator with layout "
-            f"{layout}, got {type(allocator).__name__}"
+            f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator, got "
+            f"{type(allocator).__name__}"
         )
+    layout = allocator.layout  # the one layout (built by the allocator, installed with the capacity)
+    if getattr(model_runner.server_args, "enable_metrics", False):
+        from sglang_cp_shared_kv.observability import cp_shared_kv_metrics
+
+        cp_shared_kv_metrics.install(layout.cp_rank).watch(allocator=allocator)
     from sglang.srt.distributed.parallel_state import get_world_group
 
     cp_group = get_attention_cp_group()
     sizing = _scratch_sizing(model_runner)
     scratch = create_gather_scratch(pool, layout.cp_size, sizing.prefill_tokens)
-    logger.info(
-        "CP shared KV gather scratch slot 0: %s (%s)",
-        "prefill batches only, admission caps them" if sizing.prefill_only else "logical capacity",
-        sizing.reason,
-    )
     context_len = model_runner.model_config.context_len
     if sizing.prefill_only and scratch.size < context_len:
         logger.warning(
@@ -505,17 +503,34 @@ def attach_runtime(result, model_runner, *args, **kwargs):
     )
     # The plan's page ids come from this host mirror, fed by every writer of req_to_token.
     ReqToPageMirror.attach(model_runner.req_to_token_pool, pool.page_size)
-    logger.info(
-        "CP shared KV runtime on cp_rank %d/%d: %d physical tokens, %d logical tokens; layer-ahead "
-        "prefetch %s; %s layers store indexer K",
-        layout.cp_rank,
-        layout.cp_size,
-        pool.size,
-        layout.cp_size * pool.size,
-        f"on ({prefetch_slot.size} tokens in slot 1)" if prefetch_slot is not None else "off",
-        "all" if indexer_layer_ids is None else len(indexer_layer_ids),
+    log_startup_summary(
+        model_runner.server_args,
+        layout,
+        context_len=context_len,
+        physical_tokens=pool.size,
+        scratch_tokens=scratch.size,
+        prefetch_slot_tokens=prefetch_slot.size if prefetch_slot is not None else 0,
     )
     return None
+
+
+def log_startup_summary(
+    server_args, layout, context_len, physical_tokens, scratch_tokens, prefetch_slot_tokens
+) -> None:
+    """The one startup line of the server (CP rank 0; every rank sized the same: sglang takes the
+    minimum of the profiled pool sizes over the TP group, and every rank reads the same settings)."""
+    from sglang_cp_shared_kv.startup_summary import effective_settings, summary_line
+
+    if layout.cp_rank != 0:
+        return
+    rows = effective_settings(
+        server_args,
+        context_len,
+        logical_tokens=layout.cp_size * physical_tokens,
+        scratch_tokens=scratch_tokens,
+        prefetch_slot_tokens=prefetch_slot_tokens,
+    )
+    logger.info("%s on: %s", FLAG, summary_line(rows))
 
 
 def mark_dummy_run(original, model_runner, *args, **kwargs):

@@ -20,24 +20,22 @@ scratch was sized for prefill raises (``CpSharedKVRuntime.begin_forward``).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
-DECODE_PATH_ENV = "SGLANG_CP_SHARED_KV_DECODE"
-PER_OWNER = "per_owner"
-GATHER = "gather"
+from sglang_cp_shared_kv.settings import (
+    DECODE_PATH_ENV,
+    DEFAULT_DECODE_PATH,
+    GATHER,
+    GRAPH_DECODE_ENV,
+    PER_OWNER,
+    current_settings,
+)
 
-
-DEFAULT_DECODE_PATH = GATHER
 
 
 def configured_decode_path() -> str:
-    """``SGLANG_CP_SHARED_KV_DECODE`` (default ``gather``); a ``ValueError`` for anything else."""
-    raw = os.environ.get(DECODE_PATH_ENV)
-    value = DEFAULT_DECODE_PATH if raw is None or not raw.strip() else raw.strip().lower()
-    if value not in (PER_OWNER, GATHER):
-        raise ValueError(f"{DECODE_PATH_ENV} must be {PER_OWNER!r} or {GATHER!r}, got {raw!r}")
-    return value
+    """``SGLANG_CP_SHARED_KV_DECODE`` (``settings``); a ``ValueError`` naming it when bad."""
+    return current_settings().decode_path
 
 
 # NSA decode impls (``--nsa-decode-backend``) that ``per_owner_decode`` serves; kept equal to what it
@@ -73,17 +71,10 @@ def impl_gather_reason(impl: Optional[str]) -> Optional[str]:
     return None
 
 
-def decode_runs_per_owner(server_args) -> bool:
-    return decode_gather_reason(server_args) is None
-
-
 # Decode under CUDA graphs (``per_owner_decode_graphs``) is opt-in until its capture and replay have
 # been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
-GRAPH_DECODE_ENV = "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"
-
-
 def graph_decode_opted_in() -> bool:
-    return os.environ.get(GRAPH_DECODE_ENV, "").strip().lower() in ("1", "true", "yes")
+    return current_settings().decode_cuda_graph
 
 
 def cuda_graph_problem(server_args, flag: str) -> Optional[str]:

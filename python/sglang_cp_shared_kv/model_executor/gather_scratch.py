@@ -24,23 +24,25 @@ profiled budget and the scratch would not fit.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang_cp_shared_kv.settings import (
+    PREFETCH_SLOT_AUTO,
+    PREFETCH_SLOT_TOKENS_ENV,
+    current_settings,
+)
 
 logger = logging.getLogger(__name__)
 
 SCRATCH_LAYER_ID = 0  # the scratch pool's only layer
-# Tokens of the second slot, which turns the layer-ahead prefetch on: a token count, or ``auto``
-# (sized from the context length and the chunked-prefill budget). Unset or 0: off, the default until
-# the prefetch has been served and timed across GPUs (on one GPU it checks bit-exact but showed no
-# gain; docs/runtime.md, section 3).
-PREFETCH_SLOT_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS"
-PREFETCH_SLOT_AUTO = "auto"
+# Tokens of the second slot (``PREFETCH_SLOT_TOKENS_ENV``, parsed in ``settings``), which turns the
+# layer-ahead prefetch on: a token count, or ``auto`` (sized from the context length and the
+# chunked-prefill budget). Unset or 0: off, the default until the prefetch has been served and timed
+# across GPUs (on one GPU it checks bit-exact but showed no gain; docs/runtime.md, section 3).
 # The indexer head dim of GLM-5 / DeepSeek-V3.2, and the only one NSATokenToKVPool accepts (it asserts).
 NSA_INDEX_HEAD_DIM = 128
 
@@ -81,20 +83,9 @@ def configured_prefetch_slot_tokens(context_len: int, chunked_prefill_size: Opti
     ``auto``: one request of the full context length plus one chunk of new tokens, +25% for the
     padding of unbalanced owners (``1 + cp_size * n`` scratch pages for the gathered region).
     """
-    raw = os.environ.get(PREFETCH_SLOT_TOKENS_ENV)
-    if raw is None:
-        return 0
-    if raw.strip().lower() != PREFETCH_SLOT_AUTO:
-        try:
-            tokens = int(raw)
-        except ValueError:
-            tokens = -1
-        if tokens < 0:
-            raise ValueError(
-                f"{PREFETCH_SLOT_TOKENS_ENV} must be a token count >= 0 or {PREFETCH_SLOT_AUTO!r}, "
-                f"got {raw!r}"
-            )
-        return tokens
+    settings = current_settings()
+    if not settings.prefetch_slot_auto:
+        return settings.prefetch_slot_tokens
     chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else context_len
     return (context_len + chunk) * 5 // 4
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan
 from sglang_cp_shared_kv.model_executor.sync_debug import sync_debug_exempt
 
@@ -39,6 +40,8 @@ def gather_peer_pages(
     own = region[start : start + count]
     if count:
         torch.index_select(physical_pages, 0, plan.send_physical_pages, out=own)
+    if cp_metrics() is not None:
+        cp_metrics().gathered_bytes.inc(received_bytes(plan, scratch_pages))
     if plan.exact_layout:
         _broadcast_owner_slices(region, slices, group)
         return
@@ -51,6 +54,17 @@ def gather_peer_pages(
             region.copy_(host)
         return
     dist.all_gather_into_tensor(region, own, group=group)
+
+
+def received_bytes(plan: PeerPagePlan, scratch_pages: torch.Tensor) -> int:
+    """Bytes of other ranks' pages one ``gather_peer_pages`` call brings into ``scratch_pages`` (host
+    arithmetic on the plan: the exact layout's per-owner slices, else ``n`` pages per peer)."""
+    cp_rank = plan.layout.cp_rank
+    if plan.exact_layout:
+        pages = sum(count for rank, (_, count) in enumerate(plan.owner_slices()) if rank != cp_rank)
+    else:
+        pages = (plan.layout.cp_size - 1) * plan.gather_pages_per_rank
+    return pages * scratch_pages[0].numel() * scratch_pages.element_size()
 
 
 def _broadcast_owner_slices(region: torch.Tensor, slices, group: dist.ProcessGroup) -> None:

@@ -47,6 +47,7 @@ import torch
 
 from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata
 from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
     merge_by_scaled_sum,
     natural_lse,
@@ -119,7 +120,8 @@ class PerOwnerDecode:
             return False
         runtime = self.runtime
         runtime.plan = None  # stores: owner-filtered only, no scratch, no gather
-        runtime.kv_layer_in_scratch = runtime.index_layer_in_scratch = None
+        if cp_metrics() is not None:
+            cp_metrics().observe_usage()
         metadata = backend.forward_metadata
         tables = build_owner_decode_tables(
             runtime.layout, metadata.real_page_table, metadata.cache_seqlens_int32
@@ -138,11 +140,15 @@ class PerOwnerDecode:
         owned_lens = self.forward.tables.owned_seq_lens
         candidates = local_candidates(logits, owned_lens, positions, rows, topk)
         selection = select_global(self.all_gather(candidates.scores), topk)  # [cp_size, B, k] scores
+        if cp_metrics() is not None:
+            cp_metrics().per_owner_exchanges.inc()
         return owned_attention_indices(selection, candidates, self.cp_rank)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """This rank's partial [T, H, D] and LSE [T, H] (kernel's base) -> the merged output."""
         lse = natural_lse(lse, self.lse_base)
+        if cp_metrics() is not None:
+            cp_metrics().per_owner_exchanges.inc()
         return merge_by_scaled_sum(out, lse, self.all_gather, self.all_reduce_sum)
 
 

@@ -24,13 +24,12 @@ identical on every rank.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason
+from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV, current_settings
 
-PREFILL_SCRATCH_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -47,16 +46,7 @@ class ScratchSizing:
 
 def configured_prefill_scratch_tokens() -> Optional[int]:
     """``SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS`` (None: unset); a ``ValueError`` unless > 0."""
-    raw = os.environ.get(PREFILL_SCRATCH_TOKENS_ENV)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        tokens = int(raw)
-    except ValueError:
-        tokens = 0
-    if tokens <= 0:
-        raise ValueError(f"{PREFILL_SCRATCH_TOKENS_ENV} must be a token count > 0, got {raw!r}")
-    return tokens
+    return current_settings().prefill_scratch_tokens
 
 
 def default_prefill_scratch_tokens(

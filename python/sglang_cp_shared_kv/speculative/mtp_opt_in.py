@@ -9,32 +9,23 @@ launching process's environment, which every scheduler inherits: every rank deci
 
 from __future__ import annotations
 
-import os
 from typing import List
 
-from sglang_cp_shared_kv.model_executor.decode_path import (
+from sglang_cp_shared_kv.model_executor.decode_path import is_pd_prefill_server
+from sglang_cp_shared_kv.model_executor.prefill_scratch import logical_capacity_reason
+from sglang_cp_shared_kv.settings import (
     DECODE_PATH_ENV,
     GATHER,
+    MTP_ENV,
     PER_OWNER,
-    is_pd_prefill_server,
+    current_settings,
 )
-from sglang_cp_shared_kv.model_executor.prefill_scratch import logical_capacity_reason
 
-MTP_ENV = "SGLANG_CP_SHARED_KV_MTP"
-_ON = ("1", "true", "yes")
-_OFF = ("", "0", "false", "no")
 
 
 def mtp_opted_in() -> bool:
-    """``SGLANG_CP_SHARED_KV_MTP``: unset / 0 / false / no (off) or 1 / true / yes (on); a
-    ``ValueError`` naming it for anything else."""
-    raw = os.environ.get(MTP_ENV)
-    value = "" if raw is None else raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{MTP_ENV} must be 1 (opt in to MTP with shared KV) or 0 / unset, got {raw!r}")
+    """``SGLANG_CP_SHARED_KV_MTP`` (``settings``' boolean rule); a ``ValueError`` naming it when bad."""
+    return current_settings().mtp
 
 
 def mtp_combination_problems(server_args, flag: str) -> List[str]:

@@ -325,7 +325,7 @@ def build_prefill_rank(
     m = CpSharedKVMooncakeKVManager.__new__(CpSharedKVMooncakeKVManager)
     m.cp_shared_kv_failures = RequestTransferFailures()
     m.cp_shared_kv_layout = cp_shared_kv_transfer_layout(
-        server_args, DisaggregationMode.PREFILL, cp_size, cp_rank, pool.page_size
+        server_args, DisaggregationMode.PREFILL, CpSharedKVLayout(cp_size, cp_rank, pool.page_size)
     )
     # CommonKVManager.__init__, prefill branch
     m.kv_args, m.is_mla_backend, m.server_args = kv_args, True, server_args

@@ -1,6 +1,12 @@
 """Structure the package keeps: no import circle among product modules (lazy imports included),
 startup rules only in ``server_args.py``, hook registration reached only from ``plugin.py``, one
-spelling of the flag, and no test-only module imported by product code."""
+spelling of the flag, no test-only module imported by product code, every setting read only through
+the leaf ``settings`` module, and the layout built only by the allocator.
+
+Planted once each: an ``os.environ.get`` left in ``gather_scratch`` failed
+``test_the_environment_is_read_only_by_settings``; ``attach_runtime`` rebuilding
+``CpSharedKVLayout(...)`` failed ``test_the_layout_is_built_once``; ``settings`` importing
+``server_args`` failed ``test_settings_is_a_leaf``."""
 
 import ast
 import unittest
@@ -79,7 +85,49 @@ class TestModuleStructure(CustomTestCase):
             for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and node.value == "--enable-nsa-prefill-cp-shared-kv"
         ]
-        self.assertEqual(spelled, [f"{PACKAGE}.server_args"])
+        self.assertEqual(spelled, [f"{PACKAGE}.settings"])
+
+    def test_settings_is_a_leaf(self):
+        """Every module may import it; it imports nothing of ours (no circle through settings)."""
+        self.assertEqual(self.graph[f"{PACKAGE}.settings"], set())
+
+    def test_the_environment_is_read_only_by_settings(self):
+        """One parse rule: no other product module touches ``os.environ`` or ``os.getenv``."""
+        readers = set()
+        for name, tree in self.modules.items():
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "os"
+                    and node.attr in ("environ", "getenv", "putenv")
+                ):
+                    readers.add(name)
+        self.assertEqual(readers, {f"{PACKAGE}.settings"})
+
+    def test_every_setting_variable_is_spelled_only_in_settings(self):
+        spelled = {
+            name
+            for name, tree in self.modules.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(("SGLANG_CP_SHARED_KV", "SGLANG_DISAGGREGATION_ALL_CP_RANKS"))
+            and node.value.split("=")[0].isupper()
+        }
+        self.assertEqual(spelled, {f"{PACKAGE}.settings"})
+
+    def test_the_layout_is_built_once(self):
+        """The allocator's ``CpSharedKVLayout`` is the layout; the runtime, the CP HiRadixCache and
+        the PD manager read it rather than rebuilding it from the CP group."""
+        builders = {
+            name
+            for name, tree in self.modules.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == "CpSharedKVLayout"
+        }
+        self.assertEqual(builders, {f"{PACKAGE}.mem_cache.allocator"})
 
     def test_only_the_plugin_calls_register_hooks(self):
         callers = set()

@@ -171,7 +171,7 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         with mock.patch.dict(os.environ):
             os.environ.pop(ALL_CP_RANKS_ENV, None)
             self.assertRejected(
-                f"{ALL_CP_RANKS_ENV} is unset",
+                f"{ALL_CP_RANKS_ENV} is off or unset",
                 model_path="dummy",
                 disaggregation_mode="prefill",
                 disaggregation_transfer_backend="mooncake",

@@ -105,9 +105,12 @@ class TestSpeculativeRules(CustomTestCase):
                         self.assertEqual(speculative_problems(args), [])
 
     def test_a_value_other_than_on_or_off_is_refused_naming_the_variable(self):
+        """Judged by the one boolean rule of ``settings`` (listed first by the startup validation)."""
+        from sglang_cp_shared_kv.settings import current_settings_and_problems
+
         for value in ("2", "on", "per_owner"):
             with self.subTest(value=value), _env({**NOT_OPTED_IN, MTP_ENV: value}):
-                problems = speculative_problems(_spec_args())
+                _, problems = current_settings_and_problems()
                 self.assertEqual(len(problems), 1, problems)
                 self.assertIn(MTP_ENV, problems[0])
                 self.assertIn(repr(value), problems[0])

@@ -38,6 +38,8 @@ classes are the stock ones.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 from typing import List, Optional
@@ -57,10 +59,27 @@ from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, cp_shared_kv_enab
 logger = logging.getLogger(__name__)
 
 
+# The allocator's layout of the pool whose bootstrap queue is building a KV manager right now: sglang
+# hands the manager only the pool's buffers (``KVArgs``), so ``disaggregation.utils`` sets this
+# around ``PrefillBootstrapQueue._init_kv_manager`` and the manager's ``__init__`` reads it.
+_pool_layout: contextvars.ContextVar = contextvars.ContextVar("cp_shared_kv_pool_layout", default=None)
+
+
+@contextlib.contextmanager
+def managers_built_for(layout: Optional[CpSharedKVLayout]):
+    """KV managers constructed inside translate through ``layout`` (the allocator's)."""
+    token = _pool_layout.set(layout)
+    try:
+        yield
+    finally:
+        _pool_layout.reset(token)
+
+
 def cp_shared_kv_transfer_layout(
-    server_args, disaggregation_mode, cp_size: int, cp_rank: int, page_size: int
+    server_args, disaggregation_mode, layout: Optional[CpSharedKVLayout]
 ) -> Optional[CpSharedKVLayout]:
-    """The layout a prefill rank's transfers translate through, or None with the flag off."""
+    """The layout a prefill rank's transfers translate through (the allocator's ``layout``), or
+    None with the flag off."""
     if not cp_shared_kv_enabled(server_args):
         return None
     if disaggregation_mode != DisaggregationMode.PREFILL:
@@ -68,7 +87,12 @@ def cp_shared_kv_transfer_layout(
             f"{CP_SHARED_KV_FLAG} is supported on the prefill server of PD disaggregation only "
             f"(this KV manager is in mode {disaggregation_mode.value})"
         )
-    return CpSharedKVLayout(cp_size=cp_size, cp_rank=cp_rank, page_size=page_size)
+    if layout is None:
+        raise ValueError(
+            f"{CP_SHARED_KV_FLAG}: no shared-KV allocator serves the KV pool this PD manager sends "
+            "from (the layout comes from the allocator, through PrefillBootstrapQueue)"
+        )
+    return layout
 
 
 def check_cp_shared_kv_transfer_setup(manager: "CpSharedKVMooncakeKVManager") -> None:
@@ -90,16 +114,10 @@ class CpSharedKVMooncakeKVManager(MooncakeKVManager):
     """``MooncakeKVManager`` whose KV and indexer-K transfers send only this rank's pages."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
-        from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
-
         # Set before the stock __init__ starts the transfer threads that read them.
         self.cp_shared_kv_failures = RequestTransferFailures()
         self.cp_shared_kv_layout = cp_shared_kv_transfer_layout(
-            server_args,
-            disaggregation_mode,
-            get_attention_cp_size(),
-            get_attention_cp_rank(),
-            args.page_size,
+            server_args, disaggregation_mode, _pool_layout.get()
         )
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.cp_shared_kv_layout is not None:

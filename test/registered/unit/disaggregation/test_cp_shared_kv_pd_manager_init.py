@@ -1,5 +1,6 @@
 """The real ``CpSharedKVMooncakeKVManager.__init__`` on a prefill rank: it takes its layout from the
-attention CP group, runs the stock mooncake/common init (buffers registered with the engine), and
+allocator of the pool it sends from (through sglang's ``PrefillBootstrapQueue._init_kv_manager`` and
+our hook on it), runs the stock mooncake/common init (buffers registered with the engine), and
 refuses a setup it cannot serve. Only what needs a cluster is stubbed: the parallel-state getters,
 the bootstrap registration, the mooncake engine and the bootstrap listener thread."""
 
@@ -20,6 +21,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang_cp_shared_kv.disaggregation.mooncake.conn import CpSharedKVMooncakeKVManager  # noqa: E402
+from sglang_cp_shared_kv.disaggregation.utils import init_kv_manager_around  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
@@ -81,15 +83,23 @@ class TestManagerInit(CustomTestCase):
             kv_cache_dtype="auto",
             load_balance_method="follow_bootstrap_room",
         )
-        with prefill_rank_of_cp2(engine, env_value):
-            manager = CpSharedKVMooncakeKVManager(
-                prefill_kv_args(self.pool, self.metadata), mode, server_args, True
+        # What the allocator does when it is installed: the pool carries the allocator's layout.
+        self.allocator_layout = CpSharedKVLayout(2, 1, 64)
+        self.pool._cp_shared_kv_layout = self.allocator_layout
+        queue = SimpleNamespace(token_to_kv_pool=self.pool)
+
+        def stock_init_kv_manager(queue):
+            return CpSharedKVMooncakeKVManager(
+                prefill_kv_args(queue.token_to_kv_pool, self.metadata), mode, server_args, True
             )
+
+        with prefill_rank_of_cp2(engine, env_value):
+            manager = init_kv_manager_around(stock_init_kv_manager, queue)
         return manager, engine
 
-    def test_layout_from_the_cp_group_and_stock_registration(self):
+    def test_layout_from_the_allocator_and_stock_registration(self):
         manager, engine = self.build()
-        self.assertEqual(manager.cp_shared_kv_layout, CpSharedKVLayout(2, 1, 64))
+        self.assertIs(manager.cp_shared_kv_layout, self.allocator_layout)
         self.assertTrue(manager.enable_all_cp_ranks_for_transfer)
         self.assertFalse(manager.is_dummy_cp_rank)  # rank 1 takes part in every transfer
         kv_args = manager.kv_args

@@ -346,14 +346,17 @@ class TestTransferSetup(CustomTestCase):
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         off = SimpleNamespace(enable_nsa_prefill_cp_shared_kv=False)
+        allocators = CpSharedKVLayout(4, 1, PAGE)
         self.assertIsNone(
-            shared_kv_conn.cp_shared_kv_transfer_layout(off, DisaggregationMode.PREFILL, 4, 1, PAGE)
+            shared_kv_conn.cp_shared_kv_transfer_layout(off, DisaggregationMode.PREFILL, allocators)
         )
         on = SimpleNamespace(enable_nsa_prefill_cp_shared_kv=True)
-        layout = shared_kv_conn.cp_shared_kv_transfer_layout(on, DisaggregationMode.PREFILL, 4, 1, PAGE)
-        self.assertEqual(layout, CpSharedKVLayout(4, 1, PAGE))
+        layout = shared_kv_conn.cp_shared_kv_transfer_layout(on, DisaggregationMode.PREFILL, allocators)
+        self.assertIs(layout, allocators)  # the allocator's object, not a rebuilt equal one
         with self.assertRaisesRegex(ValueError, "prefill server"):
-            shared_kv_conn.cp_shared_kv_transfer_layout(on, DisaggregationMode.DECODE, 1, 0, PAGE)
+            shared_kv_conn.cp_shared_kv_transfer_layout(on, DisaggregationMode.DECODE, allocators)
+        with self.assertRaisesRegex(ValueError, "no shared-KV allocator"):
+            shared_kv_conn.cp_shared_kv_transfer_layout(on, DisaggregationMode.PREFILL, None)
 
     def test_manager_refuses_without_all_cp_ranks_transfer(self):
         """Without SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER only rank 0 would send: refused."""

@@ -1,0 +1,260 @@
+"""Every setting of the plugin in one place: the flag, its ``ServerArgs`` field, each environment variable.
+
+A leaf module (it imports nothing of this package) so that every other module can ask it. Every
+environment variable the plugin reads is declared here with its default, parsed here by one rule,
+into one frozen ``CpSharedKVSettings``; nothing else in the package reads ``os.environ``
+(``test_module_structure`` pins it). docs/configuration.md is the user's table of the same.
+
+One rule for booleans, the one sglang's own ``EnvBool`` uses (so that our reading of sglang's
+``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` is sglang's): ``1 true yes y`` are on, ``0 false no n``
+are off, case-insensitive, surrounding blanks ignored; unset or empty is the default; anything
+else (``on``, ``2``) is an error naming the variable.
+
+When they are judged: while ``ServerArgs`` is built with the flag on (``server_args.validate``), so a
+bad value stops the launch before any weight loads, every bad value listed in one error. Scheduler
+processes inherit the launching process's environment, so every rank reads the same settings.
+
+Defaults are the ``DEFAULT_*`` constants below; changing one is a one-line change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass
+from typing import Iterator, List, Mapping, Optional, Tuple
+
+# ---- the flag ----
+CP_SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+CP_SHARED_KV_FIELD = "enable_nsa_prefill_cp_shared_kv"
+# The flag's mirror in the environment: the launching process sets it once the flag validated on,
+# so that scheduler processes (spawned later, before any ServerArgs exists there) register the
+# runtime hooks (plugin.py). Not a user setting.
+CP_SHARED_KV_ENV = "SGLANG_CP_SHARED_KV"
+
+# ---- environment variables ----
+DECODE_PATH_ENV = "SGLANG_CP_SHARED_KV_DECODE"
+GRAPH_DECODE_ENV = "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"
+MTP_ENV = "SGLANG_CP_SHARED_KV_MTP"
+PREFETCH_SLOT_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS"
+PREFILL_SCRATCH_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS"
+REQ_TO_PAGE_MIRROR_CHECK_ENV = "SGLANG_CP_SHARED_KV_CHECK_PAGE_MIRROR"
+# sglang's own variable (read by its PD transfer code on both servers); judged here with its rule.
+ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+
+SETTINGS_ENVS = (
+    DECODE_PATH_ENV,
+    GRAPH_DECODE_ENV,
+    MTP_ENV,
+    PREFETCH_SLOT_TOKENS_ENV,
+    PREFILL_SCRATCH_TOKENS_ENV,
+    REQ_TO_PAGE_MIRROR_CHECK_ENV,
+    ALL_CP_RANKS_ENV,
+)
+
+PER_OWNER = "per_owner"
+GATHER = "gather"
+DECODE_PATHS = (GATHER, PER_OWNER)
+PREFETCH_SLOT_AUTO = "auto"
+
+# ---- defaults (one constant each) ----
+DEFAULT_DECODE_PATH = GATHER
+DEFAULT_DECODE_CUDA_GRAPH = False
+DEFAULT_MTP = False
+DEFAULT_PREFETCH_SLOT_TOKENS = 0  # 0: no slot 1, no layer-ahead prefetch
+DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (prefill_scratch)
+DEFAULT_CHECK_PAGE_MIRROR = False
+DEFAULT_ALL_CP_RANKS_TRANSFER = False  # sglang's default
+
+TRUE_SPELLINGS = ("1", "true", "yes", "y")
+FALSE_SPELLINGS = ("0", "false", "no", "n")
+
+
+@dataclass(frozen=True)
+class CpSharedKVSettings:
+    """The environment's settings, parsed. Token counts are logical tokens.
+
+    ``prefetch_slot_tokens``: requested tokens of the gather scratch's slot 1 (0: off), meaningful
+    unless ``prefetch_slot_auto``; ``prefill_scratch_tokens``: slot 0's size when sized for prefill
+    batches (None: the default rule)."""
+
+    decode_path: str = DEFAULT_DECODE_PATH
+    decode_cuda_graph: bool = DEFAULT_DECODE_CUDA_GRAPH
+    mtp: bool = DEFAULT_MTP
+    prefetch_slot_auto: bool = False
+    prefetch_slot_tokens: int = DEFAULT_PREFETCH_SLOT_TOKENS
+    prefill_scratch_tokens: Optional[int] = DEFAULT_PREFILL_SCRATCH_TOKENS
+    check_page_mirror: bool = DEFAULT_CHECK_PAGE_MIRROR
+    all_cp_ranks_transfer: bool = DEFAULT_ALL_CP_RANKS_TRANSFER
+
+    def describe(self) -> str:
+        """One line of every setting, for the startup summary and ``check_launch``."""
+        prefetch = (
+            PREFETCH_SLOT_AUTO
+            if self.prefetch_slot_auto
+            else (f"{self.prefetch_slot_tokens} tokens" if self.prefetch_slot_tokens else "off")
+        )
+        scratch = (
+            "default" if self.prefill_scratch_tokens is None else f"{self.prefill_scratch_tokens} tokens"
+        )
+        return (
+            f"decode={self.decode_path}, decode CUDA graphs={_on_off(self.decode_cuda_graph)}, "
+            f"MTP opt-in={_on_off(self.mtp)}, prefetch slot={prefetch}, prefill scratch={scratch}, "
+            f"page-mirror check={_on_off(self.check_page_mirror)}, "
+            f"all CP ranks transfer={_on_off(self.all_cp_ranks_transfer)}"
+        )
+
+
+class SettingsError(ValueError):
+    """Bad environment values; ``problems`` has one sentence per variable, each naming it."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def parse_bool(name: str, raw: Optional[str], default: bool) -> bool:
+    """The one boolean rule (module docstring); ``ValueError`` naming ``name`` otherwise."""
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in TRUE_SPELLINGS:
+        return True
+    if value in FALSE_SPELLINGS:
+        return False
+    raise ValueError(
+        f"{name} must be one of {'/'.join(TRUE_SPELLINGS)} (on) or {'/'.join(FALSE_SPELLINGS)} "
+        f"(off), got {raw!r}"
+    )
+
+
+def _parse_decode_path(raw: Optional[str]) -> str:
+    if raw is None or not raw.strip():
+        return DEFAULT_DECODE_PATH
+    value = raw.strip().lower()
+    if value not in DECODE_PATHS:
+        raise ValueError(f"{DECODE_PATH_ENV} must be {PER_OWNER!r} or {GATHER!r}, got {raw!r}")
+    return value
+
+
+def _parse_prefetch(raw: Optional[str]) -> Tuple[bool, int]:
+    if raw is None or not raw.strip():
+        return False, DEFAULT_PREFETCH_SLOT_TOKENS
+    if raw.strip().lower() == PREFETCH_SLOT_AUTO:
+        return True, 0
+    tokens = _int_or_none(raw)
+    if tokens is None or tokens < 0:
+        raise ValueError(
+            f"{PREFETCH_SLOT_TOKENS_ENV} must be a token count >= 0 or {PREFETCH_SLOT_AUTO!r}, got {raw!r}"
+        )
+    return False, tokens
+
+
+def _parse_prefill_scratch(raw: Optional[str]) -> Optional[int]:
+    if raw is None or not raw.strip():
+        return DEFAULT_PREFILL_SCRATCH_TOKENS
+    tokens = _int_or_none(raw)
+    if tokens is None or tokens <= 0:
+        raise ValueError(f"{PREFILL_SCRATCH_TOKENS_ENV} must be a token count > 0, got {raw!r}")
+    return tokens
+
+
+def _int_or_none(raw: str) -> Optional[int]:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        return None
+
+
+def parse_settings(environ: Mapping[str, str]) -> Tuple[CpSharedKVSettings, List[str]]:
+    """Every setting of ``environ``, a bad value replaced by its default, and one problem per bad value.
+
+    The lenient form lets startup judge every other rule with the defaults while it lists the bad
+    values (``server_args.validate``); everyone else uses ``current_settings`` (strict)."""
+    problems: List[str] = []
+    values = {}
+
+    def parse(field: str, parser, *args) -> None:
+        try:
+            values[field] = parser(*args)
+        except ValueError as error:
+            problems.append(str(error))
+
+    def parse_flag(field: str, name: str, default: bool) -> None:
+        parse(field, parse_bool, name, environ.get(name), default)
+
+    parse("decode_path", _parse_decode_path, environ.get(DECODE_PATH_ENV))
+    parse_flag("decode_cuda_graph", GRAPH_DECODE_ENV, DEFAULT_DECODE_CUDA_GRAPH)
+    parse_flag("mtp", MTP_ENV, DEFAULT_MTP)
+    try:
+        auto, tokens = _parse_prefetch(environ.get(PREFETCH_SLOT_TOKENS_ENV))
+        values.update(prefetch_slot_auto=auto, prefetch_slot_tokens=tokens)
+    except ValueError as error:
+        problems.append(str(error))
+    parse("prefill_scratch_tokens", _parse_prefill_scratch, environ.get(PREFILL_SCRATCH_TOKENS_ENV))
+    parse_flag("check_page_mirror", REQ_TO_PAGE_MIRROR_CHECK_ENV, DEFAULT_CHECK_PAGE_MIRROR)
+    parse_flag("all_cp_ranks_transfer", ALL_CP_RANKS_ENV, DEFAULT_ALL_CP_RANKS_TRANSFER)
+    return CpSharedKVSettings(**values), problems
+
+
+# While startup judges its rules with a lenient parse (bad values at their defaults), every reader
+# sees that object (``judged_with``); otherwise each read parses the current environment.
+_judged = contextvars.ContextVar("cp_shared_kv_judged_settings", default=None)
+_parsed: dict = {}  # raw values -> (settings, problems): one parse per distinct environment
+
+
+def current_settings() -> CpSharedKVSettings:
+    """The settings in force; ``SettingsError`` listing every bad value."""
+    judged = _judged.get()
+    if judged is not None:
+        return judged
+    settings, problems = _parse_cached()
+    if problems:
+        raise SettingsError(problems)
+    return settings
+
+
+def current_settings_and_problems() -> Tuple[CpSharedKVSettings, List[str]]:
+    """``parse_settings`` of this process's environment."""
+    settings, problems = _parse_cached()
+    return settings, list(problems)
+
+
+def _parse_cached() -> Tuple[CpSharedKVSettings, Tuple[str, ...]]:
+    key = tuple(os.environ.get(name) for name in SETTINGS_ENVS)
+    found = _parsed.get(key)
+    if found is None:
+        settings, problems = parse_settings(dict(zip(SETTINGS_ENVS, key)))
+        found = _parsed[key] = (settings, tuple(problems))
+    return found
+
+
+@contextlib.contextmanager
+def judged_with(settings: CpSharedKVSettings) -> Iterator[None]:
+    """Every ``current_settings()`` inside returns ``settings``."""
+    token = _judged.set(settings)
+    try:
+        yield
+    finally:
+        _judged.reset(token)
+
+
+# ---- the flag's environment mirror ----
+
+
+def cp_shared_kv_enabled_in_env() -> bool:
+    """True in processes launched after the flag validated on (see ``CP_SHARED_KV_ENV``)."""
+    return os.environ.get(CP_SHARED_KV_ENV) == "1"
+
+
+def export_cp_shared_kv_env(enabled: bool) -> None:
+    """Set (or clear) the flag's mirror for the processes this one spawns next."""
+    if enabled:
+        os.environ[CP_SHARED_KV_ENV] = "1"
+    else:
+        os.environ.pop(CP_SHARED_KV_ENV, None)

@@ -1,0 +1,107 @@
+"""``check_launch``: a launch line judged on a machine without a GPU, through sglang's own parser and
+every startup rule of ours, with the effective settings printed.
+
+Planted once: ``check_launch`` without its ``--device cuda`` default (stock's device probe raises
+``RuntimeError: No accelerator`` on CPU) failed every test here; the environment settings left out
+of the startup validation failed ``test_refused_launches_name_every_problem`` (the prefetch case).
+"""
+
+import io
+import os
+import tempfile
+import unittest
+from unittest import mock
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.check_launch import ACCEPTED, REFUSED, check_launch
+from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV, CP_SHARED_KV_ENV, PREFETCH_SLOT_TOKENS_ENV
+from sglang_cp_shared_kv.testing.server_args_cases import (
+    GLM5_LIKE_CONFIG,
+    ServerArgsHooksApplied,
+    write_model_dir,
+)
+
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+
+# README's GLM-5 CP 8 launch line (the model path is a directory holding GLM-5's config only).
+README_LINE = (
+    "sglang serve --model-path {model} --tp 8 --enable-nsa-prefill-context-parallel "
+    "--enable-nsa-prefill-cp-shared-kv --disable-cuda-graph --disable-piecewise-cuda-graph "
+    "--enable-hierarchical-cache --hicache-ratio 2"
+)
+
+
+class TestCheckLaunch(ServerArgsHooksApplied, CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls._tmp = tempfile.TemporaryDirectory()
+        cls.model = write_model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._tmp.cleanup()
+
+    def run_check(self, line, env=None):
+        out = io.StringIO()
+        variables = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_CP_SHARED_KV")}
+        variables.pop(ALL_CP_RANKS_ENV, None)
+        variables.update(env or {})
+        with mock.patch.dict(os.environ, variables, clear=True):
+            # The hooks are applied by the test case (the sandbox), not by sglang's plugin loader.
+            code = check_launch(line.format(model=self.model).split(), out, load_plugins=lambda: None)
+        return code, out.getvalue()
+
+    def test_readme_glm5_cp8_line_is_accepted(self):
+        code, report = self.run_check(README_LINE)
+        self.assertEqual(code, ACCEPTED, report)
+        self.assertIn("CP size: 8", report)
+        self.assertIn("page size: 64", report)
+        self.assertIn("decode: page gather", report)
+        self.assertIn("HiCache: on (--hicache-ratio 2.0", report)
+
+    def test_readme_pd_prefill_line_is_accepted(self):
+        line = README_LINE + " --disaggregation-mode prefill --disaggregation-transfer-backend mooncake"
+        code, report = self.run_check(line, {ALL_CP_RANKS_ENV: "1", PREFETCH_SLOT_TOKENS_ENV: "auto"})
+        self.assertEqual(code, ACCEPTED, report)
+        self.assertIn("decode: none (PD prefill server", report)
+        self.assertIn("layer-ahead prefetch: on (auto", report)
+
+    def test_refused_launches_name_every_problem(self):
+        cases = {
+            "cuda graphs": (
+                README_LINE.replace(" --disable-cuda-graph", ""),
+                {},
+                ["requires --disable-cuda-graph"],
+            ),
+            "tp 3": (README_LINE.replace("--tp 8", "--tp 3"), {}, ["--tp 3"]),
+            "storage and prefetch": (
+                README_LINE + " --hicache-storage-backend file",
+                {PREFETCH_SLOT_TOKENS_ENV: "lots"},
+                ["--hicache-storage-backend file", f"{PREFETCH_SLOT_TOKENS_ENV} must be", "'lots'"],
+            ),
+            "pd without all ranks": (
+                README_LINE + " --disaggregation-mode prefill --disaggregation-transfer-backend nixl",
+                {ALL_CP_RANKS_ENV: "on"},
+                ["nixl", f"{ALL_CP_RANKS_ENV} must be one of"],
+            ),
+            "flag missing": (README_LINE.replace(" --enable-nsa-prefill-cp-shared-kv", ""), {}, ["not in the arguments"]),
+        }
+        for name, (line, env, expected) in cases.items():
+            with self.subTest(name):
+                code, report = self.run_check(line, env)
+                self.assertEqual(code, REFUSED, report)
+                self.assertTrue(report.startswith("REFUSED: "), report)
+                for text in expected:
+                    self.assertIn(text, report)
+                self.assertNotEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
+
+    def test_a_malformed_argument_is_argparses_usage_error(self):
+        with self.assertRaises(SystemExit) as raised, mock.patch("sys.stderr", io.StringIO()):
+            self.run_check(README_LINE.replace("--tp 8", "--tp eight"))
+        self.assertEqual(raised.exception.code, 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
