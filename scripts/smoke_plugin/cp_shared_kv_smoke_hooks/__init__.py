@@ -19,8 +19,10 @@ sets for those servers alone:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang_cp_shared_kv.testing.e2e.one_gpu import ONE_GPU_PLUGIN_ENV
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
+    # A hung server can be asked where every thread is: `pkill -USR1 -f sglang::scheduler` prints
+    # each scheduler's Python stacks to its log (the runners do so before a budget kill).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if os.environ.get(SMOKE_ONE_GPU_ENV) == "1":
         from cp_shared_kv_smoke_hooks import one_gpu
 
