@@ -40,32 +40,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import StorageNamespace
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.server_args import STORAGE_BACKEND_LAYOUTS, storage_layout_problem  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-# The storage backends served with shared KV, and the host layouts each needs.
-STORAGE_BACKEND_LAYOUTS = {
-    "file": ("layer_first", "page_first", "page_first_direct"),
-    "mooncake": ("page_first", "page_first_direct"),
-}
-
-
-def storage_layout_problem(backend: str, host_layout: str) -> Optional[str]:
-    """Why ``backend`` cannot run on ``host_layout`` (None: it can), naming both settings."""
-    if backend not in STORAGE_BACKEND_LAYOUTS:
-        return (
-            f"--hicache-storage-backend {backend}: {FLAG} serves only "
-            + " and ".join(STORAGE_BACKEND_LAYOUTS)
-            + " (pages under owner-free keys, docs/hicache-storage.md)"
-        )
-    layouts = STORAGE_BACKEND_LAYOUTS[backend]
-    if host_layout not in layouts:
-        return (
-            f"--hicache-mem-layout {host_layout}: --hicache-storage-backend {backend} needs "
-            + " or ".join(layouts)
-        )
-    return None
-
 
 class CpStoragePageIO:
     """One rank's storage I/O of whole pages: KV from/to the KV host pool, indexer K from/to the

@@ -63,7 +63,6 @@ from sglang_cp_shared_kv.managers.cp_hicache_storage import (
     CpStoragePageIO,
     build_storage_backend,
     parse_extra_config,
-    storage_layout_problem,
 )
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
@@ -83,6 +82,7 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     value_pages,
 )
 from sglang_cp_shared_kv.server_args import (
+    storage_layout_problem,
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
     cp_shared_kv_enabled_in_env,
