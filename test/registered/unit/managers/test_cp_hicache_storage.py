@@ -4,11 +4,9 @@ placements (another CP size, a rank owning nothing), and the all-ranks hit rule.
 Every rank's view is a real CpHiRadixCache with sglang's real HiCacheFile backend, in one process and
 fed the same calls; a "restart" is a fresh set of stacks over the same directory. The multi-process
 agreement (MIN over a real gloo group) is in test_cp_hicache_storage_ranks.py.
-Planted bugs (each made a test here fail, then reverted): the indexer object left out of the hit rule
-(``hit_pages`` over KV only) -> test_missing_indexer_object_cuts_every_rank_at_that_page; the restored
-length taken per rank instead of the MIN -> test_cp_hicache_storage_ranks; every rank
-writing every page (stock's owner-blind write) -> test_each_rank_writes_only_its_own_pages; the CP size
-in the namespace -> test_restore_at_other_cp_sizes_is_bit_exact (no hit at cp 3).
+Planted and seen to fail (then reverted): the indexer object left out of the hit rule (``hit_pages``
+over KV only) -> test_missing_indexer_object_cuts_every_rank_at_that_page. Not yet planted: per-rank
+restored length, owner-blind writes, CP size in the namespace.
 """
 
 import json

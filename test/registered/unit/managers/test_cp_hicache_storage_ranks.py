@@ -3,9 +3,7 @@ rank's restore at the same page, and the trees, ledgers and host pools stay in s
 
 One launch, three phases on the same directory: (1) rank-sharded write of a 6-page prefix; (2) a
 fresh stack (a restart) restores it while rank 1's read of its second page fails; (3) another fresh
-stack restores after one page's indexer object was removed. Planted (failed, then reverted): the
-restored length taken per rank instead of the MIN over ranks -> rank 0 restored 6 pages, rank 1 three,
-and the trees differed.
+stack restores after one page's indexer object was removed. (The per-rank-length plant is not yet run.)
 """
 
 import json
