@@ -98,7 +98,19 @@ def _rank(rank, world_size, directory):
             if name.startswith(f"{tag}_{hashes[4]}.indexer"):
                 os.remove(os.path.join(directory, name))
     dist.barrier()
-    report["missing_indexer"] = restore(stack())
+    last = stack()
+    kv_keys_read = []
+    real_kv_get = last.cache.cp_storage._kv_get
+
+    def kv_get(keys, host_indices):
+        kv_keys_read.extend(keys)
+        return real_kv_get(keys, host_indices)
+
+    last.cache.cp_storage._kv_get = kv_get
+    report["missing_indexer"] = restore(last)
+    # Pages past the hit are not read at all (their host slots never reserved).
+    beyond = set(storage_keys(last.cache.cp_storage.namespace, hashes[4:]))
+    report["missing_indexer"]["read_beyond_hit"] = len(beyond.intersection(kv_keys_read))
     return report
 
 
@@ -129,6 +141,7 @@ class TestStorageAgreementAcrossRanks(CustomTestCase):
 
     def test_missing_indexer_object_cuts_every_rank(self):
         self._check("missing_indexer", 4)
+        self.assertEqual([report["missing_indexer"]["read_beyond_hit"] for report in self.reports], [0, 0])
 
 
 if __name__ == "__main__":
