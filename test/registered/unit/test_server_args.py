@@ -134,12 +134,15 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
 
     def test_storage_backends_and_their_layouts(self):
         """file and mooncake are served (with the host tier and the layouts each needs); any other
-        backend, storage without the host tier, and storage with MTP are refused by name."""
+        backend, storage without the host tier, storage with MTP and a prefetch policy the
+        synchronous prefetch would ignore are refused by name. Planted: the policy check removed ->
+        the --hicache-storage-prefetch-policy subtests fail."""
         from sglang_cp_shared_kv.server_args import storage_problems
 
         def problems(**fields):
             args = dict(hicache_storage_backend="file", enable_hierarchical_cache=True,
-                        hicache_mem_layout="layer_first", speculative_algorithm=None)  # fmt: skip
+                        hicache_mem_layout="layer_first", speculative_algorithm=None,
+                        hicache_storage_prefetch_policy="best_effort")  # fmt: skip
             return storage_problems(SimpleNamespace(**{**args, **fields}))
 
         self.assertEqual(problems(), [])
@@ -150,6 +153,9 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
             ("--hicache-mem-layout layer_first", dict(hicache_storage_backend="mooncake")),
             ("--enable-hierarchical-cache", dict(enable_hierarchical_cache=False)),
             ("--speculative-algorithm EAGLE", dict(speculative_algorithm="EAGLE")),
+            ("--hicache-storage-prefetch-policy timeout", dict(hicache_storage_prefetch_policy="timeout")),
+            ("--hicache-storage-prefetch-policy wait_complete",
+             dict(hicache_storage_prefetch_policy="wait_complete")),  # fmt: skip
         ]
         for name, fields in cases:
             with self.subTest(name=name):
