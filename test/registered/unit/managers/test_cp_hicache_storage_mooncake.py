@@ -8,7 +8,7 @@ owns: KV zero-copy from its ``page_first_direct`` host pool, the indexer as ``Po
 and restores it into fresh CP 3 stacks, whose owners differ for pages 2 and 3, through
 ``prefetch_from_storage_cp`` (every rank queries every page, reads its own); every restored KV row
 and indexer page must equal what was written. The child is bounded in time and stops the master
-(which also dies with the child: parent-death signal).
+(which also dies with the child: parent-death signal; ``testing/mooncake_master.py``).
 
 Skipped, with the reason, where it cannot run: no ``mooncake`` package (``pip install
 mooncake-transfer-engine-non-cuda`` on a CPU machine; the CUDA wheel needs libcuda), its system
@@ -21,21 +21,25 @@ writer fills its host pool directly; the GPU leg of scripts/gpu/check_cp_hicache
 Planted and seen to fail (then reverted): the CP size in the key namespace -> restored 0 tokens.
 """
 
-import ctypes
 import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import time
 import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+
+from sglang_cp_shared_kv.testing.mooncake_master import (
+    client_extra_config,
+    master_binary,
+    start_master,
+    stop_master,
+)
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")  # skips in CI (no libibverbs); ~25 s where it runs
 
@@ -62,13 +66,6 @@ def mooncake_unavailable():
     return "no network namespace: neither `unshare -n` nor `unshare -rn` works here"
 
 
-def master_binary():
-    import mooncake
-
-    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
-
-
 def unshare_prefix():
     if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
         return ["unshare", "-n", "--"]
@@ -84,29 +81,6 @@ def _loopback_up():
         request = struct.pack("16sh", b"lo", 0)
         flags = struct.unpack("16sh", fcntl.ioctl(sock, 0x8913, request))[1]
         fcntl.ioctl(sock, 0x8914, struct.pack("16sh", b"lo", flags | 0x1))
-
-
-def _die_with_parent():
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _start_master():
-    master = subprocess.Popen(
-        [master_binary(), f"--rpc_port={MASTER_PORT}", "--metrics_port=50052",
-         "--eviction_high_watermark_ratio=0.95"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if master.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited: {master.stderr.read().decode()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", MASTER_PORT), timeout=1).close()
-            return master
-        except OSError:
-            time.sleep(0.2)
-    master.kill()
-    raise RuntimeError(f"mooncake_master did not listen on {MASTER_PORT} within 30 s")
 
 
 def _page_pattern(host_pool, page: int, salt: int):
@@ -137,11 +111,7 @@ def child_round_trip() -> dict:
     from sglang_cp_shared_kv.testing.multi_rank import single_process_group
 
     seq = list(range(3000, 3000 + PAGES * PAGE))
-    extra = json.dumps({
-        "master_server_address": f"127.0.0.1:{MASTER_PORT}", "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp", "local_hostname": "127.0.0.1", "global_segment_size": 32 << 20,
-        "prefetch_threshold": PAGE,
-    })  # fmt: skip
+    extra = client_extra_config(MASTER_PORT, prefetch_threshold=PAGE)
     group = single_process_group()
 
     def views(cp_size):
@@ -187,15 +157,11 @@ def child_round_trip() -> dict:
 
 def child_main():
     _loopback_up()
-    master = _start_master()
+    master = start_master(MASTER_PORT, MASTER_PORT + 1)
     try:
         print("REPORT " + json.dumps(child_round_trip()), flush=True)
     finally:
-        master.terminate()
-        try:
-            master.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            master.kill()
+        stop_master(master)
     os._exit(0)  # Mooncake clients' threads can hold up interpreter exit
 
 
