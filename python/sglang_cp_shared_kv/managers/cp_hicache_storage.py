@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
     HiCacheStorage,
@@ -169,6 +170,16 @@ def parse_extra_config(extra_config: Optional[str]) -> dict:
     return json.loads(extra_config)
 
 
+def file_backend_directory(extra_config: dict) -> str:
+    """The file backend's directory as ``HiCacheFile`` resolves it: the environment variable, else
+    ``file_path`` of the extra config, else stock's default."""
+    return (
+        envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get()
+        or extra_config.get("file_path")
+        or "/tmp/hicache"
+    )
+
+
 def build_storage_backend(
     backend_name: str,
     kv_host,
@@ -201,9 +212,11 @@ def build_storage_backend(
         extra_config=dict(extra_config),
     )
     if backend_name == "file":
-        path = extra_config.get("file_path") or None
-        backend = HiCacheFile(config, file_path=path) if path else HiCacheFile(config)
-        os.makedirs(backend.file_path, exist_ok=True)  # stock creates it on TP rank 0 only
+        path = file_backend_directory(extra_config)
+        # Created here, race-free: HiCacheFile creates it on every TP rank 0 (``exists`` then
+        # ``makedirs``), and every CP rank is a TP rank 0, so concurrent CP ranks raised FileExistsError.
+        os.makedirs(path, exist_ok=True)
+        backend = HiCacheFile(config, file_path=path)
     else:
         from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
