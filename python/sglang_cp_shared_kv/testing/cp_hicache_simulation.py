@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -66,6 +67,9 @@ class SimulationScenario:
     # An MTP draft pool of this many layers (0: none), registered with HiCache as the scheduler does;
     # its bytes are written with the target's and checked like them (draft-device/host-bytes).
     draft_layers: int = 0
+    # HiCache L3 storage: a file-backend directory shared by every rank (None: no storage tier).
+    # Prefetch on admission, write at host-write acks, and a "restart" operation (see the workload).
+    storage_dir: Optional[str] = None
     # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
     # bug and check that the harness reports it. Must be picklable (a module-level function).
     plant: Optional[Callable[[HiCacheStack, int], None]] = None
@@ -75,6 +79,7 @@ class SimulationScenario:
             f"seed={self.seed} write_policy={self.write_policy} eviction={self.eviction_policy} "
             f"physical_pages={self.physical_pages} hicache_ratio={self.hicache_ratio}"
             + (f" draft_layers={self.draft_layers}" if self.draft_layers else "")
+            + (" storage=file" if self.storage_dir else "")
         )
 
 
@@ -249,6 +254,7 @@ class _RankRun:
             max_running_requests=scenario.max_running_requests,
             max_context_len=max_request_tokens + NSA_PAGE_SIZE,
             draft_layers=scenario.draft_layers,
+            **storage_options(scenario.storage_dir),
         )
         # The host mirror of req_to_token the peer-page plan reads, fed by the writer hooks (applied
         # in _rank); checked against the table after every step (invariant "req-to-token-mirror").
@@ -355,6 +361,15 @@ class _CollectiveTrace:
         values = self.exchange(site, [int(tensor.item())])[:, 0]
         reduce = {dist.ReduceOp.MIN: torch.min, dist.ReduceOp.MAX: torch.max}[op]
         tensor.fill_(int(reduce(values)))
+
+
+def storage_options(storage_dir: Optional[str]) -> dict:
+    """``build_cp_hicache_stack`` options of the storage tier: the file backend over ``storage_dir``
+    (shared by every rank: keys are owner-free), prefetching from one page on."""
+    if storage_dir is None:
+        return {}
+    extra = {"file_path": storage_dir, "prefetch_threshold": NSA_PAGE_SIZE}
+    return {"storage_backend": "file", "storage_extra_config": json.dumps(extra)}
 
 
 def _describe_exception(error: Exception) -> str:
