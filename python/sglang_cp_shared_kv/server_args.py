@@ -325,6 +325,14 @@ def storage_problems(server_args) -> list[str]:
     problem = storage_layout_problem(backend, server_args.hicache_mem_layout)
     if problem:
         problems.append(problem)
+    policy = getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
+    if policy != "best_effort":
+        # Our prefetch is synchronous and always completes before the request is scheduled, so the
+        # policy would be silently ignored: only stock's default is accepted.
+        problems.append(
+            f"--hicache-storage-prefetch-policy {policy}: {CP_SHARED_KV_FLAG} prefetches from storage "
+            "synchronously when a request arrives (it always completes); leave the default best_effort"
+        )
     if getattr(server_args, "speculative_algorithm", None) is not None:
         # The draft pool's pages would have to be stored and restored with the target's; not yet.
         problems.append(
