@@ -6,12 +6,15 @@ checks every invariant after every operation. Prints one line per scenario and a
 group reported a violation (the message names invariant, seed, step, rank and operation).
 
     python scripts/simulate_cp_hicache.py --cp-sizes 2 4 8 --seeds 0 1 2 --ops 2000
+    python scripts/simulate_cp_hicache.py --storage     # with an L3 file-backend tier, shared by ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 
 from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
@@ -57,12 +60,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "token bigrams",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
+    parser.add_argument(
+        "--storage", action="store_true",
+        help="give every rank an L3 file-backend tier in one shared temporary directory (kept across "
+        "scenarios and cp sizes: a later group restores what an earlier one stored)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    storage_dir = tempfile.mkdtemp(prefix="cp-hicache-sim-l3-") if args.storage else None
+    try:
+        return _run(args, storage_dir)
+    finally:
+        if storage_dir is not None:
+            shutil.rmtree(storage_dir, ignore_errors=True)
 
+
+def _run(args, storage_dir) -> int:
     start = time.monotonic()
     ops_executed, violations = 0, []
     for cp_size in args.cp_sizes:
@@ -75,6 +91,7 @@ def main(argv=None) -> int:
                 physical_pages=args.physical_pages,
                 hicache_ratio=args.hicache_ratio,
                 eagle_keys=args.eagle_keys,
+                storage_dir=storage_dir,
             )
             for seed in args.seeds
             for write_policy in args.write_policies
@@ -98,7 +115,10 @@ def main(argv=None) -> int:
                 f"(+{stats.get('host evictions for a write', 0)} for a write), "
                 f"splits {stats.get('node splits', 0) + stats.get('node splits on host', 0)}, "
                 f"injected device allocation failures fired "
-                f"{result.local_stats.get('injected device allocation failures fired', 0)}",
+                f"{result.local_stats.get('injected device allocation failures fired', 0)}"
+                + (f", storage prefetches {stats.get('storage prefetches restored', 0)} "
+                   f"({stats.get('storage tokens restored', 0)} tokens), restarts "
+                   f"{stats.get('restarts', 0)}" if storage_dir else ""),  # fmt: skip
                 flush=True,
             )
         ops_executed += report.ops_executed

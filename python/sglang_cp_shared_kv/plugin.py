@@ -41,6 +41,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
     from sglang_cp_shared_kv.managers import (
         cp_hicache_draft_pool,
+        cp_hicache_storage_prefetch,
         prefill_load_back_quota,
         prefill_scratch_admission,
     )
@@ -67,6 +68,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     nsa_host_kv_row_width.register_hooks(registry)
     # The MTP draft's KV and indexer host pools, backed up and restored with the target's pages.
     cp_hicache_draft_pool.register_hooks(registry)
+    cp_hicache_storage_prefetch.register_hooks(registry)
     prefill_load_back_quota.register_hooks(registry)
     # Prefill batches within a gather scratch sized for prefill only (decode per owner).
     prefill_scratch_admission.register_hooks(registry)

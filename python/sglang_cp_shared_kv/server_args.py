@@ -230,11 +230,7 @@ def _unsupported_combinations(server_args) -> list[str]:
     problems = []
     if not server_args.enable_nsa_prefill_context_parallel:
         problems.append(f"{CP_SHARED_KV_FLAG} requires --enable-nsa-prefill-context-parallel")
-    if server_args.hicache_storage_backend is not None:
-        problems.append(
-            f"--hicache-storage-backend {server_args.hicache_storage_backend}: HiCache storage backends "
-            "are not supported with page-sharded KV (host-only --enable-hierarchical-cache is)"
-        )
+    problems += storage_problems(server_args)
     if server_args.enable_hisparse:
         problems.append("--enable-hisparse: the HiSparse NSA KV pool is not supported")
     if server_args.enable_lmcache:
@@ -296,6 +292,65 @@ def attention_backend_problems(server_args) -> list[str]:
 # (indexer K, sized from the KV host pool) only the first three. Anything else raises
 # "Unsupported layout" when the scheduler builds HiCache, after the model has loaded.
 NSA_HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+# ---- HiCache L3 storage (docs/hicache-storage.md) ----
+# Pages go to storage under owner-free keys, written by their owner and read by whichever rank owns
+# them in the reader's placement. Served backends and the host layouts each needs: ``file``
+# (HiCacheFile, a generic page copy: any NSA layout) and ``mooncake`` (Mooncake Store, zero-copy from
+# the host pool: page-first layouts only; sglang rewrites layer_first to one of them for mooncake).
+STORAGE_BACKEND_LAYOUTS = {
+    "file": ("layer_first", "page_first", "page_first_direct"),
+    "mooncake": ("page_first", "page_first_direct"),
+}
+
+
+def storage_layout_problem(backend: str, host_layout: str):
+    """Why ``backend`` cannot run with shared KV on ``host_layout`` (None: it can), naming the setting."""
+    if backend not in STORAGE_BACKEND_LAYOUTS:
+        return (
+            f"--hicache-storage-backend {backend}: {CP_SHARED_KV_FLAG} serves only "
+            + " and ".join(STORAGE_BACKEND_LAYOUTS)
+            + " (their MLA keys carry no TP rank, so pages are stored under owner-free keys)"
+        )
+    layouts = STORAGE_BACKEND_LAYOUTS[backend]
+    if host_layout not in layouts:
+        return (
+            f"--hicache-mem-layout {host_layout}: --hicache-storage-backend {backend} with "
+            f"{CP_SHARED_KV_FLAG} needs " + " or ".join(layouts)
+        )
+    return None
+
+
+def storage_problems(server_args) -> list[str]:
+    """L3 storage settings refused with shared KV, each naming its flag."""
+    backend = server_args.hicache_storage_backend
+    if backend is None:
+        return []
+    problems = []
+    if not server_args.enable_hierarchical_cache:
+        problems.append(
+            f"--hicache-storage-backend {backend}: needs --enable-hierarchical-cache (the host tier)"
+        )
+    problem = storage_layout_problem(backend, server_args.hicache_mem_layout)
+    if problem:
+        problems.append(problem)
+    policy = getattr(server_args, "hicache_storage_prefetch_policy", "best_effort")
+    if policy != "best_effort":
+        # Our prefetch is synchronous and always completes before the request is scheduled, so the
+        # policy would be silently ignored: only stock's default is accepted.
+        problems.append(
+            f"--hicache-storage-prefetch-policy {policy}: {CP_SHARED_KV_FLAG} prefetches from storage "
+            "synchronously when a request arrives (it always completes); leave the default best_effort"
+        )
+    if getattr(server_args, "speculative_algorithm", None) is not None:
+        # The draft pool's pages would have to be stored and restored with the target's; not yet.
+        problems.append(
+            f"--hicache-storage-backend {backend} with --speculative-algorithm "
+            f"{server_args.speculative_algorithm}: {CP_SHARED_KV_FLAG} does not store the MTP "
+            "draft pool's pages in L3 storage (host-only HiCache with MTP is supported)"
+        )
+    return problems
 
 
 def hicache_problems(server_args) -> list[str]:

@@ -28,6 +28,18 @@ cp_size in --cp-sizes, KV format bf16 / fp8, io backend ``kernel`` (host layouts
 and ``direct`` (layer_first, page_first_direct); ``--device cpu`` runs the direct backend with the
 layer_first layout only (the CPU shim has no other kernel).
 
+``--storage file|mooncake`` runs the L3 storage leg instead (docs/hicache-storage.md): per
+configuration, the writers (cp_size ranks) insert sequence A with their owned bytes and back it up;
+write-through stores each rank's own pages (KV and indexer) under owner-free keys. Then a fresh stack
+of cp_size + 1 ranks (a restart where pages cp_size.. have other owners) prefetches A from storage
+(every rank queries every page, reads the pages it owns now), loads it back to device and counts
+owned KV rows and indexer pages whose bytes differ. Checked too: every writer page stored exactly
+once, the full prefix restored on every reader, identical trees, each position restored by exactly
+one rank. Host layouts: ``file`` every one of the io backend, ``mooncake`` the page-first ones
+(its zero-copy path). ``file`` writes under a fresh temporary directory; ``mooncake`` starts its own
+``mooncake_master`` on loopback (``--mooncake-port``; ``testing/mooncake_master.py``) and stops it.
+``--device cpu --storage file`` runs the direct/layer_first configuration (a CPU test does).
+
 Prints one line per configuration (and per plant) and ``mismatches = N`` (unplanted runs only);
 exits 1 if anything failed or a plant went uncaught.
 """
@@ -36,7 +48,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -64,7 +79,17 @@ def parse_args(argv=None):
         help="build KV host rows as wide as the device rows (works around sglang 0.5.11's 576-byte "
         "fp8 host rows, docs/cp-hicache.md) to check the rest of the fp8 path",
     )
+    parser.add_argument(
+        "--storage", choices=("file", "mooncake"), default=None,
+        help="run the L3 storage leg (write at cp, restore at cp + 1) with this backend",
+    )  # fmt: skip
+    parser.add_argument("--mooncake-port", type=int, default=50051, help="our mooncake_master's RPC port")
     args = parser.parse_args(argv)
+    if args.storage and (args.draft or args.widen_host_rows):
+        parser.error("--storage runs without --draft / --widen-host-rows")
+    if args.storage == "mooncake" and args.device == "cpu":
+        parser.error("--storage mooncake needs page-first host layouts, which the CPU shim cannot copy")
+    args.storage_dir = None  # set by main for --storage file
     if args.backends is None:
         args.backends = ["kernel", "direct"] if args.device == "cuda" else ["direct"]
     if args.layers is None:
@@ -103,6 +128,7 @@ def planted_draft_bug(stack, plant):
 
 
 def configurations(args):
+    from sglang_cp_shared_kv.server_args import STORAGE_BACKEND_LAYOUTS
     from sglang_cp_shared_kv.testing.cp_hicache_stack import HOST_LAYOUTS
 
     for kv_format in args.kv_formats:
@@ -111,7 +137,21 @@ def configurations(args):
                 for host_layout in HOST_LAYOUTS[backend]:
                     if args.device == "cpu" and host_layout != "layer_first":
                         continue
+                    if args.storage and host_layout not in STORAGE_BACKEND_LAYOUTS[args.storage]:
+                        continue
                     yield cp_size, kv_format, backend, host_layout
+
+
+def world_size(args) -> int:
+    """Processes the run needs: the largest CP group (the storage leg restores at cp_size + 1)."""
+    return max(args.cp_sizes) + (1 if args.storage else 0)
+
+
+def group_sizes(args) -> list:
+    sizes = set(args.cp_sizes)
+    if args.storage:
+        sizes |= {cp + 1 for cp in args.cp_sizes}
+    return sorted(sizes)
 
 
 def _sync(device: str) -> None:
@@ -242,6 +282,106 @@ def _round_trip(args, stack, cp_size, seed):
     }
 
 
+def storage_extra_config(args, index: int) -> str:
+    """The backend's extra config for configuration ``index`` (a fresh directory per configuration
+    for ``file``; one master for every configuration, distinct tokens keep them apart)."""
+    import json
+
+    if args.storage == "file":
+        return json.dumps({"file_path": os.path.join(args.storage_dir, f"cfg{index}"),
+                           "prefetch_threshold": PAGE})  # fmt: skip
+    from sglang_cp_shared_kv.testing.mooncake_master import client_extra_config
+
+    return client_extra_config(args.mooncake_port, prefetch_threshold=PAGE)
+
+
+def storage_round_trip(args, rank, groups, index, cp_size, kv_format, backend, host_layout):
+    """One storage configuration on this rank; returns (writer numbers or None, reader numbers or
+    None). Every process joins both barriers, whether it writes, reads or neither."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+        SequenceBytes,
+        build_cp_hicache_stack,
+        glm5_nsa,
+        settle_write_acks,
+        tree_signature,
+    )
+
+    extra = storage_extra_config(args, index)
+    seed = 1000 + 10 * index
+    len_a = (2 * cp_size + 1) * PAGE
+    seq_a = list(range(10**6 * (index + 1), 10**6 * (index + 1) + len_a))  # distinct per configuration
+
+    def stack(size):
+        return build_cp_hicache_stack(
+            device=args.device, shape=glm5_nsa(kv_format, args.layers), io_backend=backend,
+            host_layout=host_layout, cp_size=size, cp_rank=rank, group=groups[size],
+            physical_pages=args.physical_pages, storage_backend=args.storage,
+            storage_extra_config=extra,
+        )  # fmt: skip
+
+    written = None
+    if rank < cp_size:
+        writer = stack(cp_size)
+        locs = writer.allocator.alloc(len_a)
+        SequenceBytes(writer, len_a, seed).write_owned(writer, locs)
+        writer.cache.insert(InsertParams(key=RadixKey(seq_a), value=locs))
+        _sync(args.device)
+        settle_write_acks(writer.cache)  # write-through acks store this rank's pages
+        written = {"pages_written": writer.cache.cp_storage.pages_written,
+                   "owned_pages": int(writer.layout.owned_by_this_rank(locs).sum()) // PAGE}  # fmt: skip
+    dist.barrier()
+
+    read = None
+    if rank < cp_size + 1:
+        reader = stack(cp_size + 1)  # a restart with other owners for pages cp_size..
+        reader.allocator.alloc(PAGE)  # and other device pages
+        problems = []
+        restored = reader.cache.prefetch_from_storage_cp("req", seq_a)
+        match = reader.cache.match_prefix(MatchPrefixParams(key=RadixKey(seq_a)))
+        if match.host_hit_length != restored:
+            problems.append(f"host hit {match.host_hit_length} after restoring {restored}")
+        new_locs = reader.cache.load_back(match.last_host_node) if restored else None
+        reader.cache.ready_to_load_host_cache()
+        _sync(args.device)
+        reader.cache.loading_check()
+        kv_bad = index_bad = owned = 0
+        if new_locs is not None:
+            kv_bad, index_bad = SequenceBytes(reader, len_a, seed).owned_mismatches(reader, new_locs)
+            owned = int(reader.layout.owned_by_this_rank(new_locs).sum())
+        read = {"restored": restored, "problems": problems, "kv_bad": kv_bad, "index_bad": index_bad,
+                "owned": owned, "pages_read": reader.cache.cp_storage.pages_read,
+                "tree": tree_signature(reader.cache), "total_tokens": len_a}  # fmt: skip
+    dist.barrier()
+    return written, read
+
+
+def summarize_storage(written, read, layers):
+    """Rank 0's verdict over the writers' and readers' numbers."""
+    written = [w for w in written if w is not None]
+    read = [r for r in read if r is not None]
+    total = read[0]["total_tokens"]
+    problems = [f"reader {r}: {p}" for r, res in enumerate(read) for p in res["problems"]]
+    stored = [w["pages_written"] for w in written]
+    if stored != [w["owned_pages"] for w in written] or sum(stored) != total // PAGE:
+        problems.append(f"writers stored {stored} pages; they own {[w['owned_pages'] for w in written]}")
+    if any(res["restored"] != total for res in read):
+        problems.append(f"restored {[res['restored'] for res in read]} tokens, expected {total} each")
+    if any(res["tree"] != read[0]["tree"] for res in read[1:]):
+        problems.append("readers' trees differ")
+    if sum(res["owned"] for res in read) != total:
+        problems.append(f"{sum(res['owned'] for res in read)} positions restored, expected {total}")
+    mismatches = sum(res["kv_bad"] + res["index_bad"] for res in read)
+    detail = (
+        f"mismatches = {mismatches} (kv rows {sum(r['kv_bad'] for r in read)}/{total * layers}, "
+        f"indexer pages {sum(r['index_bad'] for r in read)}/{total // PAGE * layers}); pages "
+        f"written per writer {stored}, read per reader {[r['pages_read'] for r in read]}"
+    )
+    return mismatches, problems, detail
+
+
 def summarize(results, cp_size, draft=False, layers=1):
     """Rank 0's verdict over every rank's numbers."""
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
@@ -284,7 +424,7 @@ def rank_main(rank, world, args):
         torch.cuda.set_device(0)
     groups = {
         cp: dist.group.WORLD if cp == world else dist.new_group(ranks=list(range(cp)))
-        for cp in sorted(set(args.cp_sizes))
+        for cp in group_sizes(args)
     }
     if args.device == "cuda":
         # Build the bf16 JIT HiCache kernel once before every rank asks for it.
@@ -295,6 +435,8 @@ def rank_main(rank, world, args):
         dist.barrier()
         can_use_hicache_jit_kernel(element_size=576 * 2)
 
+    if args.storage:
+        return storage_leg(args, rank, groups)
     total_mismatches, failed, passed = 0, 0, 0
     plants = (None,) + (DRAFT_PLANTS if args.draft_plants else ())
     for index, (cp_size, kv_format, backend, host_layout) in enumerate(configurations(args)):
@@ -338,13 +480,67 @@ def rank_main(rank, world, args):
     return (total_mismatches, passed, failed) if rank == 0 else None
 
 
+def storage_leg(args, rank, groups):
+    """Every storage configuration; every process takes part in each (see storage_round_trip)."""
+    total_mismatches, failed, passed = 0, 0, 0
+    for index, (cp_size, kv_format, backend, host_layout) in enumerate(configurations(args)):
+        start = time.time()
+        name = f"L3 {args.storage}: write cp={cp_size} -> restore cp={cp_size + 1} {kv_format} {backend}/{host_layout}"
+        try:
+            written, read = storage_round_trip(
+                args, rank, groups, index, cp_size, kv_format, backend, host_layout
+            )
+        except Exception:
+            print(f"[FAIL] {name}: rank {rank} raised", flush=True)
+            raise
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (written, read))
+        if rank != 0:
+            continue
+        mismatches, problems, detail = summarize_storage(
+            [w for w, _ in gathered], [r for _, r in gathered], args.layers
+        )
+        ok = mismatches == 0 and not problems
+        total_mismatches += mismatches
+        passed, failed = passed + ok, failed + (not ok)
+        print(
+            f"[{'PASS' if ok else 'FAIL'}] {name}: {detail} ({time.time() - start:.1f} s)"
+            + "".join(f"\n    {p}" for p in problems),
+            flush=True,
+        )
+    dist.barrier()
+    return (total_mismatches, passed, failed) if rank == 0 else None
+
+
+@contextlib.contextmanager
+def storage_service(args):
+    """The storage the leg writes to, for the whole run: a temporary directory, or our own master."""
+    if args.storage == "file":
+        args.storage_dir = tempfile.mkdtemp(prefix="cp_hicache_gpu_l3_")
+        try:
+            yield
+        finally:
+            shutil.rmtree(args.storage_dir, ignore_errors=True)
+    elif args.storage == "mooncake":
+        from sglang_cp_shared_kv.testing.mooncake_master import start_master, stop_master
+
+        master = start_master(args.mooncake_port, args.mooncake_port + 1)
+        try:
+            yield
+        finally:
+            stop_master(master)
+    else:
+        yield
+
+
 def main(argv=None) -> int:
     from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, run_ranks
 
     args = parse_args(argv)
     start = time.time()
     try:
-        results = run_ranks(rank_main, max(args.cp_sizes), (args,), timeout_s=args.timeout_s)
+        with storage_service(args):
+            results = run_ranks(rank_main, world_size(args), (args,), timeout_s=args.timeout_s)
     except RanksFailed as exc:
         print(f"check: a rank failed: {exc}")
         print("mismatches = unknown")

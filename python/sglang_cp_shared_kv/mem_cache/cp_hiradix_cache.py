@@ -20,6 +20,7 @@ only with the flag on). Construction with any other allocator returns the stock 
 from __future__ import annotations
 
 import contextlib
+import copy
 import heapq
 import logging
 import math
@@ -47,6 +48,7 @@ from sglang.srt.mem_cache.evict_policy import (
     PriorityStrategy,
     SLRUStrategy,
 )
+from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import (
@@ -57,8 +59,19 @@ from sglang.srt.mem_cache.radix_cache import (
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
+from sglang_cp_shared_kv.managers.cp_hicache_storage import (
+    CpStoragePageIO,
+    build_storage_backend,
+    parse_extra_config,
+)
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
+from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import (
+    StorageNamespace,
+    chain_seed,
+    page_hash_chain,
+    storage_keys,
+)
 from sglang_cp_shared_kv.mem_cache.cp_host_slot_ledger import CpHostSlotLedger
 from sglang_cp_shared_kv.mem_cache.eviction_candidates import EvictionCandidates
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
@@ -69,6 +82,7 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     value_pages,
 )
 from sglang_cp_shared_kv.server_args import (
+    storage_layout_problem,
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
     cp_shared_kv_enabled_in_env,
@@ -160,7 +174,16 @@ class CpHiRadixCache(HiRadixCache):
         self._write_acks_in_flight = None  # the write-ack all-reduce started by the last writing_check
         self._ack_reduce_groups = None  # groups the write-ack count reduces over (first writing_check)
         self.host_ledger: Optional[CpHostSlotLedger] = None  # built once the host pools exist
-        super().__init__(params, server_args)
+        # L3 storage is ours (``_build_storage``): stock's controller would start its storage threads
+        # and let only TP rank 0 write (``backup_skip``), so the stock cache is built without it.
+        self.cp_storage: Optional[CpStoragePageIO] = None
+        self.storage_node_writes = 0  # nodes offered to storage (the same on every rank)
+        self.storage_prefetches = 0  # prefetch decisions taken (the same on every rank)
+        stock_args = server_args
+        if server_args.hicache_storage_backend is not None:
+            stock_args = copy.copy(server_args)
+            stock_args.hicache_storage_backend = None
+        super().__init__(params, stock_args)
         self.cache_controller = CpHybridCacheController.adopt(self.cache_controller, self.cp_layout)
         self.host_ledger = CpHostSlotLedger(
             self._host_capacity_by_rank(cp_size), cp_rank, self.page_size,
@@ -171,6 +194,8 @@ class CpHiRadixCache(HiRadixCache):
         self.evictable_host_leaves = EvictionCandidates(self.eviction_strategy.get_priority)
         # Whether an access must re-queue the candidates it touches (see _touch).
         self._access_requeues = type(self.eviction_strategy) not in ACCESS_RAISES_PRIORITY
+        if server_args.hicache_storage_backend is not None:
+            self._build_storage(server_args, cp_rank, cp_size)
         logger.info(
             "CP HiCache on cp rank %d of %d: %d physical host slots",
             cp_rank,
@@ -287,7 +312,12 @@ class CpHiRadixCache(HiRadixCache):
         self._apply_write_acks_in_flight()
         if write_back or len(self.ongoing_write_through) == 0:
             # All ranks have the same ongoing writes, so all skip the collective together.
-            return super().writing_check(write_back=write_back)
+            # (write_back: stock waits for every write; then they go on to storage, in order.)
+            written = list(self.ongoing_write_through.values()) if write_back else []
+            result = super().writing_check(write_back=write_back)
+            for node in written:
+                self._store_node(node)
+            return result
         finished = 0
         for _, finish_event, _ in self.cache_controller.ack_write_queue:
             if not finish_event.query():
@@ -335,6 +365,7 @@ class CpHiRadixCache(HiRadixCache):
                 node = self.ongoing_write_through.pop(ack_id)
                 self._record_store_event(node, medium=StorageMedium.CPU)
                 self.dec_lock_ref(node)
+                self._store_node(node)
         del queue[:count]
 
     # ---- load acknowledgement ----
@@ -880,15 +911,248 @@ class CpHiRadixCache(HiRadixCache):
             record_inserted_values(self, inserted_key)
         return InsertResult(prefix_len=total_prefix_length)
 
+    # ---- L3 storage (docs/hicache-storage.md) ----
+    # Every decision below is taken from state identical on every rank (the tree, the ledger, page
+    # owners) or from a MIN over the attention groups that every rank enters, including a rank that
+    # owns none of the pages: the trees and ledgers never drift apart.
+
+    def _build_storage(self, server_args: ServerArgs, cp_rank: int, cp_size: int) -> None:
+        host = self.cache_controller.mem_pool_host
+        kv_host = host.anchor_entry.host_pool
+        indexer_host = host.entry_map[PoolName.INDEXER].host_pool
+        namespace = StorageNamespace(
+            model=str(getattr(server_args, "model_path", None) or server_args.served_model_name),
+            kv_dtype=str(kv_host.dtype),
+            kv_row_bytes=kv_host.kv_cache_dim * kv_host.dtype.itemsize,
+            indexer_page_bytes=int(self.kv_cache.index_k_with_scale_buffer[0].shape[1]),
+            page_size=self.page_size,
+            layer_num=kv_host.layer_num,
+            host_layout=kv_host.layout,
+        )
+        attn_tp_rank, attn_tp_size = self._attn_tp_rank_and_size()
+        backend_name = server_args.hicache_storage_backend
+        extra = parse_extra_config(server_args.hicache_storage_backend_extra_config)
+        # Stock's prefetch threshold (tokens), read from the same extra config.
+        threshold = int(extra.pop("prefetch_threshold", 256))
+        for stock_only in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                           "hicache_storage_pass_prefix_keys"):  # fmt: skip
+            extra.pop(stock_only, None)
+        backend = build_storage_backend(
+            backend_name, kv_host, indexer_host,
+            model_name=server_args.served_model_name,
+            attn_tp_rank=attn_tp_rank, attn_tp_size=attn_tp_size,
+            attn_cp_rank=cp_rank, attn_cp_size=cp_size,
+            extra_config=extra,
+        )  # fmt: skip
+        self.cp_storage = CpStoragePageIO(
+            backend, backend_name, kv_host, indexer_host, namespace, writes=attn_tp_rank == 0
+        )
+        self.storage_prefetch_threshold = max(threshold, self.page_size)
+        logger.info(
+            "CP HiCache L3 storage %s on cp rank %d of %d (%s): keys %s_<page hash> (%s)",
+            backend_name, cp_rank, cp_size,
+            "writer" if attn_tp_rank == 0 else "reader only",
+            namespace.tag(), namespace.describe(),
+        )  # fmt: skip
+
+    def _attn_tp_rank_and_size(self) -> tuple[int, int]:
+        group = self.attn_tp_group
+        if group is None:
+            return 0, 1
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+
+    def _min_over_ranks(self, value: int) -> int:
+        tensor = self._agreed_max
+        tensor.fill_(value)
+        self._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def _node_page_hashes(self, node: TreeNode) -> List[str]:
+        """The stock hash chain of ``node``'s pages from the root (kept in ``node.hash_value``, which
+        ``_split_node`` splits as stock does)."""
+        if node is self.root_node:
+            return []
+        pages = len(node.key) // self.page_size
+        if node.hash_value is not None and len(node.hash_value) == pages:
+            return node.hash_value
+        above = self._node_page_hashes(node.parent)
+        prior = above[-1] if above else chain_seed(node.key.extra_key)
+        node.hash_value = page_hash_chain(node.key.token_ids, self.page_size, prior)
+        return node.hash_value
+
+    def _store_node(self, node: TreeNode) -> None:
+        """A node's host copy is confirmed: this rank stores the pages it owns of it (KV and
+        indexer) under owner-free keys. Every rank counts the node, whether it owns any or not."""
+        if self.cp_storage is None or not self._node_backuped(node):
+            return
+        self.storage_node_writes += 1
+        metadata = node.cp_hicache
+        if metadata.num_owned == 0 or not self.cp_storage.writes:
+            return
+        hashes = self._node_page_hashes(node)
+        owned_pages = metadata.owned_positions.numpy()[:: self.page_size] // self.page_size
+        keys = storage_keys(self.cp_storage.namespace, [hashes[p] for p in owned_pages])
+        stored = self.cp_storage.write_pages(keys, metadata.host_indices)
+        if stored < len(keys):
+            # A page missing from storage only shortens later hits (every rank checks every page).
+            logger.warning(
+                "CP HiCache storage: stored %d of %d owned pages of node %d", stored, len(keys), node.id
+            )
+
+    def prefetch_from_storage_cp(self, req_id: str, token_ids, extra_key=None) -> int:
+        """Restore from storage the pages of ``token_ids`` beyond what the tree holds, into host
+        slots, as one host-only node below the match; returns the logical tokens restored (0:
+        nothing). Synchronous; every rank calls it for the same request at the same step.
+
+        1. Every rank hashes and queries every page (its KV and indexer objects both present), the
+           pages it will own and those it will not; the hit is the MIN over ranks of the leading
+           pages found.
+        2. Owners of the restored pages: page ``q`` of the sequence on rank ``q % cp_size``, the same
+           on every rank. The ledger says whether every rank has the host slots, evicting host nodes
+           if not; what still does not fit is cut off for every rank alike (never per rank).
+        3. Each rank reads the pages it owns into its slots; the restored length is the MIN over
+           ranks of the first page not read (a failed read on one rank cuts every rank there), and
+           every rank gives back its slots beyond it.
+        4. The node gets ``host_len`` and metadata as a host backup would (``load_back`` then
+           restores it to device like any host node).
+        """
+        if self.cp_storage is None:
+            return 0
+        self.storage_prefetches += 1
+        page_size = self.page_size
+        match = self.match_prefix(MatchPrefixParams(key=RadixKey(list(token_ids), extra_key)))
+        matched_len = len(match.device_indices) + match.host_hit_length
+        below = match.last_host_node if match.host_hit_length else match.last_device_node
+        first_page = matched_len // page_size
+        candidate_pages = max(len(token_ids) // page_size - first_page, 0)
+        if candidate_pages * page_size < self.storage_prefetch_threshold:
+            return 0  # lengths only: identical on every rank
+        hashes = page_hash_chain(
+            token_ids[: (first_page + candidate_pages) * page_size], page_size, chain_seed(extra_key)
+        )[first_page:]
+        keys = storage_keys(self.cp_storage.namespace, hashes)
+        try:
+            found = self.cp_storage.hit_pages(keys)
+        except Exception:  # a failed query is a miss on this rank; the MIN makes it everyone's
+            logger.exception("CP HiCache storage: existence query failed")
+            found = 0
+        hit_pages = self._min_over_ranks(found)
+        if hit_pages == 0:
+            return 0
+
+        below.protect_host()  # host eviction for the slots must not take the matched path
+        try:
+            owners = (first_page + np.arange(hit_pages, dtype=np.int64)) % self.cp_layout.cp_size
+            owners, host_indices = self._reserve_storage_slots(owners)
+        finally:
+            below.release_host()
+        if len(owners) == 0:
+            return 0
+        metadata = self._read_owned_pages(owners, host_indices, keys[: len(owners)])
+        if metadata is None:
+            return 0
+        logical_len = metadata.logical_len
+        key = RadixKey(list(token_ids[matched_len : matched_len + logical_len]), extra_key)
+        self._insert_storage_node(below, key, metadata, hashes[: logical_len // page_size])
+        self.prefetch_loaded_tokens_by_reqid[req_id] = logical_len
+        return logical_len
+
+    def _reserve_storage_slots(self, owners: np.ndarray):
+        """(The leading ``owners`` every rank has host slots for, this rank's slots for its pages of
+        them), after host eviction if needed; the ledger's answer, the same on every rank."""
+        ledger, page_size = self.host_ledger, self.page_size
+        if not ledger.fits(ledger.slots_of_pages(owners)):
+            self._evict_host_until(ledger.shortfall(ledger.slots_of_pages(owners)))
+        pages = len(owners)
+        while pages and not ledger.fits(ledger.slots_of_pages(owners[:pages])):
+            pages -= 1
+        owners = owners[:pages]
+        owned = int(np.count_nonzero(owners == self.cp_layout.cp_rank))
+        host_indices = torch.empty((0,), dtype=torch.int64)
+        if owned:
+            host_indices = self.cache_controller.mem_pool_host.alloc(owned * page_size)
+            if host_indices is None:
+                ledger.check_own_entry("before a storage read")  # raises: the ledger said it fits
+                raise RuntimeError("CP HiCache: the host pool refused slots its ledger has free")
+            host_indices = host_indices.cpu()
+        if pages:
+            ledger.take(ledger.slots_of_pages(owners))
+        return owners, host_indices
+
+    def _read_owned_pages(
+        self, owners: np.ndarray, host_indices: torch.Tensor, keys: List[str]
+    ) -> Optional[CpHiCacheNodeMetadata]:
+        """Read this rank's pages into ``host_indices``, agree on the restored length, give back the
+        slots beyond it; the metadata of what was restored (None: nothing)."""
+        page_size, ledger = self.page_size, self.host_ledger
+        owned_pages = (owners == self.cp_layout.cp_rank).nonzero()[0]
+        read = self.cp_storage.read_pages([keys[p] for p in owned_pages], host_indices)
+        first_missing = int(owned_pages[read]) if read < len(owned_pages) else len(owners)
+        restored_pages = self._min_over_ranks(first_missing)
+        kept = int(np.count_nonzero(owned_pages < restored_pages))
+        if restored_pages < len(owners):
+            if kept < len(owned_pages):
+                self.cache_controller.mem_pool_host.free(host_indices[kept * page_size :])
+            ledger.give_back(ledger.slots_of_pages(owners[restored_pages:]))
+        if restored_pages == 0:
+            return None
+        owners = owners[:restored_pages]
+        positions = (
+            owned_pages[:kept, None] * page_size + np.arange(page_size, dtype=np.int64)
+        ).reshape(-1)
+        return CpHiCacheNodeMetadata.derived(
+            logical_len=restored_pages * page_size,
+            owned_positions=torch.from_numpy(positions.astype(np.int64)),
+            host_indices=host_indices[: kept * page_size].clone(),
+            owner_ranks=torch.from_numpy(owners.astype(np.int8).repeat(page_size)),
+            slots_by_rank=ledger.slots_of_pages(owners),
+        )
+
+    def _insert_storage_node(
+        self, parent: TreeNode, key: RadixKey, metadata: CpHiCacheNodeMetadata, hashes: List[str]
+    ) -> TreeNode:
+        """A host-only node for restored pages below ``parent``, where the tree's match ended
+        (stock's ``_insert_helper_host``, with CP host state)."""
+        child_key = key.child_key(self.page_size)
+        if child_key in parent.children:
+            raise RuntimeError(f"storage restore below node {parent.id}: the tree matched further")
+        node = self._new_node(priority=parent.priority)
+        node.parent = parent
+        node.key = key
+        node.value = None
+        node.host_len = metadata.logical_len
+        node.cp_hicache = metadata
+        node.hash_value = list(hashes)
+        parent.children[child_key] = node
+        self.host_logical_tokens += node.host_len
+        self._update_host_leaf_status(node)
+        self._update_leaf_status(parent)
+        self._update_host_leaf_status(parent)
+        self._record_store_event(node, medium=StorageMedium.CPU)
+        self._note_host_event()
+        return node
+
     # ---- storage and observability ----
 
     def attach_storage_backend(self, storage_backend: str, *args, **kwargs) -> tuple[bool, str]:
-        """Stock attaches a storage backend; here it is always refused."""
+        """Stock attaches a storage backend at runtime; here only at startup (refused)."""
         return (
             False,
-            f"HiCache storage backends are not supported with {FLAG}: host copies are sharded "
-            "by CP rank and storage keys do not describe them",
+            f"attaching a HiCache storage backend at runtime is not supported with {FLAG}: start "
+            "the server with --hicache-storage-backend file or mooncake (docs/hicache-storage.md)",
         )
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        """Stock detaches its storage threads; ours has none, and stays attached (refused)."""
+        return False, f"detaching the HiCache storage backend is not supported with {FLAG}"
+
+    def clear_storage_backend(self) -> bool:
+        """Stock clears the controller's backend; here ours (every writer clears the same store)."""
+        backend = getattr(self.cp_storage, "backend", None)
+        if backend is None or not hasattr(backend, "clear"):
+            return False
+        backend.clear()
+        return True
 
     def _note_host_event(self) -> None:
         self._host_events += 1
@@ -921,8 +1185,8 @@ def _check_supported(kv_pool, server_args: ServerArgs) -> None:
         raise ValueError(
             f"{FLAG} with HiCache needs an NSA (DSA) KV pool, got {type(kv_pool).__name__}"
         )
-    if server_args.hicache_storage_backend is not None:
-        raise ValueError(
-            f"{FLAG} does not support --hicache-storage-backend "
-            f"({server_args.hicache_storage_backend}): only host-memory HiCache"
-        )
+    backend = server_args.hicache_storage_backend
+    if backend is not None:
+        problem = storage_layout_problem(backend, server_args.hicache_mem_layout)
+        if problem:
+            raise ValueError(f"{FLAG}: {problem}")

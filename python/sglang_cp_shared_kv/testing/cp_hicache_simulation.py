@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import random
 import sys
@@ -77,6 +78,9 @@ class SimulationScenario:
     # Probability that an admitted request is declined right after its ``init_load_back`` (stock's
     # PrefillAdder can): the load's lock is then the node's only one until the load is acknowledged.
     decline_after_load: float = 0.0
+    # HiCache L3 storage: a file-backend directory shared by every rank (None: no storage tier).
+    # Prefetch on admission, write at host-write acks, and a "restart" operation (see the workload).
+    storage_dir: Optional[str] = None
     # Called as plant(stack, cp_rank) on every rank before the run: lets a test plant a deliberate
     # bug and check that the harness reports it. Must be picklable (a module-level function).
     plant: Optional[Callable[[HiCacheStack, int], None]] = None
@@ -89,6 +93,7 @@ class SimulationScenario:
             + (" eagle_keys" if self.eagle_keys else "")
             + (f" completion_skew={self.completion_skew}" if self.completion_skew else "")
             + (f" decline_after_load={self.decline_after_load}" if self.decline_after_load else "")
+            + (" storage=file" if self.storage_dir else "")
         )
 
 
@@ -264,6 +269,7 @@ class _RankRun:
             max_context_len=max_request_tokens + NSA_PAGE_SIZE,
             draft_layers=scenario.draft_layers,
             is_eagle=scenario.eagle_keys,
+            **storage_options(scenario.storage_dir),
         )
         # The host mirror of req_to_token the peer-page plan reads, fed by the writer hooks (applied
         # in _rank); checked against the table after every step (invariant "req-to-token-mirror").
@@ -374,6 +380,15 @@ class _CollectiveTrace:
         values = self.exchange(site, [int(tensor.item())])[:, 0]
         reduce = {dist.ReduceOp.MIN: torch.min, dist.ReduceOp.MAX: torch.max}[op]
         tensor.fill_(int(reduce(values)))
+
+
+def storage_options(storage_dir: Optional[str]) -> dict:
+    """``build_cp_hicache_stack`` options of the storage tier: the file backend over ``storage_dir``
+    (shared by every rank: keys are owner-free), prefetching from one page on."""
+    if storage_dir is None:
+        return {}
+    extra = {"file_path": storage_dir, "prefetch_threshold": NSA_PAGE_SIZE}
+    return {"storage_backend": "file", "storage_extra_config": json.dumps(extra)}
 
 
 def _describe_exception(error: Exception) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
+import os
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -260,7 +261,15 @@ def shared_state(workload: CpHiCacheWorkload) -> Dict[str, object]:
         ),
         "requests": workload.request_summary(),
         "request slots": list(stack.req_to_token_pool.free_slots),
+        **_storage_state(cache),
     }
+
+
+def _storage_state(cache) -> Dict[str, object]:
+    """With a storage tier: the storage decisions every rank takes together."""
+    if getattr(cache, "cp_storage", None) is None:
+        return {}
+    return {"storage (nodes offered, prefetches)": (cache.storage_node_writes, cache.storage_prefetches)}
 
 
 def digest(state: Dict[str, object]) -> bytes:
@@ -329,6 +338,7 @@ class RankInvariants:
             ("draft-device-bytes", self._draft_device_bytes),
             ("draft-host-bytes", self._draft_host_bytes),
             ("req-to-token-mirror", self._req_to_token_mirror),
+            ("storage-pairs", self._storage_pairs),
         )
         found = []
         for name, check in checks:
@@ -360,6 +370,17 @@ class RankInvariants:
                 f"{cache.protected_size_}, host {cache.host_logical_tokens}"
             )
         return [("baseline", "; ".join(problems))] if problems else []
+
+    def _storage_pairs(self, nodes) -> Optional[str]:
+        """With a storage tier: no page's KV object in storage without its indexer object (each rank
+        stores the indexer first, so a peer still writing cannot trip this)."""
+        storage = getattr(self.cache, "cp_storage", None)
+        if storage is None:
+            return None
+        alone = kv_objects_without_indexer(storage.backend.file_path)
+        if alone:
+            return f"{len(alone)} KV objects in storage without their indexer object, e.g. {min(alone)}"
+        return None
 
     def _req_to_token_mirror(self, nodes) -> Optional[str]:
         """The peer-page plan's host mirror equals ``req_to_token`` for every running request, and
@@ -618,6 +639,22 @@ class RankInvariants:
         return (
             f"{len(bad)} owned host slots hold wrong {pool}KV bytes; first: slot {bad[0]} of {owner}"
         )
+
+
+def kv_objects_without_indexer(directory: str) -> List[str]:
+    """Keys of a ``HiCacheFile`` directory whose KV object (``<key>_<model>.bin``) has no indexer
+    object (``<key>.indexer_<model>.bin``). The indexer is looked up by name, not in the listing: a
+    listing taken while a peer rank creates files may show its KV object and miss the indexer object
+    it created just before."""
+    alone = []
+    for name in os.listdir(directory):
+        parts = name.split("_", 2)  # <namespace tag>, <page hash>[.indexer], <model>.bin
+        if len(parts) != 3 or not name.endswith(".bin") or parts[1].endswith(".indexer"):
+            continue
+        key = f"{parts[0]}_{parts[1]}"
+        if not os.path.exists(os.path.join(directory, f"{key}.indexer_{parts[2]}")):
+            alone.append(key)
+    return alone
 
 
 def _whole_pages(locs: torch.Tensor, page_size: int) -> bool:

@@ -70,6 +70,7 @@ OPERATIONS: Tuple[Tuple[str, float], ...] = (
     ("inject_device_failure", 3),
     ("drain", 0.15),
     ("flush", 0.08),
+    ("restart", 0.3),  # with a storage tier only
 )
 
 _KEPT_PROMPTS = 24
@@ -219,6 +220,8 @@ class CpHiCacheWorkload:
             return any(not r.is_chunked for r in self.running)
         if name == "abort":
             return bool(self.running)
+        if name == "restart":
+            return self.cache.cp_storage is not None
         return True
 
     # ---- requests ----
@@ -263,6 +266,7 @@ class CpHiCacheWorkload:
             self.next_rid, tokens, self.rng.choice((0, 0, 1, 2)), self.stack.req_to_token_pool
         )
         self.next_rid += 1
+        self._prefetch_from_storage(req)
         # The scheduler matches at most input_len - 1 tokens.
         match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[: len(tokens) - 1])))
         req.prefix_indices = match.device_indices
@@ -532,6 +536,26 @@ class CpHiCacheWorkload:
         self.allocator.clear()
         self.at_baseline = True
         return "flush: reset tree, request slots and allocator"
+
+    # ---- storage tier ----
+
+    def _prefetch_from_storage(self, req: SimRequest) -> None:
+        """As the scheduler's ``_prefetch_kvcache`` hook does when a request arrives: restore what
+        storage holds beyond the tree's match, as a host node, before the adder matches."""
+        if self.cache.cp_storage is None:
+            return
+        restored = self.cache.prefetch_from_storage_cp(req.rid, req.origin_input_ids)
+        self.cache.prefetch_loaded_tokens_by_reqid.pop(req.rid, None)  # the scheduler pops it too
+        if restored:
+            self.stats["storage prefetches restored"] += 1
+            self.stats["storage tokens restored"] += restored
+
+    def _op_restart(self) -> str:
+        """A server restart over the same storage: everything on device and host is gone (the
+        scheduler's flush), what the ranks stored stays; later prompts come back from storage."""
+        self._op_flush()
+        self.stats["restarts"] += 1
+        return "restart: device and host emptied, storage kept"
 
     # ---- coverage ----
 

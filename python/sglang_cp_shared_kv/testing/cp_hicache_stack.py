@@ -189,6 +189,8 @@ def build_cp_hicache_stack(
     max_running_requests: int = 8,
     max_context_len: int = 4096,
     draft_layers: int = 0,
+    storage_backend: Optional[str] = None,
+    storage_extra_config: Optional[str] = None,
 ) -> HiCacheStack:
     """One rank's CP shared-KV stack; ``physical_pages`` real pages per rank (plus the dummy page 0).
 
@@ -196,7 +198,9 @@ def build_cp_hicache_stack(
     and rows, registered with HiCache as the scheduler does it (``register_draft_pool``).
     ``is_eagle``: the tree keyed by token bigrams, as the scheduler builds it for an MTP server
     (``--speculative-algorithm EAGLE / NEXTN``); stories through the scheduler's entry points that
-    stand for an MTP server pass it (the simulation's ``eagle_keys``)."""
+    stand for an MTP server pass it (the simulation's ``eagle_keys``).
+    ``storage_backend`` (``file`` / ``mooncake``, with ``storage_extra_config`` JSON): the L3 tier
+    (``--hicache-storage-backend`` / ``--hicache-storage-backend-extra-config``)."""
     pool = nsa_pool(shape, physical_pages * NSA_PAGE_SIZE, device)
     allocator = CPSharedPagedTokenToKVPoolAllocator(
         size=cp_size * pool.size,
@@ -226,6 +230,7 @@ def build_cp_hicache_stack(
         stack = _build(
             cache_class, allocator, pool, group, device, io_backend, host_layout, write_policy,
             hicache_ratio, eviction_policy, is_eagle, max_running_requests, max_context_len,
+            storage_backend, storage_extra_config,
         )  # fmt: skip
     if draft_layers:
         draft_shape = dataclasses.replace(shape, layer_num=draft_layers)
@@ -327,6 +332,7 @@ def nsa_pool(shape: NsaPoolShape, physical_tokens: int, device: str) -> NSAToken
 def _build(
     cache_class, allocator, pool, group, device, io_backend, host_layout, write_policy,
     hicache_ratio, eviction_policy, is_eagle, max_running_requests, max_context_len,
+    storage_backend=None, storage_extra_config=None,
 ) -> HiCacheStack:  # fmt: skip
     req_to_token_pool = ReqToTokenPool(
         size=max_running_requests,
@@ -350,6 +356,8 @@ def _build(
         hicache_mem_layout=host_layout,
         hicache_io_backend=io_backend,
         hicache_write_policy=write_policy,
+        hicache_storage_backend=storage_backend,
+        hicache_storage_backend_extra_config=storage_extra_config,
     )
     # On the CPU there is no CUDA to register pinned host memory with.
     with unpinned_host_pools() if device == "cpu" else contextlib.nullcontext():

@@ -5,6 +5,7 @@ other tests in the same process see stock sglang.
 """
 
 import os
+from types import SimpleNamespace
 import pickle
 import tempfile
 import unittest
@@ -130,6 +131,35 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         for flags, extra in cases:
             with self.subTest(extra=extra):
                 self.assertRejected(*flags, model_path="dummy", **{**CP_ON, **extra})
+
+    def test_storage_backends_and_their_layouts(self):
+        """file and mooncake are served (with the host tier and the layouts each needs); any other
+        backend, storage without the host tier, storage with MTP and a prefetch policy the
+        synchronous prefetch would ignore are refused by name. Planted: the policy check removed ->
+        the --hicache-storage-prefetch-policy subtests fail."""
+        from sglang_cp_shared_kv.server_args import storage_problems
+
+        def problems(**fields):
+            args = dict(hicache_storage_backend="file", enable_hierarchical_cache=True,
+                        hicache_mem_layout="layer_first", speculative_algorithm=None,
+                        hicache_storage_prefetch_policy="best_effort")  # fmt: skip
+            return storage_problems(SimpleNamespace(**{**args, **fields}))
+
+        self.assertEqual(problems(), [])
+        self.assertEqual(problems(hicache_storage_backend="mooncake", hicache_mem_layout="page_first"), [])
+        self.assertEqual(problems(hicache_storage_backend=None, enable_hierarchical_cache=False), [])
+        cases = [
+            ("--hicache-storage-backend nixl", dict(hicache_storage_backend="nixl")),
+            ("--hicache-mem-layout layer_first", dict(hicache_storage_backend="mooncake")),
+            ("--enable-hierarchical-cache", dict(enable_hierarchical_cache=False)),
+            ("--speculative-algorithm EAGLE", dict(speculative_algorithm="EAGLE")),
+            ("--hicache-storage-prefetch-policy timeout", dict(hicache_storage_prefetch_policy="timeout")),
+            ("--hicache-storage-prefetch-policy wait_complete",
+             dict(hicache_storage_prefetch_policy="wait_complete")),  # fmt: skip
+        ]
+        for name, fields in cases:
+            with self.subTest(name=name):
+                self.assertTrue(any(name in problem for problem in problems(**fields)), problems(**fields))
 
     def test_rejects_an_unknown_decode_mode_before_launch(self):
         """SGLANG_CP_SHARED_KV_DECODE is read where per-owner decode attaches, in every scheduler;

@@ -281,10 +281,13 @@ class TestConstructionChecks(CustomTestCase):
         with self.assertRaisesRegex(ValueError, FLAG):
             CpHiRadixCache(_params(allocator, self.group), HiCacheServerArgs())
 
-    def test_storage_backend_is_refused(self):
+    def test_storage_backends_other_than_file_and_mooncake_are_refused(self):
         allocator = self._cp_allocator(_nsa_pool(), cp_size=1)
-        args = HiCacheServerArgs(hicache_storage_backend="file")
-        with self.assertRaisesRegex(ValueError, "--hicache-storage-backend"):
+        args = HiCacheServerArgs(hicache_storage_backend="nixl")
+        with self.assertRaisesRegex(ValueError, "--hicache-storage-backend nixl"):
+            CpHiRadixCache(_params(allocator, self.group), args)
+        args = HiCacheServerArgs(hicache_storage_backend="mooncake", hicache_mem_layout="layer_first")
+        with self.assertRaisesRegex(ValueError, "--hicache-mem-layout layer_first"):
             CpHiRadixCache(_params(allocator, self.group), args)
 
     def test_rank_must_match_the_attention_cp_group(self):

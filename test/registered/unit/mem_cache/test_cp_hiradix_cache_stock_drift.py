@@ -35,8 +35,9 @@ HOST_STATE = re.compile(r"\b(backuped|host_value)\b")
 # Stock methods that read the host state but cannot run on a CP cache, and why. Each reason must stay
 # true: the test below checks the guard it names.
 UNREACHABLE = {
-    # Both run only with ``enable_storage``, i.e. a HiCache storage backend, which CpHiRadixCache
-    # refuses at construction (``_check_supported``) and at runtime (``attach_storage_backend``).
+    # Both run only with stock's ``enable_storage``, which CpHiRadixCache never sets: its L3 tier is its
+    # own (``cp_storage``: the stock cache is built without a backend), other backends are refused at
+    # construction (``_check_supported``) and any backend at runtime (``attach_storage_backend``).
     "write_backup_storage": "storage backend",
     "_insert_helper_host": "storage backend",
 }
@@ -95,8 +96,11 @@ class TestStockHostPathsAreOverridden(CustomTestCase):
         self.assertFalse(ok)
         self.assertIn("not supported", message)
         pool = NSATokenToKVPool.__new__(NSATokenToKVPool)  # only its type is looked at
-        with self.assertRaisesRegex(ValueError, "hicache-storage-backend"):
-            _check_supported(pool, SimpleNamespace(hicache_storage_backend="file"))
+        with self.assertRaisesRegex(ValueError, "hicache-storage-backend nixl"):
+            _check_supported(
+                pool, SimpleNamespace(hicache_storage_backend="nixl", hicache_mem_layout="layer_first")
+            )
+        self.assertFalse(HiRadixCache.__init__.__code__ is CpHiRadixCache.__init__.__code__)
 
     def test_every_override_of_a_stock_method_says_what_differs(self):
         stock = set().union(*(_functions(cls) for cls in STOCK_CLASSES))

@@ -20,7 +20,7 @@ from sglang_cp_shared_kv.testing.repo_scripts import load_script
 from sglang_cp_shared_kv.testing import cp_hicache_stack  # noqa: F401  isort: skip
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController  # isort: skip
 
-register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=55, suite="stage-a-test-cpu")
 
 REPO = Path(__file__).resolve().parents[4]
 SCRIPT = REPO / "scripts" / "gpu" / "check_cp_hicache_gpu.py"
@@ -42,6 +42,28 @@ class TestCheckCpHicacheGpuOnCpu(CustomTestCase):
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
         self.assertEqual(done.returncode, 0, done.stdout[-3000:] + done.stderr[-3000:])
         self.assertIn("check: 1 passed, 0 failed", done.stdout)
+
+    def test_the_storage_leg_passes_at_cp_2_to_3(self):
+        """--storage file: written by a CP 2 group, restored bit-exact by a CP 3 group (3 processes).
+        Planted and seen to fail (then reverted): owner-blind writes (each rank storing its host
+        pages as the node's leading pages) -> "[FAIL] ... restored [192, 192, 192] tokens". It also
+        caught a real bug: concurrent CP ranks racing to create the file backend's directory."""
+        command = [sys.executable, str(SCRIPT), "--device", "cpu", "--cp-sizes", "2", "--kv-formats",
+                   "bf16", "--storage", "file"]  # fmt: skip
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        self.assertEqual(done.returncode, 0, done.stdout[-3000:] + done.stderr[-3000:])
+        self.assertIn("[PASS] L3 file: write cp=2 -> restore cp=3 bf16", done.stdout)
+        self.assertIn("check: 1 passed, 0 failed", done.stdout)
+
+    def test_storage_leg_options_are_checked(self):
+        with self.assertRaises(SystemExit):  # the CPU shim cannot copy page-first layouts
+            self.check.parse_args(["--device", "cpu", "--storage", "mooncake"])
+        args = self.check.parse_args(["--device", "cpu", "--storage", "file", "--cp-sizes", "2", "4"])
+        self.assertEqual(self.check.world_size(args), 5)
+        self.assertEqual(self.check.group_sizes(args), [2, 3, 4, 5])
+        args = self.check.parse_args(["--storage", "mooncake", "--kv-formats", "bf16", "--cp-sizes", "2"])
+        self.assertEqual([layout for *_, layout in self.check.configurations(args)],
+                         ["page_first", "page_first_direct"])  # fmt: skip
 
     def _rank0(self, cp_size: int, *options, plant=None):
         """Rank 0's numbers for one configuration, as a rank of a one-process group."""
