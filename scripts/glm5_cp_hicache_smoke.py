@@ -128,6 +128,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "no --disable-cuda-graph)")
     p.add_argument("--prefetch-slot-tokens", default=None,
                    help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")
+    p.add_argument("--server-env", action="append", default=[], type=env_assignment, metavar="KEY=VALUE",
+                   help="one more environment variable of the shared-KV server (e.g. CUDA_LAUNCH_BLOCKING=1)")
     p.add_argument("--one-gpu", action="store_true",
                    help="test-only: every rank of every server on device 0 (the smoke plugin's one-GPU hook)")
     p.add_argument("--burst", type=int, default=0,
@@ -206,6 +208,14 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
     ]
 
 
+def env_assignment(text: str):
+    """``KEY=VALUE`` -> (KEY, VALUE); argparse reports anything else as a bad --server-env."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def audit_dir(out_dir: Path, shared_kv: bool) -> Path:
     return out_dir / f"audit_{mode_name(shared_kv)}"
 
@@ -233,6 +243,8 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[PREFETCH_SLOT_TOKENS_ENV] = args.prefetch_slot_tokens
     if args.one_gpu:
         extra.update(one_gpu_env())
+    if shared_kv:
+        extra.update(dict(args.server_env))
     return extra
 
 

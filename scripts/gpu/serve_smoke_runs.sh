@@ -60,8 +60,11 @@
 #   SMOKE_ONE_GPU=1         test-only: every rank of every server on device 0 (the smoke plugin's
 #                           one-GPU hook, --one-gpu; docs/gpu.md "One-GPU test mode"): SMOKE_TP 2, 4, 8
 #                           on one GPU. Pools stay capped by --max-total-tokens; at most SMOKE_PARALLEL
-#                           servers at once (default 16 / SMOKE_TP: 16 rank processes on 16 cores)
-#   SMOKE_PARALLEL=N        at most N smokes at once (default: all, or 16 / SMOKE_TP with SMOKE_ONE_GPU)
+#                           servers at once (default 12 / SMOKE_TP rank processes)
+#   SMOKE_PARALLEL=N        at most N smokes at once (default: all, or 12 / SMOKE_TP with SMOKE_ONE_GPU:
+#                           a rank process takes 8-9.5 GB, and 16 of them overflowed one H200)
+#   SMOKE_SERVER_ENV="NAME:KEY=VALUE ..."   extra environment of the shared-KV server of smoke NAME
+#                           (e.g. "on_fp8_owner:CUDA_LAUNCH_BLOCKING=1" to pin an asynchronous CUDA error)
 #   SMOKE_BUDGET_S=S        the whole call within S seconds (default 540 with SMOKE_ONE_GPU, else none):
 #                           each smoke is stopped (SIGTERM stops its server) when the budget ends, and
 #                           a smoke that cannot start with 150 s left is SKIPPED
@@ -73,7 +76,7 @@ TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
 [[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
-PARALLEL="${SMOKE_PARALLEL:-$([[ -n "$ONE_GPU" ]] && echo $(( TP >= 16 ? 1 : 16 / TP )) || echo 0)}"
+PARALLEL="${SMOKE_PARALLEL:-$([[ -n "$ONE_GPU" ]] && echo $(( TP >= 12 ? 1 : 12 / TP )) || echo 0)}"
 BUDGET_S="${SMOKE_BUDGET_S:-$([[ -n "$ONE_GPU" ]] && echo 540)}"
 start_s=$(date +%s)
 SKIP_STAGED_ENV="${SMOKE_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
@@ -103,7 +106,10 @@ STARTED=()  # names of the smokes started, in order (the verdict lines)
 smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   local name=$1; shift
   selected "$name" || return 0
-  local limit=() t0; t0=$(date +%s)
+  local limit=() t0 entry extra_env=(); t0=$(date +%s)
+  for entry in ${SMOKE_SERVER_ENV:-}; do
+    [[ "${entry%%:*}" == "$name" ]] && extra_env+=(--server-env "${entry#*:}")
+  done
   [[ -n "${SMOKE_DRY_RUN:-}" ]] || rm -rf "${RUNS:?}/$name"  # no verdict from an earlier call's report
   mkdir -p "$RUNS/$name"
   if [[ -n "$BUDGET_S" ]]; then
@@ -117,7 +123,7 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   "${limit[@]}" python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
     --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} \
-    ${ONE_GPU:+--one-gpu} "$@" > "$OUT/$name.log" 2>&1
+    ${ONE_GPU:+--one-gpu} "${extra_env[@]}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$? took=$(( $(date +%s) - t0 ))
   echo "$rc $took" > "$RUNS/$name/runner_exit"
   echo "$name: exit $rc (${took} s)"
