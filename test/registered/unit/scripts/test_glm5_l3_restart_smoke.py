@@ -29,6 +29,7 @@ from sglang.test.test_utils import CustomTestCase
 REPO = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(REPO / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks.kv_audit import write_pool_dump  # noqa: E402
 
 from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
@@ -127,10 +128,7 @@ class TestPlanAndVerdict(CustomTestCase):
 
 
 def write_dump(run_dir, rid, rank, positions, token_ids, kv, index):
-    out = Path(run_dir) / "pool"
-    out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / f"{rid}.rank{rank}.npz", positions=np.asarray(positions), token_ids=np.asarray(token_ids),
-             kv=kv[positions], index=index[positions], kv_dtype=np.array("torch.bfloat16"))  # fmt: skip
+    write_pool_dump(run_dir, rid, rank, positions, token_ids, kv[positions], index[positions])
 
 
 class TestRestoredRows(CustomTestCase):
