@@ -11,6 +11,10 @@ metrics installed, and each rank's scraped ``peer_page_gathered_bytes_total`` mu
 its gather collectives actually received from the other rank (counted at the collectives, not from
 the plan's arithmetic). Planted: ``received_bytes`` returning 0 (the counter then stays 0 while
 pages move) and counting the rank's own slice too; both failed ``test_gathered_bytes_are_the_bytes_received``.
+
+The exchange counter on per-owner decode (``testing/per_owner_decode_hooked.py``, two gloo ranks, two
+steps of three layers, the middle one reusing the top-k): one exchange per top-k selection and one
+per output merge, on every rank. Planted: the merge not counted (4 instead of 10): caught.
 """
 
 import unittest
@@ -32,7 +36,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
 )
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks, single_process_group
 
-register_cpu_ci(est_time=35, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=50, suite="stage-a-test-cpu")
 
 PAGE = 64
 SEQ = list(range(6 * PAGE))
@@ -145,6 +149,30 @@ class TestGatheredBytes(CustomTestCase):
                 self.assertGreater(calls, 0)
                 self.assertGreater(received, 0)
                 self.assertEqual(scraped, received)
+
+
+# Two decode steps over (top-k, reuse, top-k) layers: per step 2 selections and 3 merges.
+PER_OWNER_LAYERS, PER_OWNER_STEPS = ("topk", "skip", "topk"), 2
+
+
+def _per_owner_rank(rank, world_size):
+    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+
+    registry = CollectorRegistry()
+    cp_shared_kv_metrics.uninstall()
+    cp_shared_kv_metrics.install(cp_rank=rank, registry=registry)
+    scenario = hooked.Scenario(seq_lens=(300, 70), topk=128, kv_dtype="bf16", decode_impl="flashmla_sparse",
+                               layers=PER_OWNER_LAYERS, steps=PER_OWNER_STEPS)  # fmt: skip
+    hooked.run_rank(rank, world_size, scenario, "cpu")
+    return rank, scrape(registry)[("sglang_cp_shared_kv:per_owner_decode_exchanges_total", str(rank))]
+
+
+class TestPerOwnerExchanges(CustomTestCase):
+    def test_one_exchange_per_selection_and_per_merge(self):
+        selections = sum(layer == "topk" for layer in PER_OWNER_LAYERS)
+        expected = PER_OWNER_STEPS * (selections + len(PER_OWNER_LAYERS))
+        rows = run_ranks(_per_owner_rank, 2, (), timeout_s=120, deadline_s=120)
+        self.assertEqual(sorted(rows), [(0, expected), (1, expected)])
 
 
 if __name__ == "__main__":
