@@ -15,7 +15,7 @@
 #              off vs on against cp x physical and the scratch's documented share
 #   capacity-sweep  (SMOKE_ONE_GPU=1 only; mode ignored) part capacity at each CP size of BENCH_TPS
 #              (default "2 4 8"), one server at a time, then one table: CP, logical tokens off / on,
-#              on / off, each rank's pool (the ranks must agree). BENCH_BUDGET_S (default 540): a CP
+#              on / off, each rank's pool (the ranks must agree). BENCH_BUDGET_S (default 510): a CP
 #              size that cannot start with 150 s left is skipped, and says so
 #   pd         the PD pair on fresh 8K prompts: prefill at --tp BENCH_TP on GPUs 0..BENCH_TP-1, a
 #              stock decode at --tp BENCH_TP sharing them (prefill --mem-fraction-static 0.4, decode
@@ -42,7 +42,7 @@ if [[ "$part" == capacity-sweep ]]; then
   [[ -n "${SMOKE_ONE_GPU:-}" ]] || { echo "capacity-sweep: SMOKE_ONE_GPU=1 only (every CP size on one GPU)" >&2; exit 2; }
   start_s=$(date +%s); results=()
   for tp in ${BENCH_TPS:-2 4 8}; do
-    left=$(( ${BENCH_BUDGET_S:-540} - ($(date +%s) - start_s) ))
+    left=$(( ${BENCH_BUDGET_S:-510} - ($(date +%s) - start_s) ))
     results+=("$RUNS/capacity_cp$tp/both_capacity/results.json")
     if (( left < 150 )); then echo "capacity cp $tp: SKIPPED (budget: ${left} s left)"; continue; fi
     rm -rf "${RUNS:?}/capacity_cp$tp"

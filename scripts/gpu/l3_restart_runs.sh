@@ -11,14 +11,14 @@
 #   L3_SERIAL=1      one CP size after the other (default: all at once, to fit one call; their servers
 #                    then share the GPU, so the TTFTs are noisier still; they are "one GPU, time-sliced"
 #                    in any case)
-#   L3_BUDGET_S=S    every smoke stopped after S seconds (default 540)
+#   L3_BUDGET_S=S    every smoke stopped after S seconds (default 500)
 #   L3_DRY_RUN=1     print each smoke's servers and plan, launch nothing (no GPU, remote_env.sh not sourced)
 # Output: one "PASSED|FAILED l3_restart_cpN" line per CP size (hit tokens, restored rows, pool audit,
 # TTFT from L3 vs recomputed), logs and reports under $OUT (l3_logs.tgz, l3_reports.tgz).
 set -uo pipefail
 ONE_GPU="${SMOKE_ONE_GPU:-}"
 [[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
-BUDGET_S="${L3_BUDGET_S:-540}"
+BUDGET_S="${L3_BUDGET_S:-500}"
 SKIP_STAGED_ENV="${L3_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/l3_out}"
 RUNS="${L3_RUNS_DIR:-/tmp/l3_runs}"
