@@ -635,7 +635,8 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
                           ("physical_device_tokens_per_rank", "physical tokens per rank"),
                           ("logical_over_physical", "logical / physical")):  # fmt: skip
             a, b = off_c.get(key), on_c.get(key)
-            ratio = _ratio(b[0] if isinstance(b, list) and b else b, a[0] if isinstance(a, list) and a else a)
+            first = lambda v: (v[0] if v else None) if isinstance(v, list) else v  # noqa: E731
+            ratio = _ratio(first(b), first(a))
             lines.append(f"| {name} | {a} | {b} | {ratio} |")
         lines += ["", "Judged: logical = cp_size x physical; physical = stock's less the gather scratch's share "
                   "(to one page): " + ("; ".join(capacity.get("failures", [])) or "both hold") + ".", ""]  # fmt: skip

@@ -13,6 +13,10 @@
 #              shared-KV servers with decode per owner, eager and under CUDA graphs)
 #   capacity   (mode ignored: both servers) pools sized by memory alone, no HiCache: logical capacity
 #              off vs on against cp x physical and the scratch's documented share
+#   capacity-sweep  (SMOKE_ONE_GPU=1 only; mode ignored) part capacity at each CP size of BENCH_TPS
+#              (default "2 4 8"), one server at a time, then one table: CP, logical tokens off / on,
+#              on / off, each rank's pool (the ranks must agree). BENCH_BUDGET_S (default 510): a CP
+#              size that cannot start with 150 s left is skipped, and says so
 #   pd         the PD pair on fresh 8K prompts: prefill at --tp BENCH_TP on GPUs 0..BENCH_TP-1, a
 #              stock decode at --tp BENCH_TP sharing them (prefill --mem-fraction-static 0.4, decode
 #              0.85), a model sized for the prefill's 0.4, 32768 pool tokens per rank
@@ -30,10 +34,24 @@
 # sizes must agree) and cache hit rates, which do not depend on timing; timings are of a time-sliced
 # GPU and socket collectives, never the cost of shared KV.
 set -uo pipefail
-mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity}"; shift 2
+mode="${1:?off|on|both}"; part="${2:?headline|ttft|tpot|pd|capacity|capacity-sweep}"; shift 2
 SKIP_STAGED_ENV="${BENCH_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/bench_out}"
 RUNS="${BENCH_RUNS_DIR:-/tmp/bench_runs}"
+if [[ "$part" == capacity-sweep ]]; then
+  [[ -n "${SMOKE_ONE_GPU:-}" ]] || { echo "capacity-sweep: SMOKE_ONE_GPU=1 only (every CP size on one GPU)" >&2; exit 2; }
+  start_s=$(date +%s); results=()
+  for tp in ${BENCH_TPS:-2 4 8}; do
+    left=$(( ${BENCH_BUDGET_S:-510} - ($(date +%s) - start_s) ))
+    results+=("$RUNS/capacity_cp$tp/both_capacity/results.json")
+    if (( left < 150 )); then echo "capacity cp $tp: SKIPPED (budget: ${left} s left)"; continue; fi
+    rm -rf "${RUNS:?}/capacity_cp$tp"
+    BENCH_TP=$tp BENCH_RUNS_DIR="$RUNS/capacity_cp$tp" OUT="$OUT/capacity_cp$tp" \
+      timeout -s TERM -k 30 $(( left - 20 )) bash "$0" both capacity "$@" | grep -E "^\[capacity|^capacity|exit"
+  done
+  python3 -m sglang_cp_shared_kv.testing.e2e.capacity_sweep "${results[@]}" | tee "$OUT/capacity_sweep.md"
+  exit "${PIPESTATUS[0]}"
+fi
 TP="${BENCH_TP:-2}"
 WEIGHTS="${BENCH_WEIGHTS:-fp8}"
 GPUS="$(seq -s, 0 $(( TP - 1 )))"

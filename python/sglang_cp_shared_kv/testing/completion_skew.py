@@ -31,6 +31,22 @@ class LateEvent:
         self.event.synchronize()
 
 
+class StrictLateEvent(LateEvent):
+    """A ``LateEvent`` whose ``synchronize()`` before it has answered True is a bug of the caller:
+    an ack applied (and its lock released) before this rank's copy finished."""
+
+    answered_finished = False
+
+    def query(self) -> bool:
+        finished = super().query()
+        self.answered_finished = self.answered_finished or finished
+        return finished
+
+    def synchronize(self) -> None:
+        assert self.answered_finished, "an ack was applied before its copy finished on this rank"
+        self.event.synchronize()
+
+
 class _SkewedAcks(list):
     """An ack queue whose appended acks carry a ``LateEvent``."""
 

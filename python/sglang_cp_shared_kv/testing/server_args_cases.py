@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from types import SimpleNamespace
 
 CP_ON = dict(
@@ -69,6 +70,22 @@ def runtime_server_args(**overrides) -> SimpleNamespace:
     )
     args.update(overrides)
     return SimpleNamespace(**args)
+
+
+class Glm5LikeModelDir:
+    """Test-case mixin: one directory with ``GLM5_LIKE_CONFIG`` for the whole class
+    (``cls.model_path``), removed after its last test."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._model_root = tempfile.TemporaryDirectory()
+        cls.model_path = write_model_dir(cls._model_root.name, "glm5", GLM5_LIKE_CONFIG)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls._model_root.cleanup()
+        super().tearDownClass()
 
 
 class ServerArgsHooksApplied:

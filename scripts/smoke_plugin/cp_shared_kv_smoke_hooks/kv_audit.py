@@ -108,22 +108,25 @@ def dump_finished_request(audit_dir: Path, cache, req, draft_pool=None) -> None:
         from cp_shared_kv_smoke_hooks.draft_audit import stored_draft_rows
 
         draft = stored_draft_rows(draft_pool, stored_rows_of(draft_pool, locs))
-    out = audit_dir / "pool"
+    write_pool_dump(
+        audit_dir, req.rid, _rank(), positions.cpu().numpy(), token_ids, kv.cpu().numpy(), index.cpu().numpy(),
+        str(pool.dtype), int(getattr(req, "cached_tokens", 0) or 0), **draft,
+    )  # fmt: skip
+
+
+def write_pool_dump(audit_dir, rid, rank, positions, token_ids, kv, index, kv_dtype="torch.bfloat16",
+                    cached_tokens=0, **draft) -> None:  # fmt: skip
+    """One rank's dump of one request (the format ``kv_audit_compare.load_dumps`` reads): the rows
+    (``[positions, layers, bytes]``) of the ``positions`` this rank stores, the request's token ids,
+    and the prompt tokens it got from the cache at its first schedule. Written under a dot name and
+    renamed, so a reader never sees half a dump."""
+    out = Path(audit_dir) / "pool"
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{req.rid}.rank{_rank()}.npz"
+    tmp = out / f".{rid}.rank{rank}.npz"
     with open(tmp, "wb") as f:
-        np.savez(
-            f,
-            positions=positions.cpu().numpy(),
-            token_ids=token_ids,
-            kv=kv.cpu().numpy(),
-            index=index.cpu().numpy(),
-            kv_dtype=np.array(str(pool.dtype)),
-            # Prompt tokens served from the cache (device or host) at the request's first schedule.
-            cached_tokens=np.array(int(getattr(req, "cached_tokens", 0) or 0)),
-            **draft,
-        )
-    os.replace(tmp, out / f"{req.rid}.rank{_rank()}.npz")
+        np.savez(f, positions=np.asarray(positions), token_ids=np.asarray(token_ids), kv=kv, index=index,
+                 kv_dtype=np.array(kv_dtype), cached_tokens=np.array(cached_tokens), **draft)  # fmt: skip
+    os.replace(tmp, out / f"{rid}.rank{rank}.npz")
 
 
 # ---------------------------------------------------------------- read audit

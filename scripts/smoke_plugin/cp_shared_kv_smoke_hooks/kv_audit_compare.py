@@ -430,3 +430,39 @@ def draft_audit_failures(totals: Dict[str, Dict[str, int]]) -> List[str]:
                 "written by a forward are not on their owner"
             )
     return failures
+
+
+# ---------------------------------------------------------------- rows restored from L3 storage
+
+
+def restored_row_check(written_dir: Path, restored_dir: Path, pairs: List[Tuple[str, str, int]]) -> Dict:
+    """Rows a server restored from L3 against the rows the server that stored them dumped.
+
+    ``pairs``: (rid on the writing server, rid on the restoring server, tokens restored), the two
+    prompts sharing their first ``tokens restored`` tokens. Storage is a copy: every byte of every
+    layer of those positions, KV and indexer K, must be equal (no tolerance, unlike the comparison
+    with another server's forward)."""
+    written, restored = load_dumps(written_dir), load_dumps(restored_dir)
+    out: Dict = {"requests": 0, "positions_checked": 0, "positions_differing": 0, "failures": []}
+    for written_rid, restored_rid, tokens in pairs:
+        if written_rid not in written or restored_rid not in restored:
+            out["failures"].append(
+                f"restored rows: no pool dump of {written_rid if written_rid not in written else restored_rid}"
+            )
+            continue
+        a, b = merge_request(written_rid, written[written_rid]), merge_request(restored_rid, restored[restored_rid])
+        out["failures"] += a.problems + b.problems
+        shared = _common_prefix_length(a.token_ids, b.token_ids)
+        if shared < tokens:
+            out["failures"].append(f"restored rows: {restored_rid} shares {shared} tokens with {written_rid}, not {tokens}")
+            tokens = shared
+        differ = _rows_differ(a.kv[:tokens], b.kv[:tokens]) | _rows_differ(a.index[:tokens], b.index[:tokens])
+        out["requests"] += 1
+        out["positions_checked"] += tokens
+        out["positions_differing"] += int(differ.sum())
+        if differ.any():
+            out["failures"].append(
+                f"restored rows: {int(differ.sum())} of {tokens} positions of {restored_rid} differ from the "
+                f"rows {written_rid} stored (first at position {int(np.nonzero(differ)[0][0])})"
+            )
+    return out

@@ -8,7 +8,6 @@ of the startup validation failed ``test_refused_launches_name_every_problem`` (t
 
 import io
 import os
-import tempfile
 import unittest
 from unittest import mock
 
@@ -17,11 +16,7 @@ from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.check_launch import ACCEPTED, REFUSED, check_launch
 from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV, CP_SHARED_KV_ENV, PREFETCH_SLOT_TOKENS_ENV
-from sglang_cp_shared_kv.testing.server_args_cases import (
-    GLM5_LIKE_CONFIG,
-    ServerArgsHooksApplied,
-    write_model_dir,
-)
+from sglang_cp_shared_kv.testing.server_args_cases import Glm5LikeModelDir, ServerArgsHooksApplied
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -33,16 +28,7 @@ README_LINE = (
 )
 
 
-class TestCheckLaunch(ServerArgsHooksApplied, CustomTestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls._tmp = tempfile.TemporaryDirectory()
-        cls.model = write_model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls._tmp.cleanup()
-
+class TestCheckLaunch(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
     def run_check(self, line, env=None):
         out = io.StringIO()
         variables = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_CP_SHARED_KV")}
@@ -50,7 +36,7 @@ class TestCheckLaunch(ServerArgsHooksApplied, CustomTestCase):
         variables.update(env or {})
         with mock.patch.dict(os.environ, variables, clear=True):
             # The hooks are applied by the test case (the sandbox), not by sglang's plugin loader.
-            code = check_launch(line.format(model=self.model).split(), out, load_plugins=lambda: None)
+            code = check_launch(line.format(model=self.model_path).split(), out, load_plugins=lambda: None)
         return code, out.getvalue()
 
     def test_readme_glm5_cp8_line_is_accepted(self):
@@ -77,9 +63,9 @@ class TestCheckLaunch(ServerArgsHooksApplied, CustomTestCase):
             ),
             "tp 3": (README_LINE.replace("--tp 8", "--tp 3"), {}, ["--tp 3"]),
             "storage and prefetch": (
-                README_LINE + " --hicache-storage-backend file",
+                README_LINE + " --hicache-storage-backend nixl",
                 {PREFETCH_SLOT_TOKENS_ENV: "lots"},
-                ["--hicache-storage-backend file", f"{PREFETCH_SLOT_TOKENS_ENV} must be", "'lots'"],
+                ["--hicache-storage-backend nixl", f"{PREFETCH_SLOT_TOKENS_ENV} must be", "'lots'"],
             ),
             "pd without all ranks": (
                 README_LINE + " --disaggregation-mode prefill --disaggregation-transfer-backend nixl",

@@ -19,7 +19,6 @@ EAGLE first, so only the namespace case caught it).
 
 import contextlib
 import os
-import tempfile
 import unittest
 from types import SimpleNamespace
 from unittest import mock
@@ -38,10 +37,9 @@ from sglang_cp_shared_kv.server_args import (
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
 from sglang_cp_shared_kv.testing.server_args_cases import CP_ON as CP_FLAGS
 from sglang_cp_shared_kv.testing.server_args_cases import (
-    GLM5_LIKE_CONFIG,
+    Glm5LikeModelDir,
     ServerArgsHooksApplied,
     runtime_server_args,
-    write_model_dir,
 )
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
@@ -189,17 +187,8 @@ CP_ON = dict(CP_FLAGS, device="cuda", tp_size=2)
 MTP_3_1_4 = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 
 
-class TestRealServerArgs(ServerArgsHooksApplied, CustomTestCase):
+class TestRealServerArgs(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
     """sglang's own ``ServerArgs`` (NEXTN -> EAGLE, draft path defaulted) with our hooks applied."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls._tmp = tempfile.TemporaryDirectory()
-        cls.model_path = write_model_dir(cls._tmp.name, "glm5", GLM5_LIKE_CONFIG)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls._tmp.cleanup()
 
     def _build(self, env, **kwargs):
         """The built ``ServerArgs`` and whether it turned the runtime on (``CP_SHARED_KV_ENV``)."""

@@ -13,8 +13,10 @@ and ``cached_tokens_details``), ``/flush_cache`` and ``/metrics`` (``sglang:cach
 
 Its device pool is ``--max-total-tokens`` rows per rank or, for a model directory whose config.json
 gives ``num_hidden_layers``, at most what a fixed KV budget (``FAKE_KV_BUDGET_BYTES``) holds, less the
-shared-KV gather scratch's reservation as the plugin's runtime makes it (``FAKE_SGLANG_NO_SCRATCH=1``
-skips the reservation: a planted capacity bug); it logs sglang's "KV Cache is allocated" line per rank.
+shared-KV gather scratch's reservation as the plugin's runtime makes it (slot 0: the logical capacity,
+or one prefill batch with ``SGLANG_CP_SHARED_KV_DECODE=per_owner``; ``FAKE_SGLANG_NO_SCRATCH=1`` skips
+the reservation: a planted capacity bug); it logs sglang's "KV Cache is allocated" line and the
+runtime's slot-0 line per rank.
 Its cache is ``PrefixCacheModel``: whole pages, a device tier and (with HiCache) a host tier, LRU
 leaf-first eviction, device pages written through to host. Latency is a fixed cost per token
 computed, per token loaded from host and per output token, so a hit is visibly cheaper. It binds
@@ -113,6 +115,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--disaggregation-mode", default="null")
     p.add_argument("--model-path", default="")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--disable-cuda-graph", action="store_true")
     args, _ = p.parse_known_args(list(argv))
     return args
@@ -132,16 +135,20 @@ def startup_problem(args: argparse.Namespace) -> Optional[str]:
     return f"--disable-cuda-graph is required unless {DECODE_PATH_ENV}={PER_OWNER} and {GRAPH_DECODE_ENV}=1"
 
 
-def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> int:
-    """Rows per rank: the cap, or what the budget holds (see the module docstring)."""
+def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, Optional[int]]:
+    """(Rows per rank: the cap, or what the budget holds (see the module docstring); the gather
+    scratch's slot 0 in logical tokens, None without a reservation)."""
     import os
     from pathlib import Path
 
     config = Path(args.model_path) / "config.json"
-    layers = json.loads(config.read_text()).get("num_hidden_layers") if config.is_file() else None
+    model = json.loads(config.read_text()) if config.is_file() else {}
+    layers = model.get("num_hidden_layers")
     if not layers:
-        return args.max_total_tokens
-    from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
+        return args.max_total_tokens, None
+    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+    from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes, slot0_scratch_tokens
+    from sglang_cp_shared_kv.model_executor.prefill_scratch import default_prefill_scratch_tokens
     from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
 
     dtype = "fp8" if args.kv_cache_dtype.startswith("fp8") else "bf16"
@@ -149,16 +156,23 @@ def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> int:
     pages = lambda budget: int(budget // cell) // PAGE_SIZE * PAGE_SIZE  # noqa: E731
     stock = min(args.max_total_tokens, pages(FAKE_KV_BUDGET_BYTES))
     if cp_size == 1 or os.environ.get(NO_SCRATCH_ENV) == "1":
-        return stock
-    reserve = scratch_bytes(cp_size * stock, kv_row_bytes(dtype), PAGE_SIZE)
-    return min(args.max_total_tokens, pages(FAKE_KV_BUDGET_BYTES - reserve))
+        return stock, None
+    # Slot 0: the whole logical capacity where decode gathers; one prefill batch with per-owner
+    # decode (``prefill_scratch``: the context length plus one chunk).
+    prefill_tokens = None
+    if os.environ.get(DECODE_PATH_ENV) == PER_OWNER:
+        context_len = model.get("max_position_embeddings", args.max_total_tokens)
+        prefill_tokens = default_prefill_scratch_tokens(context_len, args.chunked_prefill_size, None)
+    slot0 = slot0_scratch_tokens(prefill_tokens, cp_size * stock, PAGE_SIZE)
+    reserve = scratch_bytes(slot0, kv_row_bytes(dtype), PAGE_SIZE)
+    return min(args.max_total_tokens, pages(FAKE_KV_BUDGET_BYTES - reserve)), slot0
 
 
 class FakeSglang:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         cp = args.tp if args.enable_nsa_prefill_cp_shared_kv else 1
-        self.physical_tokens = physical_pool_tokens(args, cp)
+        self.physical_tokens, self.scratch_slot0_tokens = physical_pool_tokens(args, cp)
         self.max_total_num_tokens = self.physical_tokens * cp
         host = int(args.hicache_ratio * self.max_total_num_tokens) if args.enable_hierarchical_cache else 0
         self.cache = PrefixCacheModel(self.max_total_num_tokens, host)
@@ -280,6 +294,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     for rank in range(args.tp):
         print(f"[{stamp} TP{rank}] KV Cache is allocated. #tokens: {fake.physical_tokens}, KV size: 0.00 GB")
+        if fake.scratch_slot0_tokens is not None:  # as the runtime logs it (gather_scratch.py)
+            print(f"[{stamp} TP{rank}] CP shared KV gather scratch slot 0: {fake.scratch_slot0_tokens} logical "
+                  "tokens x 1 layer (0.00 GB)")  # fmt: skip
     print(f"fake sglang on {LOOPBACK}:{args.port}: max_total_num_tokens={fake.max_total_num_tokens}", flush=True)
     server.serve_forever()
     return 0

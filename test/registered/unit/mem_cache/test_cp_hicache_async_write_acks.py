@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing.completion_skew import StrictLateEvent
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
@@ -23,21 +24,6 @@ CP_SIZE = 2
 # a blocking check on rank 0 would wait for rank 1 forever, so rank 1 gives up after this long and
 # reports it, and the test fails without hanging.
 HANDSHAKE_TIMEOUT_S = 60.0
-
-
-class _LateEvent:
-    """A write's finish event that reports unfinished for the first ``queries`` queries."""
-
-    def __init__(self, event, queries):
-        self.event, self.queries = event, queries
-
-    def query(self):
-        self.queries -= 1
-        return self.queries < 0 and self.event.query()
-
-    def synchronize(self):
-        assert self.queries < 0, "an ack was applied before its copy finished on this rank"
-        self.event.synchronize()
 
 
 def _rank(rank, world_size, handshake_dir):
@@ -85,7 +71,7 @@ def _rank(rank, world_size, handshake_dir):
     insert(10_000, 2)
     if rank == 1:
         ack = controller.ack_write_queue[-1]
-        controller.ack_write_queue[-1] = type(ack)(ack[0], _LateEvent(ack[1], 2), ack[2])
+        controller.ack_write_queue[-1] = type(ack)(ack[0], StrictLateEvent(ack[1], 2), ack[2])
     for i in range(4):
         check(f"late {i}")
 

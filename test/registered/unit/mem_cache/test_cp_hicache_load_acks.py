@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.testing.completion_skew import StrictLateEvent
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
@@ -22,21 +23,6 @@ PAGE = 64
 CP_SIZE = 2
 LATE_RANK, LATE_QUERIES = 1, 2
 STEPS = 4
-
-
-class _LateEvent:
-    """A load's finish event that reports unfinished for its first ``queries`` queries on this rank."""
-
-    def __init__(self, event, queries):
-        self.event, self.queries = event, queries
-
-    def query(self):
-        self.queries -= 1
-        return self.queries < 0 and self.event.query()
-
-    def synchronize(self):
-        assert self.queries < 0, "a load was acknowledged before its copy finished on this rank"
-        self.event.synchronize()
 
 
 def _rank(rank, world_size):
@@ -62,7 +48,7 @@ def _rank(rank, world_size):
     if rank == LATE_RANK:
         queue = cache.cache_controller.ack_load_queue
         ack = queue[-1]
-        queue[-1] = type(ack)(ack[0], _LateEvent(ack[1], LATE_QUERIES), ack[2])
+        queue[-1] = type(ack)(ack[0], StrictLateEvent(ack[1], LATE_QUERIES), ack[2])
     # The request is declined: nothing but the load holds the node.
 
     timeline = []

@@ -4,9 +4,21 @@ carry that rank's label and the values the stack's own bookkeeping shows.
 
 Planted once: counting the node's logical pages instead of this rank's host slots in
 ``write_reserved`` failed ``test_round_trip_is_scraped_per_rank`` (6 backed-up pages, not 3).
+
+The gathered-bytes counter on a path that moves bytes: two gloo ranks run the runtime check's
+forwards (prefill, chunked prefill on a cached prefix, decode; ``testing/runtime_check.py``) with the
+metrics installed, and each rank's scraped ``peer_page_gathered_bytes_total`` must equal the bytes
+its gather collectives actually received from the other rank (counted at the collectives, not from
+the plan's arithmetic). Planted: ``received_bytes`` returning 0 (the counter then stays 0 while
+pages move) and counting the rank's own slice too; both failed ``test_gathered_bytes_are_the_bytes_received``.
+
+The exchange counter on per-owner decode (``testing/per_owner_decode_hooked.py``, two gloo ranks, two
+steps of three layers, the middle one reusing the top-k): one exchange per top-k selection and one
+per output merge, on every rank. Planted: the merge not counted (4 instead of 10): caught.
 """
 
 import unittest
+from unittest import mock
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,9 +34,9 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     settle_write_acks,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv.testing.multi_rank import run_ranks, single_process_group
 
-register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=50, suite="stage-a-test-cpu")
 
 PAGE = 64
 SEQ = list(range(6 * PAGE))
@@ -83,6 +95,84 @@ class TestCpSharedKVMetrics(CustomTestCase):
         self.assertEqual(values[("sglang_cp_shared_kv:device_pages_used", "1")], owned_pages)
         self.assertEqual(values[("sglang_cp_shared_kv:peer_page_gathered_bytes_total", "1")], 0)
         self.assertEqual(values[("sglang_cp_shared_kv:per_owner_decode_exchanges_total", "1")], 0)
+
+
+class _CountingCollectives:
+    """``torch.distributed`` as ``peer_page_gather`` sees it, counting the bytes each gather
+    collective brings from other ranks (the all-gather's output less this rank's input; a broadcast
+    from another rank: its tensor)."""
+
+    def __init__(self, dist):
+        self._dist, self.received_bytes, self.calls = dist, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+    def all_gather_into_tensor(self, output, input, group=None, **kwargs):
+        self.calls += 1
+        self.received_bytes += (output.numel() - input.numel()) * output.element_size()
+        return self._dist.all_gather_into_tensor(output, input, group=group, **kwargs)
+
+    def broadcast(self, tensor, group=None, group_src=None, **kwargs):
+        self.calls += 1
+        if group_src != self._dist.get_rank(group):
+            self.received_bytes += tensor.numel() * tensor.element_size()
+        return self._dist.broadcast(tensor, group=group, group_src=group_src, **kwargs)
+
+
+def _gather_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from sglang_cp_shared_kv.model_executor import peer_page_gather
+    from sglang_cp_shared_kv.testing import runtime_check
+    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+
+    registry = CollectorRegistry()
+    cp_shared_kv_metrics.uninstall()
+    cp_shared_kv_metrics.install(cp_rank=rank, registry=registry)
+    counting = _CountingCollectives(dist)
+    runtime_check.apply_hooks()
+    with cpu_kernels(), mock.patch.object(peer_page_gather, "dist", counting):
+        result = runtime_check.run_rank(
+            rank, world_size, dist.group.WORLD, device="cpu", dtype_name="bf16", act_quant=act_quant_torch, seed=3
+        )
+    scraped = scrape(registry)[("sglang_cp_shared_kv:peer_page_gathered_bytes_total", str(rank))]
+    return rank, scraped, counting.received_bytes, counting.calls, result.mismatches
+
+
+class TestGatheredBytes(CustomTestCase):
+    def test_gathered_bytes_are_the_bytes_received(self):
+        rows = run_ranks(_gather_rank, 2, (), start_method="forkserver", timeout_s=120, deadline_s=120)
+        for rank, scraped, received, calls, mismatches in rows:
+            with self.subTest(rank=rank):
+                self.assertEqual(mismatches, 0)
+                self.assertGreater(calls, 0)
+                self.assertGreater(received, 0)
+                self.assertEqual(scraped, received)
+
+
+# Two decode steps over (top-k, reuse, top-k) layers: per step 2 selections and 3 merges.
+PER_OWNER_LAYERS, PER_OWNER_STEPS = ("topk", "skip", "topk"), 2
+
+
+def _per_owner_rank(rank, world_size):
+    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+
+    registry = CollectorRegistry()
+    cp_shared_kv_metrics.uninstall()
+    cp_shared_kv_metrics.install(cp_rank=rank, registry=registry)
+    scenario = hooked.Scenario(seq_lens=(300, 70), topk=128, kv_dtype="bf16", decode_impl="flashmla_sparse",
+                               layers=PER_OWNER_LAYERS, steps=PER_OWNER_STEPS)  # fmt: skip
+    hooked.run_rank(rank, world_size, scenario, "cpu")
+    return rank, scrape(registry)[("sglang_cp_shared_kv:per_owner_decode_exchanges_total", str(rank))]
+
+
+class TestPerOwnerExchanges(CustomTestCase):
+    def test_one_exchange_per_selection_and_per_merge(self):
+        selections = sum(layer == "topk" for layer in PER_OWNER_LAYERS)
+        expected = PER_OWNER_STEPS * (selections + len(PER_OWNER_LAYERS))
+        rows = run_ranks(_per_owner_rank, 2, (), timeout_s=120, deadline_s=120)
+        self.assertEqual(sorted(rows), [(0, expected), (1, expected)])
 
 
 if __name__ == "__main__":

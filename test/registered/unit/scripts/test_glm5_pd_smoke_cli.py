@@ -10,11 +10,8 @@ reference prefill gets the plugin's tp-rule lift.
 """
 
 import argparse
-import contextlib
-import io
 import os
 import shlex
-import tempfile
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -22,7 +19,7 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv.testing.repo_scripts import ScriptCliCase
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -35,32 +32,8 @@ SMOKE_PLUGIN_DIR = str(REPO / "scripts" / "smoke_plugin")
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def load_pd_smoke():
-    return load_script("scripts/glm5_pd_smoke.py")
-
-
-class TestPDSmokeCli(CustomTestCase):
-    @classmethod
-    def setUpClass(cls):
-        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
-
-        cls.script = load_pd_smoke()
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
-        cls.nextn_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5-nextn", nextn=True))
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def run_main(self, *argv):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            try:
-                rc = self.script.main(list(argv))
-            except SystemExit as e:  # argparse: --help and usage errors
-                rc = e.code
-        return rc, out.getvalue()
+class TestPDSmokeCli(ScriptCliCase, CustomTestCase):
+    SCRIPT = "scripts/glm5_pd_smoke.py"
 
     def dry_run(self, *argv, model_dir=None):
         """{(mode, side): (env, command)} from the dry-run output, and the whole output."""

@@ -6,8 +6,6 @@ the GPU for its compute capability; the test answers as an H200 does (SM 9.0) an
 ``--device cuda``, which is what a GPU machine resolves by itself.
 """
 
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -19,7 +17,7 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv.testing.repo_scripts import ScriptCliCase
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -27,32 +25,9 @@ REPO = Path(__file__).resolve().parents[4]
 SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
 
 
-def load_smoke():
-    return load_script("scripts/glm5_cp_hicache_smoke.py", "glm5_smoke")
-
-
-class TestSmokeCli(CustomTestCase):
-    @classmethod
-    def setUpClass(cls):
-        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
-
-        cls.script = load_smoke()
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.model_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5"))
-        cls.nextn_dir = str(write_tiny_glm5_model(Path(cls.tmp.name) / "tiny-glm5-nextn", nextn=True))
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def run_main(self, *argv):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            try:
-                rc = self.script.main(list(argv))
-            except SystemExit as e:  # argparse: --help and usage errors
-                rc = e.code
-        return rc, out.getvalue()
+class TestSmokeCli(ScriptCliCase, CustomTestCase):
+    SCRIPT = "scripts/glm5_cp_hicache_smoke.py"
+    SCRIPT_MODULE = "glm5_smoke"
 
     def test_request_ids_name_files(self):
         # Found on the GPU: plan names hold '/', and the KV audit names its dump files by request id.

@@ -16,7 +16,7 @@ from sglang.test.test_utils import CustomTestCase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
-from cp_shared_kv_smoke_hooks.kv_audit import token_bytes  # noqa: E402
+from cp_shared_kv_smoke_hooks.kv_audit import token_bytes, write_pool_dump  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -41,10 +41,7 @@ def index_rows(token_ids, layers=LAYERS):
 
 
 def write_dump(run_dir, rid, rank, positions, token_ids, kv, index):
-    out = Path(run_dir) / "pool"
-    out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / f"{rid}.rank{rank}.npz", positions=np.asarray(positions), token_ids=np.asarray(token_ids),
-             kv=kv[positions], index=index[positions], kv_dtype=np.array("torch.bfloat16"))  # fmt: skip
+    write_pool_dump(run_dir, rid, rank, positions, token_ids, kv[positions], index[positions])
 
 
 class TestSmokeKvAudit(CustomTestCase):

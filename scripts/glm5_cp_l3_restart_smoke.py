@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Served L3 restart: a prefix stored by one shared-KV server is served from storage by a fresh one.
+
+At one CP size (``--tp``), three shared-KV servers with HiCache (``testing/e2e/l3_restart.py`` says
+what each serves and what is judged):
+
+  1. ``write`` (``--hicache-storage-backend file`` on ``<out>/storage``, empty) and ``recompute`` (no
+     storage) start together; ``write`` serves the prefixes and stops once the directory holds every
+     page's KV and indexer objects;
+  2. ``restart`` starts on the same directory; each prefix plus a new suffix goes to ``restart``, then
+     to ``recompute``, in turn (prefix 0 warms both up).
+
+Judged: every restart prompt's whole prefix served from L3 (``meta_info.cached_tokens_details
+.storage``); the restored rows equal, byte for byte in every layer, the rows the write server
+dumped (the KV audit's pool dumps); the restart server's layer-0 rows against the recompute
+server's (the smoke's pool audit); the read audit of every server; no error line in any log.
+Reported: TTFT of the prefix from L3 vs recomputed, labelled "one GPU, time-sliced" with
+``--one-gpu``. Exits 1 on a failure, 2 on bad arguments.
+
+The Mooncake backend is not served here: Mooncake Store keeps objects in the memory segments its
+clients (the servers) contribute, so stopping the writing server drops what it stored; a restart
+needs a storage process outliving both servers (docs/hicache-storage.md).
+
+  python scripts/glm5_cp_l3_restart_smoke.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --dry-run
+  python scripts/glm5_cp_l3_restart_smoke.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
+sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
+from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
+from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.request_plan import parse_token_id_range  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
+    ServeConfig,
+    ServerError,
+    SglangServer,
+    free_port,
+    generate_greedy,
+)
+from sglang_cp_shared_kv.testing.e2e.smoke_report import log_failures  # noqa: E402
+
+NSA_CUDA_PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+SERVERS = (WRITE, RECOMPUTE, RESTART)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True, help="a model dir, e.g. the tiny GLM-5 (make_tiny_glm5_config.py)")
+    p.add_argument("--tp", type=int, default=2, help="--tp of every server (= CP size: 2, 4 or 8)")
+    p.add_argument("--prefix-tokens", type=int, default=8192, help="tokens of each stored prefix (whole pages)")
+    p.add_argument("--suffix-tokens", type=int, default=256, help="new tokens after the prefix on the restart")
+    p.add_argument("--prefixes", type=int, default=3, help="prefixes (the first warms up, the others are timed)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--physical-tokens-per-rank", type=int, default=16384, help="--max-total-tokens (per rank)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--load-format", default=None, help="'dummy' for the tiny config")
+    p.add_argument("--dummy-init", choices=["unit-gain", "stock"], default="unit-gain")
+    p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (every server)")
+    p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
+    p.add_argument("--startup-timeout", type=float, default=420)
+    p.add_argument("--request-timeout", type=float, default=300)
+    p.add_argument("--storage-wait-s", type=float, default=60,
+                   help="seconds the write server gets to store every page after its last response")
+    p.add_argument("--out-dir", default=None, help="logs, pool dumps, storage dir, report.json")
+    p.add_argument("--dry-run", action="store_true", help="print the servers' commands and the plan, launch nothing")
+    args = p.parse_args(argv)
+    try:
+        args.token_id_range = parse_token_id_range(args.token_id_range)
+        args.plan = L3RestartPlan(
+            prefixes=args.prefixes, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+            page_size=NSA_CUDA_PAGE_SIZE, max_new_tokens=args.max_new_tokens,
+            token_id_range=args.token_id_range, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
+    if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
+        p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
+    return args
+
+
+def storage_dir(out_dir: Path) -> Path:
+    return out_dir / "storage"
+
+
+def audit_dir(out_dir: Path, server: str) -> Path:
+    return out_dir / f"audit_{server}"
+
+
+def serve_config(args, server: str, port: int, out_dir: Path) -> ServeConfig:
+    extra = shlex.split(args.extra_server_args)
+    if server in (WRITE, RESTART):
+        extra += ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+                  json.dumps({"file_path": str(storage_dir(out_dir).resolve())})]  # fmt: skip
+    if args.one_gpu:
+        extra = with_one_gpu_args(extra)
+    return ServeConfig(
+        model_path=args.model_path, tp_size=args.tp, shared_kv=True, port=port,
+        physical_tokens_per_rank=args.physical_tokens_per_rank, hicache_ratio=args.hicache_ratio,
+        mem_fraction_static=args.mem_fraction_static, load_format=args.load_format, extra_args=extra,
+    )  # fmt: skip
+
+
+def server_env(args, server: str, out_dir: Path) -> Dict[str, str]:
+    """The smoke plugin (audits, unit-gain dummy weights, the one-GPU hook) reaches the servers
+    through ``PYTHONPATH``, as in the serve smoke."""
+    inherited = os.environ.get("PYTHONPATH")
+    env = dict(OFFLINE_ENV)
+    env["PYTHONPATH"] = str(SMOKE_PLUGIN_DIR) + (os.pathsep + inherited if inherited else "")
+    env[SMOKE_AUDIT_DIR_ENV] = str(audit_dir(out_dir, server))
+    if args.load_format == "dummy" and args.dummy_init == "unit-gain":
+        env[SMOKE_DUMMY_INIT_ENV] = "1"
+    if args.one_gpu:
+        env.update(one_gpu_env())
+    return env
+
+
+def start(args, server: str, out_dir: Path) -> SglangServer:
+    config = serve_config(args, server, free_port(), out_dir)
+    env = {**os.environ, **server_env(args, server, out_dir), **config.env()}
+    print(f"[{server}] starting: {shlex.join(config.command())}", flush=True)
+    return SglangServer(config.command(), config.port, out_dir / f"server_{server}.log", env).__enter__()
+
+
+def send(args, server_name: str, server: SglangServer, rid: str, prompt: List[int]) -> ServedRequest:
+    result = generate_greedy(server.base_url, prompt, args.plan.max_new_tokens, args.request_timeout, rid)
+    served = ServedRequest(
+        server=server_name, rid=rid, prompt_tokens=len(prompt),
+        cached_tokens=int(result.meta_info.get("cached_tokens", 0) or 0),
+        storage_tokens=l3_restart.storage_tokens(result.meta_info),
+        ttft_ms=None if result.ttft_s is None else round(result.ttft_s * 1e3, 2), error=result.error,
+    )  # fmt: skip
+    print(f"[{server_name}] {rid} prompt={served.prompt_tokens} cached={served.cached_tokens} "
+          f"from_l3={served.storage_tokens} ttft_ms={served.ttft_ms}" + (f" ERROR {served.error}" if served.error else ""),
+          flush=True)  # fmt: skip
+    return served
+
+
+def stored_objects(out_dir: Path) -> int:
+    directory = storage_dir(out_dir)
+    return sum(1 for p in directory.iterdir() if p.suffix == ".bin") if directory.is_dir() else 0
+
+
+def wait_for_storage(args, server: SglangServer, out_dir: Path) -> int:
+    """Until the directory holds every page's two objects (or the wait ends). The ranks store a
+    node's pages when its host copy is acknowledged, in the scheduler loop; a one-page request
+    every few seconds keeps that loop turning."""
+    expected = 2 * args.plan.stored_pages()
+    deadline, nudges = time.monotonic() + args.storage_wait_s, 0
+    while stored_objects(out_dir) < expected and time.monotonic() < deadline:
+        time.sleep(3)
+        generate_greedy(server.base_url, [1 + nudges % 200] * 8, 1, 30, f"l3-nudge-{nudges}")
+        nudges += 1
+    return stored_objects(out_dir)
+
+
+def stop(server: Optional[SglangServer], out_dir: Path, name: str, logs: Dict[str, List[str]]) -> None:
+    if server is None:
+        return
+    kv_audit_compare.wait_for_settled_dumps(audit_dir(out_dir, name), timeout_s=60)
+    server.stop()
+    logs[name] = server.log_lines_before_stop()
+
+
+def serve(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, List[str]], figures: Dict) -> None:
+    plan = args.plan
+    servers: Dict[str, Optional[SglangServer]] = {name: None for name in SERVERS}
+    try:
+        servers[WRITE], servers[RECOMPUTE] = start(args, WRITE, out_dir), start(args, RECOMPUTE, out_dir)
+        servers[WRITE].wait_ready(args.startup_timeout)
+        servers[RECOMPUTE].wait_ready(args.startup_timeout)
+        for k in range(plan.prefixes):
+            requests.append(send(args, WRITE, servers[WRITE], plan.write_rid(k), plan.write_prompt(k)))
+        figures["objects_after_write"] = wait_for_storage(args, servers[WRITE], out_dir)
+        stop(servers.pop(WRITE), out_dir, WRITE, logs)
+        servers[RESTART] = start(args, RESTART, out_dir)
+        servers[RESTART].wait_ready(args.startup_timeout)
+        for k in range(plan.prefixes):
+            for name in (RESTART, RECOMPUTE):
+                requests.append(send(args, name, servers[name], plan.read_rid(k), plan.read_prompt(k)))
+        metrics = parse_metrics(servers[RESTART].get_text("/metrics"))
+        figures["storage_counter_tokens"] = l3_restart.storage_counter_total(metrics.samples.get(CACHED_TOKENS, []))
+    finally:
+        for name, server in servers.items():
+            stop(server, out_dir, name, logs)
+
+
+def judge(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, List[str]], figures: Dict) -> List[str]:
+    plan = args.plan
+    failures = l3_restart.hit_failures(plan, requests)
+    failures += l3_restart.stored_object_failures(plan, figures.get("objects_after_write", 0))
+    restart_hits = [r.storage_tokens or 0 for r in requests if r.server == RESTART]
+    figures["l3_tokens"] = restart_hits
+    restored = kv_audit_compare.restored_row_check(
+        audit_dir(out_dir, WRITE), audit_dir(out_dir, RESTART),
+        [(plan.write_rid(k), plan.read_rid(k), plan.prefix_tokens) for k in range(plan.prefixes)],
+    )  # fmt: skip
+    figures["restored_rows"] = {k: v for k, v in restored.items() if k != "failures"}
+    failures += restored["failures"]
+    pool = kv_audit_compare.compare_runs(audit_dir(out_dir, RESTART), audit_dir(out_dir, RECOMPUTE))
+    figures["pool_audit"] = pool.to_json()
+    figures["pool_audit_wrong_rows"] = pool.layer0_wrong_kv_rows + pool.layer0_wrong_index_rows
+    figures["pool_audit_positions"] = pool.positions_compared
+    failures += pool.failures
+    for name in SERVERS:
+        totals = kv_audit_compare.read_audit_totals(audit_dir(out_dir, name))
+        figures[f"read_audit_{name}"] = totals
+        failures += [f"{name}: {f}" for f in kv_audit_compare.read_audit_failures(totals)]
+        failures += [f"{name}: {f}" for f in log_failures(scan_for_errors(logs.get(name, [])))]
+        if name not in logs:
+            failures.append(f"{name}: the server never started")
+    figures["ttft"] = l3_restart.ttft_comparison(plan, requests)
+    return failures
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(f"terminated by signal {signum}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir or f"l3_restart_cp{args.tp}_{time.strftime('%Y%m%d_%H%M%S')}")
+    if args.dry_run:
+        for name in SERVERS:
+            config = serve_config(args, name, 30000, out_dir)
+            env = " ".join(f"{k}={v}" for k, v in {**server_env(args, name, out_dir), **config.env()}.items())
+            print(f"[{name}] {env} {shlex.join(config.command())}")
+        print("\n".join(args.plan.describe()))
+        return 0
+    if stored_objects(out_dir):
+        print(f"error: {storage_dir(out_dir)} already holds objects; give a fresh --out-dir", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the servers are stopped on SIGTERM too
+    out_dir.mkdir(parents=True, exist_ok=True)
+    requests: List[ServedRequest] = []
+    logs: Dict[str, List[str]] = {}
+    figures: Dict = {}
+    failures: List[str] = []
+    try:
+        serve(args, out_dir, requests, logs, figures)
+    except (ServerError, OSError, ValueError) as e:
+        failures.append(f"server: {type(e).__name__}: {e}")
+    failures += judge(args, out_dir, requests, logs, figures)
+    (out_dir / "report.json").write_text(json.dumps(
+        {"tp": args.tp, "plan": args.plan.describe(), "requests": [r.to_json() for r in requests],
+         "figures": figures, "failures": failures}, indent=1))  # fmt: skip
+    for failure in failures:
+        print(f"FAIL {failure}")
+    print(l3_restart.verdict_line(args.tp, failures, figures), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
