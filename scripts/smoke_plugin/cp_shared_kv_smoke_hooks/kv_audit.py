@@ -308,8 +308,11 @@ def register_hooks(registry, audit_dir: str) -> None:
             "index",
         )
 
-    registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
-    registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
+    from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_POOL_ENV
+
+    if os.environ.get(SMOKE_AUDIT_POOL_ENV) != "0":
+        registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
+        registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
     shared_kv = cp_shared_kv_enabled_in_env()
     draft_audit.register_hooks(registry, root, _rank, shared_kv)
     if not shared_kv:  # the read audit checks the shared-KV gather only

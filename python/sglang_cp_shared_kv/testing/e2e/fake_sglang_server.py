@@ -5,10 +5,10 @@
 It takes the command line the benchmark would give sglang (``--port``, ``--tp``,
 ``--max-total-tokens``, ``--enable-nsa-prefill-cp-shared-kv``, ``--enable-hierarchical-cache``,
 ``--hicache-ratio``, ``--disaggregation-mode``; the rest is ignored) and answers the endpoints the
-benchmark uses as sglang 0.5.11 does: ``/health``, ``/server_info`` (and the deprecated
+benchmark and the soak use as sglang 0.5.11 does: ``/health`` (and ``/health_generate``), ``/server_info`` (and the deprecated
 ``/get_server_info``) with ``max_total_num_tokens`` (``cp_size`` x the per-rank pool under shared
 KV), ``/generate`` (streamed ``data:`` chunks or one JSON body, ``meta_info`` with ``cached_tokens``
-and ``cached_tokens_details``), ``/flush_cache`` and ``/metrics`` (``sglang:cached_tokens_total`` by
+and ``cached_tokens_details``), ``/flush_cache``, ``/abort_request`` (accepted, the request still runs to its end) and ``/metrics`` (``sglang:cached_tokens_total`` by
 ``cache_source``, ``sglang:prompt_tokens_total``, ``sglang:max_total_num_tokens``).
 
 Its device pool is ``--max-total-tokens`` rows per rank or, for a model directory whose config.json
@@ -219,7 +219,7 @@ def make_handler(fake: FakeSglang):
 
         def do_GET(self):
             path = self.path.split("?")[0]
-            if path == "/health":
+            if path in ("/health", "/health_generate"):
                 self._send(200, b"")
             elif path in ("/server_info", "/get_server_info"):
                 info = {"max_total_num_tokens": fake.max_total_num_tokens, "tp_size": fake.args.tp,
@@ -240,6 +240,9 @@ def make_handler(fake: FakeSglang):
                 with fake.lock:
                     fake.cache.flush()
                 self._send(200, b"Cache flushed.\n", "text/plain")
+                return
+            if path == "/abort_request":  # accepted; the fake's requests run to their end
+                self._send(200, b"")
                 return
             if path != "/generate":
                 self._send(404, b"{}")
