@@ -257,15 +257,18 @@ def make_handler(fake: FakeSglang):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for k in range(1, new_tokens + 1):
-                if k > 1:
-                    time.sleep(PER_OUTPUT_TOKEN_S)
-                chunk = {"output_ids": [FAKE_TOKEN_ID] * k, "meta_info": {**meta, "completion_tokens": k}}
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
             self.close_connection = True
+            try:
+                for k in range(1, new_tokens + 1):
+                    if k > 1:
+                        time.sleep(PER_OUTPUT_TOKEN_S)
+                    chunk = {"output_ids": [FAKE_TOKEN_ID] * k, "meta_info": {**meta, "completion_tokens": k}}
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away (sglang aborts such a request): nothing to finish
 
     return Handler
 
