@@ -121,5 +121,41 @@ class TestTreeDump(CustomTestCase):
         self.assertEqual(failures, ["tree dump 0: ranks [1] wrote none"])
 
 
+class TestPluginWiring(CustomTestCase):
+    def test_audits_bring_the_tree_dump_and_the_pool_dumps_can_be_turned_off(self):
+        import os
+
+        import cp_shared_kv_smoke_hooks as plugin
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+        dump = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
+        pool = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
+        saved = dict(os.environ)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                for pool_env, expected in ((None, {dump, pool}), ("0", {dump})):
+                    with applied_hooks(), self.subTest(pool_env=pool_env):
+                        os.environ[plugin.SMOKE_AUDIT_DIR_ENV] = tmp
+                        os.environ.pop(plugin.SMOKE_AUDIT_POOL_ENV, None)
+                        if pool_env:
+                            os.environ[plugin.SMOKE_AUDIT_POOL_ENV] = pool_env
+                        plugin.register()
+                        self.assertEqual(set(HookRegistry._hooks) & {dump, pool}, expected)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def test_the_plant_wraps_the_cp_loading_check(self):
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+
+        with applied_hooks(lambda registry: planted_bugs.register_hooks(registry, "skip-load-ack")):
+            self.assertIn("sglang_cp_shared_kv.mem_cache.cp_hiradix_cache.CpHiRadixCache.loading_check",
+                          HookRegistry._hooks)  # fmt: skip
+
+
 if __name__ == "__main__":
     unittest.main()
