@@ -209,7 +209,9 @@ def schedulers_alive(server: SglangServer) -> int:
     alive = 0
     for child in children:
         try:
-            if child.name().startswith("sglang::scheduler") or any("sglang::scheduler" in a for a in child.cmdline()):
+            # setproctitle: the command line reads sglang::scheduler_TP<r>..., the 15-byte comm name
+            # sglang::schedul.
+            if child.name().startswith("sglang::sched") or any("sglang::scheduler" in a for a in child.cmdline()):
                 alive += child.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             continue
@@ -275,6 +277,7 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     summary = soak.load_summary(outcomes, load.flushes if load else {}, load.max_in_flight if load else 0,
                                 load.elapsed_s if load else 0.0)  # fmt: skip
     summary.update({k: report.get("hicache", {}).get(k, 0.0) for k in ("evicted_tokens", "load_back_tokens")})
+    summary["flushes_quiesced"] = load.flushes_quiesced if load else 0
     skipped = ["kv audits", "tree dumps", "schedulers", "hicache activity"] if args.fake_server else []
     audits, audit_fail = ({}, []) if args.fake_server else audit_failures(out_dir)
     checkpoints_compared, tree_fail = (0, []) if args.fake_server else soak.compare_tree_dumps(tree_dir, args.tp)
@@ -300,7 +303,8 @@ def print_report(args, report: dict) -> None:
     s = report["summary"]
     print(f"\n== {args.name}: load held")
     print(f"requests sent {s['requests_sent']}: finished {s['finished']}, aborted {s['aborted']}, lost {s['error']}; "
-          f"faults {s['faults']} (aborted {s['aborted_by_fault']}); flushes {s['flushes']}")  # fmt: skip
+          f"faults {s['faults']} (aborted {s['aborted_by_fault']}); flushes {s['flushes']}, "
+          f"{s['flushes_quiesced']} of them after the requests ended")  # fmt: skip
     print(f"prompt tokens {s['prompt_tokens_sent']}, output tokens {s['output_tokens_received']}, max concurrency "
           f"{s['max_concurrency']}, {s['elapsed_s']} s; host hits {s['requests_with_host_hits']} requests / "
           f"{s['host_hit_tokens']} tokens; evicted {s['evicted_tokens']:.0f}, loaded back {s['load_back_tokens']:.0f} "

@@ -10,7 +10,8 @@
   often from host too (recomputed). A prompt is at most D / (2 x clients), so every client's
   request fits beside the others'. Some items are faults: a client that disconnects during
   prefill or during decode, a request aborted through ``/abort_request`` after its first token,
-  and every ``flush_every``-th item a ``/flush_cache`` (refused while requests run: counted);
+  and every ``flush_every``-th item a ``/flush_cache`` (refused while requests run: counted;
+  every other one waits for the running requests to end first: ``SoakLoad``);
 * one client's action for an item (``run_item``) and its outcome (``RequestOutcome``);
 * the cross-rank tree comparison (``compare_tree_dumps``) of the dumps the smoke plugin's
   ``tree_dump`` hook writes whenever ``/server_info`` reaches the schedulers (every rank handles
@@ -281,35 +282,60 @@ def run_flush(base_url: str, timeout_s: float) -> str:
 
 
 class SoakLoad:
-    """``clients`` threads take the plan's items in order until the plan or the time runs out."""
+    """``clients`` threads take the plan's items in order until the plan or the time runs out.
+
+    Flushes alternate between two kinds. A plain one is sent while the other clients go on (sglang
+    refuses it unless the server happens to be idle). A quiesced one first stops the other clients
+    from taking items and waits (at most ``QUIESCE_S``) until no request runs, then flushes at once:
+    the requests are done but their host writes and load-backs may still be in flight, which the
+    flush must survive (``CpHiRadixCache.reset``). Before every flush, ``checkpoint`` (the driver's
+    tree dump) runs."""
+
+    QUIESCE_S = 30.0
 
     def __init__(self, base_url: str, plan: SoakPlan, duration_s: float, timeout_s: float, checkpoint=None):
         self.base_url, self.plan, self.timeout_s = base_url, plan, timeout_s
         self.deadline = time.monotonic() + duration_s
-        self.checkpoint = checkpoint  # called before each flush (a tree dump while requests run)
-        self.lock = threading.Lock()
+        self.checkpoint = checkpoint
+        self.lock = threading.Condition()
         self.next_item = 0
+        self.paused = False  # a quiesced flush is waiting for the running requests to end
         self.in_flight = self.max_in_flight = 0
         self.outcomes: List[RequestOutcome] = []
         self.flushes: Dict[str, int] = {"ok": 0, "refused": 0, "error": 0}
-        self.started_s = self.elapsed_s = 0.0
+        self.flushes_quiesced = 0
+        self.elapsed_s = 0.0
 
     def _take(self) -> Optional[SoakItem]:
         with self.lock:
+            self.lock.wait_for(lambda: not self.paused or time.monotonic() >= self.deadline, timeout=self.QUIESCE_S)
             if self.next_item >= len(self.plan.items) or time.monotonic() >= self.deadline:
                 return None
             self.next_item += 1
             return self.plan.items[self.next_item - 1]
 
+    def _flush(self, quiesced: bool) -> None:
+        if quiesced:
+            with self.lock:
+                self.paused = True
+                self.lock.wait_for(lambda: self.in_flight == 0, timeout=self.QUIESCE_S)
+        answer = "error"
+        try:
+            if self.checkpoint is not None:
+                self.checkpoint()
+            answer = run_flush(self.base_url, self.timeout_s)
+        finally:
+            with self.lock:
+                self.flushes[answer] += 1
+                self.flushes_quiesced += quiesced
+                self.paused = False
+                self.lock.notify_all()
+
     def _client(self, number: int) -> None:
         rng = random.Random(f"{self.plan.seed}/client{number}")
         while (item := self._take()) is not None:
             if item.kind == FLUSH:
-                if self.checkpoint is not None:
-                    self.checkpoint()
-                answer = run_flush(self.base_url, self.timeout_s)
-                with self.lock:
-                    self.flushes[answer] += 1
+                self._flush(quiesced=sum(1 for i in self.plan.items[: item.index] if i.kind == FLUSH) % 2 == 1)
                 continue
             with self.lock:
                 self.in_flight += 1
@@ -318,6 +344,7 @@ class SoakLoad:
             with self.lock:
                 self.in_flight -= 1
                 self.outcomes.append(outcome)
+                self.lock.notify_all()
 
     def run(self) -> "SoakLoad":
         start = time.monotonic()

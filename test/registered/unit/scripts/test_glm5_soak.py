@@ -198,6 +198,7 @@ class TestSoakDriver(CustomTestCase):
         self.assertGreater(disconnects, 0)
         self.assertEqual(s["aborted"], disconnects)
         self.assertEqual(s["flushes"]["ok"], 8)
+        self.assertEqual(s["flushes_quiesced"], 4)  # every other flush waits for the requests to end
         self.assertGreater(s["max_concurrency"], 1)
         self.assertIn("VERDICT: PASS soak cp2_write_through", text)
         self.assertIn("skipped: kv audits, tree dumps", text)
