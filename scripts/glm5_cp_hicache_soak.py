@@ -2,8 +2,8 @@
 """Served soak: one shared-KV ``sglang serve`` with HiCache under concurrent load, aborts and flushes.
 
 Starts ONE server (the smoke's command, environment and plugin: ``glm5_cp_hicache_smoke.py``), with the
-KV read audits on (pool dumps off: hundreds of requests would fill the disk) and the plugin's tree
-dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
+KV audits on (the read audits on every forward; pool dumps of a sample of requests, checked against
+themselves: layer-0 rows are a function of token and position) and the plugin's tree dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
 ``--max-requests`` items (``testing/e2e/soak.py`` says what the plan holds: multi-turn conversations
 over long prefixes sized from the server's logical pool, so the device evicts, the host backs up,
 evicts and loads back; clients that disconnect in prefill or decode; ``/abort_request``;
@@ -12,7 +12,7 @@ every rank dump its tree and host-slot ledger at the same step, and the dumps ar
 
 Verdict (one ``VERDICT:`` line, then a table row for docs/gpu.md): 0 server errors (HTTP 5xx,
 error lines of the server log), every rank alive (``/health_generate``, every scheduler process),
-the read audits clean (the smoke's judgement), the trees identical across ranks at every
+the read audits clean (the smoke's judgement) and the sampled pool rows consistent, the trees identical across ranks at every
 checkpoint, no request lost, nothing left running, and the run did evict and load back. Exit 0 on
 PASS, 1 on FAIL, 2 on bad arguments. ``--plant`` plants a bug (it must FAIL).
 
@@ -132,13 +132,13 @@ def serve_config(args, port: int) -> ServeConfig:
 
 
 def server_env(args, out_dir: Path) -> dict:
-    """The smoke's environment for a shared-KV server with its audits on, pool dumps off."""
+    """The smoke's environment for a shared-KV server with its audits on, pool dumps of the sample only."""
     smoke_args = argparse.Namespace(
         load_format=args.load_format, dummy_init=args.dummy_init, audit=not args.fake_server, plant=args.plant,
         mtp=False, decode="gather", prefetch_slot_tokens=None, one_gpu=args.one_gpu,
     )  # fmt: skip
     env = smoke.server_env(smoke_args, True, out_dir)
-    env[SMOKE_AUDIT_POOL_ENV] = "0"
+    env[SMOKE_AUDIT_POOL_ENV] = soak.AUDITED_RID_PATTERN
     return env
 
 
@@ -226,13 +226,19 @@ def hicache_counters(server: SglangServer) -> Optional[HiCacheCounters]:
 
 
 def audit_failures(out_dir: Path) -> tuple:
-    """(figures, failures): the smoke's judgement of the shared-KV read audits."""
+    """(figures, failures): the smoke's judgement of the shared-KV read audits, and the sampled pool
+    dumps against themselves (no reference server here)."""
     run_dir = audit_dir(out_dir)
     totals = kv_audit_compare.read_audit_totals(run_dir)
     failures = kv_audit_compare.read_audit_failures(totals)
     decode_totals = decode_read_audit.totals(run_dir)
     failures += decode_read_audit.failures(decode_totals)
-    return {"read_audit": totals, "decode_read_audit": decode_totals}, failures
+    if not kv_audit_compare.wait_for_settled_dumps(run_dir, timeout_s=CHECK_TIMEOUT_S):
+        failures.append(f"pool audit: dumps still being written {CHECK_TIMEOUT_S} s after the load")
+    pool = kv_audit_compare.layer0_self_consistency(run_dir)
+    failures += pool.failures
+    pool_figures = {k: v for k, v in pool.to_json().items() if k != "failures"}
+    return {"read_audit": totals, "decode_read_audit": decode_totals, "pool_self_consistency": pool_figures}, failures
 
 
 def run(args, plan_for_capacity, out_dir: Path) -> dict:

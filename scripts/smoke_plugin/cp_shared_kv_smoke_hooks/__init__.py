@@ -14,7 +14,8 @@ sets for those servers alone:
   pool audit; dumps and per-layer gathers of every layer of a GLM-5-width model would not fit a run).
   With it, ``tree_dump`` writes every rank's radix tree and host-slot ledger whenever
   ``/server_info`` reaches the schedulers (the soak compares them across ranks);
-  ``SMOKE_AUDIT_POOL_ENV=0`` turns the pool dumps off (the read audits stay).
+  ``SMOKE_AUDIT_POOL_ENV`` limits the pool dumps: ``0`` none, a regex the requests whose rid
+  matches it (the read audits stay).
 * ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
 * ``SMOKE_ONE_GPU_ENV=1``: every rank of the server on device 0, each its own NCCL host
   (``one_gpu``; the launcher's side: ``sglang_cp_shared_kv.testing.e2e.one_gpu``).
@@ -35,7 +36,8 @@ SMOKE_LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
 SMOKE_AUDIT_DIR_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"
 SMOKE_AUDIT_LAYERS_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS"
 SMOKE_PLANT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_PLANT"
-# "0": no pool dumps (the soak's hundreds of requests would fill the disk); the read audits stay on.
+# Which finished requests the pool audit dumps: all (unset), none ("0"), or those whose rid matches
+# this regex (the soak samples: all of its requests would fill the disk). The read audits stay on.
 SMOKE_AUDIT_POOL_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL"
 SMOKE_ONE_GPU_ENV = ONE_GPU_PLUGIN_ENV
 

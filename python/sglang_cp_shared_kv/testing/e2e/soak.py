@@ -13,6 +13,8 @@
   and every ``flush_every``-th item a ``/flush_cache`` (refused while requests run: counted;
   every other one waits for the running requests to end first: ``SoakLoad``);
 * one client's action for an item (``run_item``) and its outcome (``RequestOutcome``);
+* the sample of requests whose KV the pool audit dumps (``audited``: every turn of some
+  conversations), which the driver checks against itself (``kv_audit_compare.layer0_self_consistency``);
 * the cross-rank tree comparison (``compare_tree_dumps``) of the dumps the smoke plugin's
   ``tree_dump`` hook writes whenever ``/server_info`` reaches the schedulers (every rank handles
   that request at the same scheduler step, so their trees must be identical there);
@@ -44,6 +46,10 @@ FINISHED, ABORTED, ERROR = "finished", "aborted", "error"
 # Tree dump files of the smoke plugin (``tree_dump.py``): tree.rank<r>.<seq>.json
 TREE_DUMP_GLOB = "tree.rank*.json"
 MAX_TURNS = 4
+# The smoke plugin dumps the pool rows of the requests whose rid matches AUDITED_RID_PATTERN
+# (``SMOKE_AUDIT_POOL_ENV``): a sample, since every request's dump would fill the disk.
+AUDITED_RID_SUFFIX = "-audit"
+AUDITED_RID_PATTERN = AUDITED_RID_SUFFIX + "$"
 
 
 @dataclass(frozen=True)
@@ -55,10 +61,11 @@ class SoakItem:
     prompt_tokens: int = 0
     max_new_tokens: int = 0
     fault: str = NO_FAULT
+    audited: bool = False  # its KV is dumped for the pool self-consistency audit (rid ends AUDITED_RID_SUFFIX)
 
     @property
     def rid(self) -> str:
-        return f"soak-{self.index}-c{self.conversation}t{self.turn}"
+        return f"soak-{self.index}-c{self.conversation}t{self.turn}" + (AUDITED_RID_SUFFIX if self.audited else "")
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,8 @@ class SoakPlan:
             f"{self.conversations * self.conversation_tokens / self.logical_host_tokens:.2f} x H)",
             f"{len(self.items)} items: {len(requests)} requests "
             f"({', '.join(f'{n} {f}' for f, n in faults.items())}), "
-            f"{sum(1 for i in self.items if i.kind == FLUSH)} flushes; seed={self.seed}",
+            f"{sum(1 for i in self.items if i.kind == FLUSH)} flushes, {sum(i.audited for i in requests)} "
+            f"requests audited (pool dumps); seed={self.seed}",
         ]
         for item in self.items[:12]:
             what = "flush_cache" if item.kind == FLUSH else (
@@ -131,13 +139,15 @@ def build_soak_plan(
     fault_fraction: float = 0.15,
     flush_every: int = 50,
     host_overfill: float = 1.5,
+    audit_every: int = 8,
     token_id_range: Tuple[int, int] = (0, 256),
     seed: int = 0,
 ) -> SoakPlan:
     """The items of a soak against a server of ``logical_device_tokens`` (see the module docstring).
 
     ``fault_fraction`` of the requests carry a fault, split evenly over ``FAULTS``; the plan is the
-    same for the same arguments (``seed``)."""
+    same for the same arguments (``seed``). The requests without a fault of every ``audit_every``-th
+    conversation are ``audited`` (0: none): their turns share prefixes, served from device or host."""
     if hicache_ratio <= 1:
         raise ValueError(f"--hicache-ratio must be > 1 (sglang requires host > device), got {hicache_ratio}")
     if clients < 1 or max_items < 1 or flush_every < 2:
@@ -182,6 +192,7 @@ def build_soak_plan(
                 SoakItem(
                     index=len(items), kind=GENERATE, conversation=c, turn=turn,
                     prompt_tokens=prefix + (turn + 1) * turn_tokens, max_new_tokens=new_tokens, fault=fault,
+                    audited=bool(audit_every) and c % audit_every == 0 and fault == NO_FAULT,
                 )
             )  # fmt: skip
         round_index += 1

@@ -9,7 +9,8 @@ tree dumps there: those checks are reported as skipped) and its dry run.
 Planted checks: ``soak_failures`` without ``lost_request_failures`` fails
 ``test_a_lost_request_fails``; ``run_generate`` counting a disconnected stream as FINISHED fails the
 fake end-to-end test's ``aborted`` count; ``compare_tree_dumps`` comparing ``rank_local`` instead of
-``shared`` fails ``test_tree_dumps_that_differ_across_ranks_fail``.
+``shared`` fails ``test_tree_dumps_that_differ_across_ranks_fail``. The pool self-consistency check
+(the soak's pool audit without a reference) on canned dumps: ``TestPoolSelfConsistency``.
 """
 
 import contextlib
@@ -156,6 +157,84 @@ class TestSoakVerdict(CustomTestCase):
         self.assertEqual(soak.soak_failures(evidence(tree_checkpoints=0, skipped=["tree dumps"])), [])
 
 
+def row_values(token: int, position: int, width: int):
+    """A layer-0 row standing in for the model's: a function of (token id, position) alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(token * 100_003 + position)
+    return torch.randn(width, generator=g)
+
+
+def write_request_dump(run_dir: Path, rid: str, token_ids, swap_pages=None, cp=2, layers=2):
+    """Pool dumps of one request as ``kv_audit`` writes them (bf16 KV, fp8 indexer K with a scale),
+    positions split over ``cp`` ranks by page; ``swap_pages`` (a, b): their rows exchanged, as a
+    load-back one page off would leave them."""
+    import numpy as np
+    import torch
+
+    n = len(token_ids)
+    kv = torch.stack([row_values(t, i, 64) for i, t in enumerate(token_ids)]).to(torch.bfloat16)
+    head = torch.stack([row_values(t, i + 7, 32) for i, t in enumerate(token_ids)]).to(torch.float8_e4m3fn)
+    index = torch.cat([head.view(torch.uint8), torch.ones(n, 1).view(torch.uint8)], dim=1)
+    kv_bytes = kv.view(torch.uint8).numpy()
+    index_bytes = index.numpy()
+    order = np.arange(n)
+    if swap_pages:
+        a, b = swap_pages
+        order[a * PAGE:(a + 1) * PAGE], order[b * PAGE:(b + 1) * PAGE] = (
+            np.arange(b * PAGE, (b + 1) * PAGE), np.arange(a * PAGE, (a + 1) * PAGE))  # fmt: skip
+    (run_dir / "pool").mkdir(parents=True, exist_ok=True)
+    for rank in range(cp):
+        mine = np.nonzero((np.arange(n) // PAGE) % cp == rank)[0]
+        np.savez(
+            run_dir / "pool" / f"{rid}.rank{rank}.npz", positions=mine, token_ids=np.asarray(token_ids),
+            kv=np.repeat(kv_bytes[order][mine][:, None], layers, 1), index=np.repeat(index_bytes[order][mine][:, None], layers, 1),
+            kv_dtype=np.array("torch.bfloat16"), cached_tokens=np.array(0),
+        )  # fmt: skip
+
+
+class TestPoolSelfConsistency(CustomTestCase):
+    """The soak's pool audit without a reference server (``kv_audit_compare.layer0_self_consistency``).
+    Planted check: comparing each row with itself instead of its (token, position)'s first row fails
+    ``test_a_page_loaded_back_one_page_off_fails``."""
+
+    @classmethod
+    def setUpClass(cls):
+        import sys
+
+        sys.path.insert(0, str(REPO_ROOT / "scripts" / "smoke_plugin"))
+        from cp_shared_kv_smoke_hooks import kv_audit_compare
+
+        cls.compare = staticmethod(kv_audit_compare.layer0_self_consistency)
+        prefix = [(5 * i + 1) % 256 for i in range(3 * PAGE)]
+        cls.turns = [prefix + [(11 * i + t) % 256 for i in range(PAGE)] for t in range(2)]
+
+    def test_turns_sharing_a_prefix_agree(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for t, ids in enumerate(self.turns):
+                write_request_dump(Path(tmp), f"soak-{t}-c0t{t}-audit", ids)
+            result = self.compare(Path(tmp))
+        self.assertEqual(result.failures, [])
+        self.assertEqual((result.requests, result.positions), (2, 8 * PAGE))
+        self.assertEqual(result.repeated_positions, 3 * PAGE)  # the shared prefix
+
+    def test_a_page_loaded_back_one_page_off_fails(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            write_request_dump(Path(tmp), "soak-0-c0t0-audit", self.turns[0])
+            write_request_dump(Path(tmp), "soak-1-c0t1-audit", self.turns[1], swap_pages=(0, 2))
+            result = self.compare(Path(tmp))
+        self.assertEqual(result.layer0_wrong_kv_rows, 2 * PAGE)
+        self.assertEqual(result.wrong_by_request, {"soak-1-c0t1-audit": 2 * PAGE})
+        self.assertEqual(len(result.failures), 1)
+        self.assertIn("pool self-consistency", result.failures[0])
+
+    def test_nothing_repeated_or_nothing_dumped_fails(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.assertIn("no pool audit dumps", self.compare(Path(tmp)).failures[0])
+            write_request_dump(Path(tmp), "soak-0-c0t0-audit", self.turns[0])
+            self.assertIn("no (token, position) dumped twice", self.compare(Path(tmp)).failures[0])
+
+
 class TestSoakDriver(CustomTestCase):
     @classmethod
     def setUpClass(cls):
@@ -177,7 +256,7 @@ class TestSoakDriver(CustomTestCase):
         for part in ("sglang serve", "--tp 4", "--enable-nsa-prefill-cp-shared-kv", "--enable-hierarchical-cache",
                      "--hicache-write-policy write_back", "--disable-custom-all-reduce",
                      "SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU=1", "SGLANG_CP_SHARED_KV_SMOKE_PLANT=skip-load-ack",
-                     "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL=0", "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR="):  # fmt: skip
+                     "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL=-audit$", "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR="):  # fmt: skip
             self.assertIn(part, command)
         self.assertIn("logical device D=65536 host H=131072", text)
 

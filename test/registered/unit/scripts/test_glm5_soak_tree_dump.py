@@ -135,7 +135,7 @@ class TestPluginWiring(CustomTestCase):
         saved = dict(os.environ)
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                for pool_env, expected in ((None, {dump, pool}), ("0", {dump})):
+                for pool_env, expected in ((None, {dump, pool}), ("0", {dump}), ("-audit$", {dump, pool})):
                     with applied_hooks(), self.subTest(pool_env=pool_env):
                         os.environ[plugin.SMOKE_AUDIT_DIR_ENV] = tmp
                         os.environ.pop(plugin.SMOKE_AUDIT_POOL_ENV, None)
