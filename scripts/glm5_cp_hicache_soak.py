@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """Served soak: one shared-KV ``sglang serve`` with HiCache under concurrent load, aborts and flushes.
 
-Starts ONE server (the smoke's command, environment and plugin: ``glm5_cp_hicache_smoke.py``), with the
-KV audits on (the read audits on every forward; pool dumps of a sample of requests, checked against
-themselves: layer-0 rows are a function of token and position) and the plugin's tree dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
+Starts ONE server (the smoke's command, environment and plugin: ``glm5_cp_hicache_smoke.py``) with
+the KV audits on (the read audit on every forward; pool dumps of a sample of requests, checked
+against themselves, since layer-0 rows are a function of token and position) and the plugin's tree
+dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
 ``--max-requests`` items (``testing/e2e/soak.py`` says what the plan holds: multi-turn conversations
 over long prefixes sized from the server's logical pool, so the device evicts, the host backs up,
 evicts and loads back; clients that disconnect in prefill or decode; ``/abort_request``;
-``/flush_cache`` while requests run). Before each flush and at the end, ``/server_info`` makes
-every rank dump its tree and host-slot ledger at the same step, and the dumps are compared.
+``/flush_cache`` while requests run, or right after they end). Before each flush and at the end,
+``/server_info`` makes every rank dump its tree and host-slot ledger at the same step, and the
+dumps are compared.
 
 Verdict (one ``VERDICT:`` line, then a table row for docs/gpu.md): 0 server errors (HTTP 5xx,
 error lines of the server log), every rank alive (``/health_generate``, every scheduler process),
-the read audits clean (the smoke's judgement) and the sampled pool rows consistent, the trees identical across ranks at every
-checkpoint, no request lost, nothing left running, and the run did evict and load back. Exit 0 on
-PASS, 1 on FAIL, 2 on bad arguments. ``--plant`` plants a bug (it must FAIL).
+the read audit clean (the smoke's judgement) and the sampled pool rows consistent, the trees
+identical across ranks at every checkpoint, no request lost, nothing left running, and the run did
+evict and load back. Exit 0 on PASS, 1 on FAIL, 2 on bad arguments. ``--plant`` plants a bug (the
+soak must FAIL).
 
   python scripts/glm5_cp_hicache_soak.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --dry-run
   python scripts/glm5_cp_hicache_soak.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --load-format dummy \\

@@ -7,6 +7,8 @@
 #   cp2_write_back      --tp 2, write_back
 #   cp4_write_through   --tp 4, write_through
 #   plant_cp2_skip-load-ack   --tp 2, write_through, rank 1 keeps every load-back's lock: must FAIL
+#   plant_cp2_load-back-wrong-page   only when SOAK_ONLY names it (12 rank processes with the four
+#                       above): rank 1 loads pages back one page off; the pool self-consistency must FAIL
 #
 # 10 rank processes on the GPU at once (each ~8-9 GB with pools capped at --max-total-tokens 16384).
 #
@@ -34,6 +36,7 @@ MODEL="${SMOKE_MODEL_DIR:-/tmp/tiny-glm5}"
 mkdir -p "$OUT" "$RUNS"
 [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null
 selected() { [[ -z "${SOAK_ONLY:-}" || " $SOAK_ONLY " == *" $1 "* ]]; }
+named() { [[ " ${SOAK_ONLY:-} " == *" $1 "* ]]; }
 STARTED=()
 soak() {  # soak NAME TP ARGS...: one soak in the background, log under $OUT
   local name=$1 tp=$2; shift 2
@@ -52,6 +55,8 @@ soak cp2_write_through 2 --write-policy write_through "$GRAMMAR"
 soak cp2_write_back 2 --write-policy write_back "$GRAMMAR"
 soak cp4_write_through 4 --write-policy write_through "$GRAMMAR"
 soak plant_cp2_skip-load-ack 2 --write-policy write_through --plant skip-load-ack "$GRAMMAR"
+named plant_cp2_load-back-wrong-page && \
+  soak plant_cp2_load-back-wrong-page 2 --write-policy write_through --plant load-back-wrong-page "$GRAMMAR"
 wait
 if [[ -n "${SOAK_DRY_RUN:-}" ]]; then
   for name in "${STARTED[@]}"; do echo "== $name"; grep -v -i "warn" "$OUT/$name.log"; done
