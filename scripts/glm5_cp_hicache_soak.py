@@ -32,6 +32,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -58,7 +59,6 @@ SOAK_PLANTS = ("skip-load-ack", "load-back-wrong-page", "read-wrong-owner")
 # Log lines our own faults cause: sglang logs a client's disconnect as an http_server error.
 FAULT_LOG_PATTERNS = (r"Request is disconnected from the client side",)
 FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
-RUNNING_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
 CHECK_TIMEOUT_S = 30  # each check after the load: a hung server must not eat the call's budget
 
 
@@ -154,42 +154,46 @@ class Checkpoints:
 
     def __init__(self, server: SglangServer, tree_dir: Path, ranks: int, enabled: bool):
         self.server, self.tree_dir, self.ranks, self.enabled = server, tree_dir, ranks, enabled
-        self.seq = 0
+        self.lock = threading.Lock()  # one checkpoint at a time: each is one dump number on every rank
         self.missed: List[str] = []
 
     def take(self) -> dict:
-        info = self.server.get_json("/server_info", timeout_s=CHECK_TIMEOUT_S)
-        if self.enabled:
-            if not soak.wait_for_tree_dump(self.tree_dir, self.ranks, self.seq, CHECK_TIMEOUT_S):
-                self.missed.append(f"tree dump {self.seq}: not every rank wrote it within {CHECK_TIMEOUT_S} s")
-            self.seq += 1
-        return info
+        with self.lock:
+            seq = soak.next_tree_dump_seq(self.tree_dir)
+            try:
+                info = self.server.get_json("/server_info", timeout_s=CHECK_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001
+                self.missed.append(f"tree dump {seq}: /server_info failed: {type(e).__name__}: {e}"[:300])
+                raise
+            if self.enabled and not soak.wait_for_tree_dump(self.tree_dir, self.ranks, seq, CHECK_TIMEOUT_S):
+                self.missed.append(f"tree dump {seq}: not every rank wrote it within {CHECK_TIMEOUT_S} s")
+            return info
 
-    def take_quietly(self) -> None:
-        """From a client thread: a failure is recorded, never raised."""
+    def take_quietly(self) -> bool:
+        """From a client thread, or after the load: a failure is recorded (``missed``), never raised;
+        False when the server did not answer."""
         try:
             self.take()
-        except Exception as e:  # noqa: BLE001 (a hung or dead server: judged by the checks after the load)
-            self.missed.append(f"tree dump {self.seq}: /server_info failed: {type(e).__name__}: {e}"[:300])
+            return True
+        except Exception:  # noqa: BLE001 (a hung or dead server: judged by the checks after the load)
+            return False
 
 
-def running_requests(server: SglangServer) -> float:
-    snapshot = parse_metrics(server.get_text("/metrics", timeout_s=CHECK_TIMEOUT_S))
-    return sum(snapshot.total(name) for name in RUNNING_GAUGES)
+def final_flush_failures(server: SglangServer) -> List[str]:
+    """The last flush waits (``?timeout=``) until the scheduler has no request running or queued, and
+    then flushes: refused at the timeout means a request never ended. (sglang's running-request
+    gauges cannot tell: an idle scheduler stops refreshing them.)"""
+    import requests
 
-
-def wait_until_idle(server: SglangServer) -> List[str]:
-    deadline = time.monotonic() + CHECK_TIMEOUT_S
-    left = None
-    while time.monotonic() < deadline:
-        try:
-            left = running_requests(server)
-        except Exception as e:  # noqa: BLE001
-            return [f"/metrics failed after the load: {type(e).__name__}: {e}"[:300]]
-        if left == 0:
-            return []
-        time.sleep(1)
-    return [f"{left:.0f} requests still running or queued {CHECK_TIMEOUT_S} s after the load"]
+    try:
+        response = requests.post(f"{server.base_url}/flush_cache?timeout={CHECK_TIMEOUT_S}",
+                                 timeout=CHECK_TIMEOUT_S + 15)  # fmt: skip
+    except requests.RequestException as e:
+        return [f"final /flush_cache failed: {type(e).__name__}: {e}"[:300]]
+    if response.status_code != 200:
+        return [f"final /flush_cache: HTTP {response.status_code} ({response.text.strip()[:200]}): "
+                f"requests still running or queued {CHECK_TIMEOUT_S} s after the load"]  # fmt: skip
+    return []
 
 
 def health_ok(server: SglangServer) -> bool:
@@ -270,16 +274,20 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
             before = hicache_counters(server)
             load = soak.SoakLoad(server.base_url, plan, args.duration_s, args.request_timeout,
                                  checkpoint=checkpoints.take_quietly).run()  # fmt: skip
-            evidence_parts["idle_failures"] = wait_until_idle(server)
-            evidence_parts["health_ok"] = health_ok(server)
-            checkpoints.take_quietly()
+            # The trees right after the load (requests may still be ending). A server that does not
+            # answer is hung or dead: the later checks would only spend the call's budget waiting.
+            if not checkpoints.take_quietly():
+                raise ServerError("the server stopped answering /server_info after the load")
             after = hicache_counters(server)
             if before is not None and after is not None:
                 deltas = after.minus(before)
                 report["hicache"] = {k: v / args.tp for k, v in deltas.items() if k != "host_used_tokens"}
-            evidence_parts["schedulers_alive"] = schedulers_alive(server)
+            evidence_parts["idle_failures"] = final_flush_failures(server)
+            evidence_parts["health_ok"] = health_ok(server)
+            checkpoints.take_quietly()  # and after the final flush
         except (ServerError, OSError, ValueError, KeyError) as e:
             report["failures"].append(f"server: {type(e).__name__}: {e}")
+        evidence_parts["schedulers_alive"] = args.tp if args.fake_server else schedulers_alive(server)
     lines = server.log_lines_before_stop()
     findings = scan_for_errors(lines, list(FAULT_LOG_PATTERNS) + args.ignore_log_pattern)
     outcomes = load.outcomes if load else []
@@ -297,7 +305,7 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     evidence = soak.SoakEvidence(
         summary=summary, outcomes=outcomes, log_failures=log_failures(findings),
         health_ok=evidence_parts["health_ok"],
-        schedulers_alive=args.tp if args.fake_server else evidence_parts["schedulers_alive"],
+        schedulers_alive=evidence_parts["schedulers_alive"],
         schedulers_expected=args.tp, audit_failures=audit_fail, tree_checkpoints=checkpoints_compared,
         tree_failures=checkpoints.missed + tree_fail, idle_failures=evidence_parts["idle_failures"],
         hicache_failures=evidence_parts["hicache_failures"], skipped=skipped,

@@ -407,6 +407,12 @@ def tree_dumps_by_seq(tree_dir: Path) -> Dict[int, Dict[int, dict]]:
     return found
 
 
+def next_tree_dump_seq(tree_dir: Path) -> int:
+    """The number the next dump will carry: one past the highest any rank wrote (or 0)."""
+    seqs = [int(path.name.split(".")[2]) for path in Path(tree_dir).glob(TREE_DUMP_GLOB)]
+    return max(seqs) + 1 if seqs else 0
+
+
 def wait_for_tree_dump(tree_dir: Path, ranks: int, seq: int, timeout_s: float) -> bool:
     """True once every rank wrote dump ``seq``."""
     deadline = time.monotonic() + timeout_s
