@@ -14,7 +14,8 @@ and ``cached_tokens_details``), ``/flush_cache``, ``/abort_request`` (accepted, 
 Its device pool is ``--max-total-tokens`` rows per rank or, for a model directory whose config.json
 gives ``num_hidden_layers``, at most what a fixed KV budget (``FAKE_KV_BUDGET_BYTES``) holds, less the
 shared-KV gather scratch's reservation as the plugin's runtime makes it (``FAKE_SGLANG_NO_SCRATCH=1``
-skips the reservation: a planted capacity bug); it logs sglang's "KV Cache is allocated" line per rank.
+skips the reservation: a planted capacity bug; ``FAKE_SGLANG_FAIL_EVERY=N`` answers every Nth
+``/generate`` with HTTP 500: a planted server error); it logs sglang's "KV Cache is allocated" line per rank.
 Its cache is ``PrefixCacheModel``: whole pages, a device tier and (with HiCache) a host tier, LRU
 leaf-first eviction, device pages written through to host. Latency is a fixed cost per token
 computed, per token loaded from host and per output token, so a hit is visibly cheaper. It binds
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -42,6 +44,7 @@ PER_OUTPUT_TOKEN_S = 0.0005
 FAKE_TOKEN_ID = 7
 FAKE_KV_BUDGET_BYTES = 2 << 30  # per rank
 NO_SCRATCH_ENV = "FAKE_SGLANG_NO_SCRATCH"
+FAIL_EVERY_ENV = "FAKE_SGLANG_FAIL_EVERY"  # N: every Nth /generate answers HTTP 500 (a planted server error)
 
 
 class PrefixCacheModel:
@@ -248,6 +251,10 @@ def make_handler(fake: FakeSglang):
                 self._send(404, b"{}")
                 return
             meta, ttft, new_tokens = fake.generate(body)
+            fail_every = int(os.environ.get(FAIL_EVERY_ENV) or 0)
+            if fail_every and fake.counters["requests"] % fail_every == 0:
+                self._send(500, json.dumps({"error": "planted server error"}).encode())
+                return
             time.sleep(ttft)
             if not body.get("stream"):
                 time.sleep(new_tokens * PER_OUTPUT_TOKEN_S)

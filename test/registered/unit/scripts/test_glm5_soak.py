@@ -10,7 +10,8 @@ Planted checks: ``soak_failures`` without ``lost_request_failures`` fails
 ``test_a_lost_request_fails``; ``run_generate`` counting a disconnected stream as FINISHED fails the
 fake end-to-end test's ``aborted`` count; ``compare_tree_dumps`` comparing ``rank_local`` instead of
 ``shared`` fails ``test_tree_dumps_that_differ_across_ranks_fail``. The pool self-consistency check
-(the soak's pool audit without a reference) on canned dumps: ``TestPoolSelfConsistency``.
+(the soak's pool audit without a reference) on canned dumps: ``TestPoolSelfConsistency``. A fake
+server answering every 5th request with HTTP 500 (``FAKE_SGLANG_FAIL_EVERY``) fails the soak end to end.
 """
 
 import contextlib
@@ -281,6 +282,24 @@ class TestSoakDriver(CustomTestCase):
         self.assertGreater(s["max_concurrency"], 1)
         self.assertIn("VERDICT: PASS soak cp2_write_through", text)
         self.assertIn("skipped: kv audits, tree dumps", text)
+
+    def test_server_errors_fail_the_soak_end_to_end(self):
+        import os
+
+        from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import FAIL_EVERY_ENV
+
+        os.environ[FAIL_EVERY_ENV] = "5"
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                rc, text = self.run_main(["--model-path", tmp, "--tp", "2", "--fake-server", "--duration-s", "20",
+                                          "--max-requests", "40", "--fault-fraction", "0", "--out-dir", tmp])  # fmt: skip
+                report = json.loads((Path(tmp) / "report.json").read_text())
+        finally:
+            os.environ.pop(FAIL_EVERY_ENV)
+        self.assertEqual(rc, 1)
+        self.assertEqual(report["summary"]["error"], 40 // 5)  # 40 requests (no flush before item 50)
+        self.assertIn("8 server errors (HTTP 5xx)", report["failures"])
+        self.assertIn("VERDICT: FAIL soak cp2_write_through", text)
 
 
 if __name__ == "__main__":
