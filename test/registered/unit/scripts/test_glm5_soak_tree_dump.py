@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import planted_bugs, tree_dump  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache  # noqa: E402
 
-register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 CP_SIZE = 2
 PAGE = 64
@@ -112,6 +112,22 @@ class TestTreeDump(CustomTestCase):
         self.assertEqual(len(failures), 1, failures)
         self.assertIn("rank 1 differs from rank 0", failures[0])
         self.assertTrue("lock_ref" in failures[0] or "evictable_size" in failures[0], failures[0])
+
+    def test_the_hook_writes_one_numbered_dump_per_server_info(self):
+        from types import SimpleNamespace
+
+        hooks = {}
+        registry = SimpleNamespace(register=lambda target, fn, kind: hooks.setdefault(target, fn))
+        stack = build_views()[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            tree_dump.register_hooks(registry, tmp)
+            (hook,) = hooks.values()
+            self.assertEqual(list(hooks), ["sglang.srt.managers.scheduler.Scheduler.get_internal_state"])
+            for _ in range(2):
+                hook(None, SimpleNamespace(tree_cache=stack.cache))
+            tree_dir = Path(tmp) / "tree"
+            self.assertEqual(sorted(p.name for p in tree_dir.iterdir()), ["tree.rank0.0000.json", "tree.rank0.0001.json"])
+            self.assertEqual(soak.next_tree_dump_seq(tree_dir), 2)
 
     def test_a_rank_without_a_dump_fails_the_comparison(self):
         views = build_views()
