@@ -26,7 +26,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.testing.e2e import soak
 from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT, load_script
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
 PAGE = 64
 
@@ -300,6 +300,30 @@ class TestSoakDriver(CustomTestCase):
         self.assertEqual(report["summary"]["error"], 40 // 5)  # 40 requests (no flush before item 50)
         self.assertIn("8 server errors (HTTP 5xx)", report["failures"])
         self.assertIn("VERDICT: FAIL soak cp2_write_through", text)
+
+
+class TestSoakRunner(CustomTestCase):
+    def test_dry_run_of_one_soak(self):
+        """``scripts/gpu/soak_runs.sh`` with ``SOAK_DRY_RUN=1``: the selected soak's server command (one
+        GPU, CP 4, write_through, audits on, no plant) and its plan, nothing started."""
+        import os
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), "OUT": f"{tmp}/out",
+                   "SOAK_RUNS_DIR": f"{tmp}/runs", "SMOKE_MODEL_DIR": f"{tmp}/tiny", "SOAK_DRY_RUN": "1",
+                   "SOAK_ONLY": "cp4_write_through"}  # fmt: skip
+            proc = subprocess.run(["bash", "scripts/gpu/soak_runs.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                                  text=True, timeout=300)  # fmt: skip
+            self.assertFalse(list(Path(tmp, "runs").glob("*/server.log")), "a dry run started a server")
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        self.assertEqual(len(lines), 1, proc.stdout[-2000:])
+        for part in ("[cp4_write_through]", "SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU=1", "--tp 4",
+                     "--hicache-write-policy write_through", "--grammar-backend none", "--load-format dummy"):  # fmt: skip
+            self.assertIn(part, lines[0])
+        self.assertNotIn("SMOKE_PLANT", lines[0])
+        self.assertIn("logical device D=65536", proc.stdout)
 
 
 if __name__ == "__main__":
