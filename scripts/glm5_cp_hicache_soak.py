@@ -350,13 +350,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return make_plan(args, logical)
 
     out_dir = Path(args.out_dir or f"glm5_soak_{time.strftime('%Y%m%d_%H%M%S')}")
+    # Bad settings fail here, before a server starts: the plan for the logical pool shared KV promises
+    # (cp_size x the cap). The run plans again from the pool the server reports.
+    try:
+        plan = plan_for_capacity(args.physical_tokens_per_rank * args.tp)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.dry_run:
-        # Before the server answers, the logical pool is what shared KV promises: cp_size x the cap.
-        try:
-            plan = plan_for_capacity(args.physical_tokens_per_rank * args.tp)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         port = args.port or free_port()
         env = " ".join(f"{k}={v}" for k, v in server_env(args, out_dir).items())
         print(f"[{args.name}] {env} {shlex.join(serve_config(args, port).command())}")

@@ -151,9 +151,11 @@ def build_soak_plan(
     if hicache_ratio <= 1:
         raise ValueError(f"--hicache-ratio must be > 1 (sglang requires host > device), got {hicache_ratio}")
     if clients < 1 or max_items < 1 or flush_every < 2:
-        raise ValueError(f"need clients >= 1, max items >= 1, flush every >= 2 (got {clients}, {max_items}, {flush_every})")
+        raise ValueError(
+            f"need --clients >= 1, --max-requests >= 1 and --flush-every >= 2 (got {clients}, {max_items}, {flush_every})"
+        )
     if not 0 <= fault_fraction <= 1:
-        raise ValueError(f"fault fraction {fault_fraction} is not in [0, 1]")
+        raise ValueError(f"--fault-fraction {fault_fraction} is not in [0, 1]")
     low, high = token_id_range
     if not 0 <= low < high:
         raise ValueError(f"bad token id range [{low}, {high})")
@@ -163,8 +165,9 @@ def build_soak_plan(
     prompt_cap = _round_down(device // (2 * clients) - longest_new, page_size)
     if prompt_cap < 2 * page_size:
         raise ValueError(
-            f"a device of {device} logical tokens is too small for {clients} clients of "
-            f"{longest_new} new tokens each (every prompt must fit D / (2 x clients))"
+            f"a device of {device} logical tokens is too small for --clients {clients} with "
+            f"{longest_new} new tokens each (every prompt must fit D / (2 x clients)): raise "
+            "--physical-tokens-per-rank or lower --clients"
         )
     # Half the longest prompt is the shared prefix, the other half up to MAX_TURNS whole-page turns.
     prefix = _round_down(prompt_cap // 2, page_size)

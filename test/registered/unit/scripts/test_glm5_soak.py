@@ -77,11 +77,11 @@ class TestSoakPlan(CustomTestCase):
             self.assertEqual(i.max_new_tokens, 96 if decoding else 16)
 
     def test_bad_settings_fail_early_naming_them(self):
-        with self.assertRaisesRegex(ValueError, "too small for 8 clients"):
+        with self.assertRaisesRegex(ValueError, "too small for --clients 8"):
             self.plan(2048)
         with self.assertRaisesRegex(ValueError, "hicache-ratio"):
             soak.build_soak_plan(32768, 1.0)
-        with self.assertRaisesRegex(ValueError, "fault fraction"):
+        with self.assertRaisesRegex(ValueError, "--fault-fraction"):
             self.plan(fault_fraction=1.5)
 
 
@@ -260,6 +260,16 @@ class TestSoakDriver(CustomTestCase):
                      "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL=-audit$", "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR="):  # fmt: skip
             self.assertIn(part, command)
         self.assertIn("logical device D=65536 host H=131072", text)
+
+    def test_settings_too_big_for_the_pool_fail_before_a_server_starts(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc, _ = self.run_main(["--model-path", tmp, "--physical-tokens-per-rank", "1024", "--clients", "16",
+                                       "--out-dir", f"{tmp}/out"])  # fmt: skip
+            self.assertFalse(Path(tmp, "out").exists())
+        self.assertEqual(rc, 2)
+        self.assertIn("--physical-tokens-per-rank", err.getvalue())
 
     def test_against_the_fake_server_every_request_is_accounted_for(self):
         with tempfile.TemporaryDirectory() as tmp:
