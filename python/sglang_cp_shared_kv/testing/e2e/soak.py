@@ -12,7 +12,8 @@
   prefill or during decode, a request aborted through ``/abort_request`` after its first token,
   and every ``flush_every``-th item a ``/flush_cache`` (refused while requests run: counted;
   every other one waits for the running requests to end first: ``SoakLoad``);
-* one client's action for an item (``run_item``) and its outcome (``RequestOutcome``);
+* one client's action for an item (``run_generate``, ``run_flush``; ``SoakLoad`` runs the clients)
+  and a request's outcome (``RequestOutcome``);
 * the sample of requests whose KV the pool audit dumps (``audited``: every turn of some
   conversations), which the driver checks against itself (``kv_audit_compare.layer0_self_consistency``);
 * the cross-rank tree comparison (``compare_tree_dumps``) of the dumps the smoke plugin's
@@ -268,7 +269,9 @@ def run_generate(base_url: str, plan: SoakPlan, item: SoakItem, timeout_s: float
                     return out
                 if item.fault == ABORT_REQUEST and not aborted:
                     aborted = True
-                    requests.post(base_url + "/abort_request", json={"rid": item.rid}, timeout=timeout_s)
+                    answer = requests.post(base_url + "/abort_request", json={"rid": item.rid}, timeout=timeout_s)
+                    if answer.status_code >= 500:  # a server error, counted with the request's
+                        out.http_status = answer.status_code
     except requests.RequestException as e:
         out.detail = f"{type(e).__name__}: {e}"[:300]
         return out
