@@ -40,7 +40,12 @@ from typing import List, Optional
 SCRIPTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS_DIR))
 import glm5_cp_hicache_smoke as smoke  # noqa: E402  (its server_env, plugin path and page size)
-from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_POOL_ENV, decode_read_audit, kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks import (  # noqa: E402
+    SMOKE_AUDIT_LAYERS_ENV,
+    SMOKE_AUDIT_POOL_ENV,
+    decode_read_audit,
+    kv_audit_compare,
+)
 from sglang_cp_shared_kv.testing.e2e import soak  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.one_gpu import with_one_gpu_args  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import model_context_len, parse_token_id_range  # noqa: E402
@@ -86,6 +91,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=60, help="seconds per request")
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments, one shell-quoted string")
     p.add_argument("--ignore-log-pattern", action="append", default=[], help="regex of log lines not errors")
+    p.add_argument("--audit-layers", type=int, default=1,
+                   help="layers the read audit checks and the pool audit dumps (0: all). Layer 0 judges the pool "
+                        "audit, and a forward's page plan is the same in every layer; every layer audited costs "
+                        "an all-gather of the layer's pool per forward, which slows the load")
     p.add_argument("--plant", default=None, choices=SOAK_PLANTS, help="plant a bug (the soak must FAIL)")
     p.add_argument("--one-gpu", action="store_true", help="test-only: every rank on device 0")
     p.add_argument("--name", default=None, help="the run's name in the table row (default from the settings)")
@@ -102,6 +111,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--tp must be at least 2 (shared KV needs a CP group)")
     if args.duration_s <= 0:
         p.error("--duration-s must be positive")
+    if args.audit_layers < 0:
+        p.error("--audit-layers must be 0 (all) or more")
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
@@ -142,6 +153,8 @@ def server_env(args, out_dir: Path) -> dict:
     )  # fmt: skip
     env = smoke.server_env(smoke_args, True, out_dir)
     env[SMOKE_AUDIT_POOL_ENV] = soak.AUDITED_RID_PATTERN
+    if args.audit_layers:
+        env[SMOKE_AUDIT_LAYERS_ENV] = str(args.audit_layers)
     return env
 
 

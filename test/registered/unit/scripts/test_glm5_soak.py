@@ -257,7 +257,7 @@ class TestSoakDriver(CustomTestCase):
         for part in ("sglang serve", "--tp 4", "--enable-nsa-prefill-cp-shared-kv", "--enable-hierarchical-cache",
                      "--hicache-write-policy write_back", "--disable-custom-all-reduce",
                      "SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU=1", "SGLANG_CP_SHARED_KV_SMOKE_PLANT=skip-load-ack",
-                     "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL=-audit$", "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR="):  # fmt: skip
+                     "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL=-audit$", "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS=1", "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR="):  # fmt: skip
             self.assertIn(part, command)
         self.assertIn("logical device D=65536 host H=131072", text)
 
