@@ -12,6 +12,10 @@ sets for those servers alone:
 * ``SMOKE_AUDIT_DIR_ENV=<dir>``: the KV audits (``kv_audit``), the smoke's oracle;
   ``SMOKE_AUDIT_LAYERS_ENV=<n>`` limits both audits to the first ``n`` layers (layer 0 decides the
   pool audit; dumps and per-layer gathers of every layer of a GLM-5-width model would not fit a run).
+  With it, ``tree_dump`` writes every rank's radix tree and host-slot ledger whenever
+  ``/server_info`` reaches the schedulers (the soak compares them across ranks);
+  ``SMOKE_AUDIT_POOL_ENV`` limits the pool dumps: ``0`` none, a regex the requests whose rid
+  matches it (the read audits stay).
 * ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
 * ``SMOKE_ONE_GPU_ENV=1``: every rank of the server on device 0, each its own NCCL host
   (``one_gpu``; the launcher's side: ``sglang_cp_shared_kv.testing.e2e.one_gpu``).
@@ -32,6 +36,9 @@ SMOKE_LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"
 SMOKE_AUDIT_DIR_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"
 SMOKE_AUDIT_LAYERS_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS"
 SMOKE_PLANT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_PLANT"
+# Which finished requests the pool audit dumps: all (unset), none ("0"), or those whose rid matches
+# this regex (the soak samples: all of its requests would fill the disk). The read audits stay on.
+SMOKE_AUDIT_POOL_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL"
 SMOKE_ONE_GPU_ENV = ONE_GPU_PLUGIN_ENV
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,9 @@ def register() -> None:
         from cp_shared_kv_smoke_hooks import kv_audit
 
         kv_audit.register_hooks(HookRegistry, os.environ[SMOKE_AUDIT_DIR_ENV])
+        from cp_shared_kv_smoke_hooks import tree_dump
+
+        tree_dump.register_hooks(HookRegistry, os.environ[SMOKE_AUDIT_DIR_ENV])
     if os.environ.get(SMOKE_PLANT_ENV):
         from cp_shared_kv_smoke_hooks import planted_bugs
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -266,8 +267,14 @@ def register_hooks(registry, audit_dir: str) -> None:
             audits[id(runtime)] = ReadAudit(root, name)
         return audits[id(runtime)]
 
+    from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_POOL_ENV
+
+    pool_setting = os.environ.get(SMOKE_AUDIT_POOL_ENV)  # None: every request; "0": none; else a rid regex
+    dump_only = re.compile(pool_setting) if pool_setting not in (None, "0") else None
+
     def before_cache_finished_req(cache, req, *args, **kwargs):
-        dump_finished_request(root, cache, req, draft_audit.process_draft_pool())
+        if dump_only is None or dump_only.search(str(req.rid)):
+            dump_finished_request(root, cache, req, draft_audit.process_draft_pool())
 
     def after_begin_forward(plan, runtime, forward_batch):
         audit_of(runtime).begin_forward(forward_batch)
@@ -311,8 +318,9 @@ def register_hooks(registry, audit_dir: str) -> None:
             "index",
         )
 
-    registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
-    registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
+    if pool_setting != "0":
+        registry.register(f"{_RADIX}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
+        registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
     shared_kv = cp_shared_kv_enabled_in_env()
     draft_audit.register_hooks(registry, root, _rank, shared_kv)
     if not shared_kv:  # the read audit checks the shared-KV gather only

@@ -4,7 +4,8 @@ both sides share.
 A run's pool dumps hold, per finished request and rank, the KV and indexer-K bytes of every layer
 for the positions that rank stores. ``merge_request`` joins the ranks (every position exactly once)
 and ``compare_runs`` checks a run against a reference run (another server, e.g. stock replicated
-KV) request by request, at the positions where both saw the same token.
+KV) request by request, at the positions where both saw the same token. Without a reference server (the
+soak), ``layer0_self_consistency`` checks a run's dumps against themselves.
 
 Why a tolerance and why layer 0 decides: layer-0 KV and indexer K are a function of (token id,
 position) alone, so two servers agree up to GEMM rounding (batch shapes differ between them). A row
@@ -466,3 +467,75 @@ def restored_row_check(written_dir: Path, restored_dir: Path, pairs: List[Tuple[
                 f"rows {written_rid} stored (first at position {int(np.nonzero(differ)[0][0])})"
             )
     return out
+
+
+# ---------------------------------------------------------------- self-consistency (no reference run)
+
+
+@dataclass
+class SelfConsistency:
+    """One run's pool dumps against themselves (``layer0_self_consistency``)."""
+
+    requests: int = 0
+    positions: int = 0
+    # Rows compared with the first dumped row of the same (token id, position).
+    repeated_positions: int = 0
+    layer0_wrong_kv_rows: int = 0
+    layer0_wrong_index_rows: int = 0
+    wrong_by_request: Dict[str, int] = field(default_factory=dict)
+    failures: List[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def layer0_self_consistency(run_dir: Path) -> SelfConsistency:
+    """Every dumped layer-0 row of one (token id, position) must match the first one dumped.
+
+    For a run without a reference server (the soak). Layer-0 KV and indexer K are a function of
+    (token id, position) alone (module docstring), so requests that share a prefix, e.g. the turns of
+    one conversation, some served from device and some loaded back from host, must hold the same
+    layer-0 rows there up to rounding; a page written, backed up or loaded back to the wrong place
+    holds another token's rows (relative error ~1.4, against ``WRONG_ROW_RELATIVE_ERROR``)."""
+    result = SelfConsistency()
+    dumps = load_dumps(run_dir)
+    if not dumps:
+        result.failures.append(f"pool self-consistency: no pool audit dumps in {run_dir}")
+        return result
+    keys, kv_rows, index_rows, request_of = [], [], [], []
+    rids = sorted(dumps)
+    kv_dtype = None
+    for number, rid in enumerate(rids):
+        merged = merge_request(rid, dumps[rid])
+        result.failures += merged.problems
+        kv_dtype = merged.kv_dtype
+        n = len(merged.token_ids)
+        keys.append((np.arange(n, dtype=np.int64) << 32) + merged.token_ids.astype(np.int64))
+        kv_rows.append(merged.kv[:, 0])
+        index_rows.append(merged.index[:, 0])
+        request_of.append(np.full(n, number, dtype=np.int64))
+    keys_all = np.concatenate(keys)
+    _, first, inverse = np.unique(keys_all, return_index=True, return_inverse=True)
+    reference = first[inverse]  # row index of the first row of each row's (token, position)
+    repeated = reference != np.arange(len(keys_all))
+    result.requests, result.positions = len(rids), len(keys_all)
+    result.repeated_positions = int(repeated.sum())
+    if not result.repeated_positions:
+        result.failures.append(f"pool self-consistency: no (token, position) dumped twice in {result.requests} requests")
+        return result
+    kv_all, index_all = np.concatenate(kv_rows), np.concatenate(index_rows)
+    kv_err = relative_row_errors(kv_values(kv_all[repeated], kv_dtype), kv_values(kv_all[reference[repeated]], kv_dtype))
+    index_err = relative_row_errors(index_values(index_all[repeated]), index_values(index_all[reference[repeated]]))
+    wrong = ((kv_err > WRONG_ROW_RELATIVE_ERROR) | (index_err > WRONG_ROW_RELATIVE_ERROR)).numpy()
+    result.layer0_wrong_kv_rows = int((kv_err > WRONG_ROW_RELATIVE_ERROR).sum())
+    result.layer0_wrong_index_rows = int((index_err > WRONG_ROW_RELATIVE_ERROR).sum())
+    counts = np.bincount(np.concatenate(request_of)[repeated][wrong], minlength=len(rids))
+    result.wrong_by_request = {rids[i]: int(c) for i, c in enumerate(counts) if c}
+    if result.layer0_wrong_kv_rows or result.layer0_wrong_index_rows:
+        worst = sorted(result.wrong_by_request.items(), key=lambda item: -item[1])[:3]
+        result.failures.append(
+            f"pool self-consistency: {result.layer0_wrong_kv_rows} KV and {result.layer0_wrong_index_rows} "
+            f"indexer-K layer-0 rows of {result.repeated_positions} repeated (token, position) pairs hold "
+            f"another token than the first dump of that pair (most: {worst})"
+        )
+    return result

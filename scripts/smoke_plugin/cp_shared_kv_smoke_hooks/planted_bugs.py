@@ -17,6 +17,10 @@
   of the stored locs is written by the next rank (into its own physical page of the same number)
   instead of its owner, whose row stays stale (an owner-filter bug of the draft's runtime; caught by
   the draft write audit).
+* ``skip-load-ack`` (HiCache): on cp rank 1, every load-back whose acknowledgement the ranks agreed
+  on keeps its lock: the ack is popped but its node's lock is not released (a lost ack). Rank 1's
+  lock references and evictable size then differ from the others' (caught by the soak's tree dumps,
+  or by the hang its diverging evictions lead to).
 * ``draft-stale-load-back`` (MTP with HiCache): every host load-back restores the target's pages
   only; the draft KV and indexer K of the loaded-back prefix stay whatever the new locs held, as
   stock 0.5.11 leaves them (caught by the cached-prefix ledger).
@@ -41,9 +45,11 @@ PLANTS = (
     "decode-wrong-page",
     "draft-wrong-owner",
     "draft-stale-load-back",
+    "skip-load-ack",
 )
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
+_CP_HIRADIX = "sglang_cp_shared_kv.mem_cache.cp_hiradix_cache.CpHiRadixCache"
 _PD_MANAGER = "sglang_cp_shared_kv.disaggregation.mooncake.conn.CpSharedKVMooncakeKVManager"
 _PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
 _PER_OWNER_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode_graphs"
@@ -142,6 +148,19 @@ def target_pools_only_while_loading(original, controller, with_draft: bool = Tru
     return original(controller, with_draft)
 
 
+def keep_load_locks_on_rank_1(original, cache, *args, **kwargs):
+    """AROUND ``CpHiRadixCache.loading_check``: on cp rank 1, the loads it acknowledges keep their lock."""
+    if cache.cp_layout.cp_rank != 1:
+        return original(cache, *args, **kwargs)
+    tracked = dict(cache.ongoing_load_back)
+    result = original(cache, *args, **kwargs)
+    for ack_id, node in tracked.items():
+        if ack_id not in cache.ongoing_load_back:
+            cache.inc_lock_ref(node)  # undoes the release loading_check just made
+            logger.warning("planted bug: load-back ack %s popped without releasing its lock on rank 1", ack_id)
+    return result
+
+
 def register_hooks(registry, plant: str) -> None:
     if plant == "read-wrong-owner":
         registry.register(f"{_RUNTIME}.begin_forward", read_from_wrong_owner, HookType.AFTER)
@@ -157,6 +176,8 @@ def register_hooks(registry, plant: str) -> None:
     elif plant == "draft-stale-load-back":
         registry.register(f"{_CONTROLLER}.start_loading", load_without_the_draft, HookType.AROUND)
         registry.register(f"{_CONTROLLER}._target_and_draft_pools", target_pools_only_while_loading, HookType.AROUND)
+    elif plant == "skip-load-ack":
+        registry.register(f"{_CP_HIRADIX}.loading_check", keep_load_locks_on_rank_1, HookType.AROUND)
     else:
         raise ValueError(f"unknown planted bug {plant!r}; one of {PLANTS}")
     logger.warning("cp-shared-kv smoke: planted bug %s is active", plant)

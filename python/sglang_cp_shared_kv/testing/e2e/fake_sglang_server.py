@@ -5,17 +5,18 @@
 It takes the command line the benchmark would give sglang (``--port``, ``--tp``,
 ``--max-total-tokens``, ``--enable-nsa-prefill-cp-shared-kv``, ``--enable-hierarchical-cache``,
 ``--hicache-ratio``, ``--disaggregation-mode``; the rest is ignored) and answers the endpoints the
-benchmark uses as sglang 0.5.11 does: ``/health``, ``/server_info`` (and the deprecated
+benchmark and the soak use as sglang 0.5.11 does: ``/health`` (and ``/health_generate``), ``/server_info`` (and the deprecated
 ``/get_server_info``) with ``max_total_num_tokens`` (``cp_size`` x the per-rank pool under shared
 KV), ``/generate`` (streamed ``data:`` chunks or one JSON body, ``meta_info`` with ``cached_tokens``
-and ``cached_tokens_details``), ``/flush_cache`` and ``/metrics`` (``sglang:cached_tokens_total`` by
+and ``cached_tokens_details``), ``/flush_cache``, ``/abort_request`` (accepted, the request still runs to its end) and ``/metrics`` (``sglang:cached_tokens_total`` by
 ``cache_source``, ``sglang:prompt_tokens_total``, ``sglang:max_total_num_tokens``).
 
 Its device pool is ``--max-total-tokens`` rows per rank or, for a model directory whose config.json
 gives ``num_hidden_layers``, at most what a fixed KV budget (``FAKE_KV_BUDGET_BYTES``) holds, less the
 shared-KV gather scratch's reservation as the plugin's runtime makes it (slot 0: the logical capacity,
 or one prefill batch with ``SGLANG_CP_SHARED_KV_DECODE=per_owner``; ``FAKE_SGLANG_NO_SCRATCH=1`` skips
-the reservation: a planted capacity bug); it logs sglang's "KV Cache is allocated" line and the
+the reservation: a planted capacity bug; ``FAKE_SGLANG_FAIL_EVERY=N`` answers every Nth ``/generate``
+with HTTP 500: a planted server error); it logs sglang's "KV Cache is allocated" line and the
 runtime's slot-0 line per rank.
 Its cache is ``PrefixCacheModel``: whole pages, a device tier and (with HiCache) a host tier, LRU
 leaf-first eviction, device pages written through to host. Latency is a fixed cost per token
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -44,6 +46,7 @@ PER_OUTPUT_TOKEN_S = 0.0005
 FAKE_TOKEN_ID = 7
 FAKE_KV_BUDGET_BYTES = 2 << 30  # per rank
 NO_SCRATCH_ENV = "FAKE_SGLANG_NO_SCRATCH"
+FAIL_EVERY_ENV = "FAKE_SGLANG_FAIL_EVERY"  # N: every Nth /generate answers HTTP 500 (a planted server error)
 
 
 class PrefixCacheModel:
@@ -233,7 +236,7 @@ def make_handler(fake: FakeSglang):
 
         def do_GET(self):
             path = self.path.split("?")[0]
-            if path == "/health":
+            if path in ("/health", "/health_generate"):
                 self._send(200, b"")
             elif path in ("/server_info", "/get_server_info"):
                 info = {"max_total_num_tokens": fake.max_total_num_tokens, "tp_size": fake.args.tp,
@@ -255,10 +258,17 @@ def make_handler(fake: FakeSglang):
                     fake.cache.flush()
                 self._send(200, b"Cache flushed.\n", "text/plain")
                 return
+            if path == "/abort_request":  # accepted; the fake's requests run to their end
+                self._send(200, b"")
+                return
             if path != "/generate":
                 self._send(404, b"{}")
                 return
             meta, ttft, new_tokens = fake.generate(body)
+            fail_every = int(os.environ.get(FAIL_EVERY_ENV) or 0)
+            if fail_every and fake.counters["requests"] % fail_every == 0:
+                self._send(500, json.dumps({"error": "planted server error"}).encode())
+                return
             time.sleep(ttft)
             if not body.get("stream"):
                 time.sleep(new_tokens * PER_OUTPUT_TOKEN_S)
@@ -268,15 +278,18 @@ def make_handler(fake: FakeSglang):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for k in range(1, new_tokens + 1):
-                if k > 1:
-                    time.sleep(PER_OUTPUT_TOKEN_S)
-                chunk = {"output_ids": [FAKE_TOKEN_ID] * k, "meta_info": {**meta, "completion_tokens": k}}
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
             self.close_connection = True
+            try:
+                for k in range(1, new_tokens + 1):
+                    if k > 1:
+                        time.sleep(PER_OUTPUT_TOKEN_S)
+                    chunk = {"output_ids": [FAKE_TOKEN_ID] * k, "meta_info": {**meta, "completion_tokens": k}}
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away (sglang aborts such a request): nothing to finish
 
     return Handler
 
