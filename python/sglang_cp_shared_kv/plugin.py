@@ -58,9 +58,9 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         draft_decode_steps,
         owner_filtered_writes,
         peer_page_reads,
-        per_owner_decode,
-        per_owner_decode_graphs,
     )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as per_owner_decode_graphs
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
 
     cp_shared_kv_capacity.register_hooks(registry)
     cp_hiradix_cache.register_hooks(registry)

@@ -39,7 +39,9 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import same_selection_up_to_ties
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+    same_selection_up_to_ties,
+)
 from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
@@ -221,7 +223,11 @@ def kernels_in_this_process(stack: ExitStack, device: str) -> dict:
     real_flash_mla = False
     if device == "cuda":
         try:
-            from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache  # noqa: F401
+            # noqa: F401
+            from sgl_kernel.flash_mla import (
+                flash_mla_sparse_fwd,
+                flash_mla_with_kvcache,
+            )
 
             real_flash_mla = True
             names["attention (flashmla)"] = "sgl_kernel.flash_mla"
@@ -296,7 +302,9 @@ def _attach(scenario: Scenario, runtime, pool, backend):
     ``SGLANG_CP_SHARED_KV_DECODE=per_owner``); returns the state (None: gather)."""
     import os
 
-    from sglang_cp_shared_kv.model_executor import per_owner_decode
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        decode_forward as per_owner_decode,
+    )
     from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
 
     with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
@@ -503,8 +511,10 @@ def _capture_then_replay(backend, state, stale: bool) -> None:
     """The decode-graph hooks around ``backend.forward_metadata`` (the batch to run): capture with
     sglang's capture-time contents, then the replay's copy into the static metadata and refresh."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang_cp_shared_kv.model_executor import per_owner_decode
-    from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs as graphs
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        decode_forward as per_owner_decode,
+    )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
 
     real = backend.forward_metadata
     bs, width = real.real_page_table.shape
@@ -537,7 +547,9 @@ def replicated_reference(case, results, logits_fn=None, attention_fn=None):
     positions, the indexer scores [B, L] and lengths the selection came from) of a replicated pool holding the rows
     the owners stored. ``logits_fn`` / ``attention_fn`` default to
     the torch references; ``attention_fn(q, rows, locs, sm_scale, seq_lens, kv_dtype)``."""
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import replicated_topk_positions
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+        replicated_topk_positions,
+    )
 
     scenario, batch = case.scenario, case.batch
     rows = []

@@ -79,11 +79,18 @@ from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnMultiStepBackend
-from sglang_cp_shared_kv.model_executor import draft_decode_steps, owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor import (
+    draft_decode_steps,
+    owner_filtered_writes,
+    peer_page_reads,
+)
 from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime, planned_lengths
-from sglang_cp_shared_kv.model_executor.per_owner_decode import PerOwnerDecode
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    CpSharedKVRuntime,
+    planned_lengths,
+)
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import PerOwnerDecode
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
     create_prefetch_slot,

@@ -30,7 +30,7 @@ Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_
 top-k, once opted in with ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` (the default is the gather:
 ``decode_path``). ``attach`` decides once per server from state identical on every rank; otherwise
 decode keeps the page gather, and the log says why. Prefill keeps the plan path. Decode CUDA
-graphs over it: ``per_owner_decode_graphs`` (opt-in).
+graphs over it: ``per_owner_decode.cuda_graphs`` (opt-in).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
-from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
     merge_by_scaled_sum,
     natural_lse,
     process_group_collectives,
@@ -58,13 +58,13 @@ from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (DEC
     DECODE_PATH_ENV,
     impl_gather_reason,
 )
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     compact_owned_indices,
     local_candidates,
     owned_attention_indices,
     select_global,
 )
-from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )

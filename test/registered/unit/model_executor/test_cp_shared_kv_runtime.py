@@ -402,7 +402,10 @@ class TestHookTargets(CustomTestCase):
 
     def test_the_draft_hook_follows_the_targets_attach(self):
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool, per_owner_decode
+        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
         from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools

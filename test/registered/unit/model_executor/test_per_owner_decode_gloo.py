@@ -141,7 +141,9 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
 
     def test_attaches_only_for_served_impls_with_fused_top_k(self):
         from sglang.srt.environ import envs
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         for impl in ("trtllm", "tilelang", "aiter", None):
             runtime = self._runtime()
@@ -160,7 +162,9 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
             self.assertFalse(per_owner_decode.serves_physical(runtime))  # no decode forward begun
 
     def test_decode_mode_env(self):
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         env = per_owner_decode.DECODE_PATH_ENV
         self.assertEqual(env, "SGLANG_CP_SHARED_KV_DECODE")
@@ -180,7 +184,10 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         attached runtime, then a decode forward's metadata hook. Returns (state, plan begun)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import peer_page_reads, per_owner_decode
+        from sglang_cp_shared_kv.model_executor import peer_page_reads
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
         from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
         from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 
@@ -225,7 +232,10 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         """HookRegistry runs AFTER hooks of one target in registration order: the plugin must
         register the runtime's attach before per-owner decode's."""
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, per_owner_decode
+        from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
         order = []
@@ -242,7 +252,9 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
     def test_every_target_resolves_in_sglang(self):
         import pkgutil
 
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         registered = []
         registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
