@@ -56,6 +56,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         cp_shared_kv_draft_pool,
         cp_shared_kv_runtime,
         draft_decode_steps,
+        forward_dispatch,
         owner_filtered_writes,
         peer_page_reads,
     )
@@ -81,6 +82,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     req_to_page_mirror_spec_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)
     peer_page_reads.register_hooks(registry)
+    # Per forward, once: draft step, per owner or gather (the one dispatcher).
+    forward_dispatch.register_hooks(registry)
     # The MTP draft's multi-step decode: one plan per draft step, selected when the step runs.
     draft_decode_steps.register_hooks(registry)
     # Decode per owner where the decode impl is served (SGLANG_CP_SHARED_KV_DECODE=gather: off).

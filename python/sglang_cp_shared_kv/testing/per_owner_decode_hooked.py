@@ -397,6 +397,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
     from sglang_cp_shared_kv import plugin
     from sglang_cp_shared_kv.model_executor import (
         owner_filtered_writes,
+        forward_dispatch,
         peer_page_reads,
         per_owner_decode,
     )
@@ -415,6 +416,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
         hooks = (
             owner_filtered_writes.register_hooks,
             peer_page_reads.register_hooks,
+            forward_dispatch.register_hooks,
             per_owner_decode.register_forward_hooks,
         )
     else:
@@ -456,7 +458,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
                 out_cache_loc=case.last_locs[step],
             )
             if scenario.graph == "eager":
-                peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+                forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
             else:
                 _capture_then_replay(backend, state, stale=scenario.graph == "graph-stale")
             planned.append(runtime.plan is not None)

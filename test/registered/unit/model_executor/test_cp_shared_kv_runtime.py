@@ -18,7 +18,7 @@ from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAl
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
-from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_worker_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
@@ -383,7 +383,7 @@ class TestHookTargets(CustomTestCase):
     def test_every_target_resolves_in_sglang(self):
         registered = []
         registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
-        for module in (cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads):
+        for module in (cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads, forward_dispatch):
             module.register_hooks(registry)
         self.assertEqual(len(registered), len(set(registered)))
         for target in registered:

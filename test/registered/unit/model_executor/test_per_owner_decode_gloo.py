@@ -184,7 +184,7 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         attached runtime, then a decode forward's metadata hook. Returns (state, plan begun)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import peer_page_reads
+        from sglang_cp_shared_kv.model_executor import forward_dispatch
         from sglang_cp_shared_kv.model_executor.per_owner_decode import (
             decode_forward as per_owner_decode,
         )
@@ -211,7 +211,7 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
             with mock.patch.object(runtime, "begin_forward", return_value=plan) as begin, \
                     mock.patch("dataclasses.replace", side_effect=lambda m, **kw: m), \
                     mock.patch.object(per_owner_decode, "build_owner_decode_tables") as tables:
-                peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+                forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
             return state, begin.called, tables.called
 
     def test_plugin_gathers_by_default_and_decodes_per_owner_on_request(self):
