@@ -333,12 +333,12 @@ def init_attention_backend(pool, backend) -> None:
 
 def _apply_plants(stack: ExitStack, scenario: Scenario, rank: int, state) -> dict:
     """Patch this process for ``scenario.plant``; returns flags the forward loop reads."""
-    from sglang_cp_shared_kv.model_executor import (
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
         attention_lse_merge,
         decode_topk_merge,
         owner_decode_tables,
-        per_owner_decode,
     )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
 
     plant, flags = scenario.plant, {}
     if plant == "skip-layer-unmerged":
@@ -396,11 +396,11 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang_cp_shared_kv import plugin
     from sglang_cp_shared_kv.model_executor import (
-        owner_filtered_writes,
         forward_dispatch,
+        owner_filtered_writes,
         peer_page_reads,
-        per_owner_decode,
     )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
     from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
     from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import cpu_kernels
