@@ -3,7 +3,7 @@
 One function per source of truth, so the summary logged when the runtime attaches (once per server,
 on CP rank 0: every rank decides the same, see ``settings``) and the report of ``check_launch``
 (before any GPU) say the same thing from the same rules: the decode path (``decode_path``), decode
-CUDA graphs, MTP, the prefetch slot, how the gather scratch's slot 0 is sized (``prefill_scratch``)
+CUDA graphs, MTP, the prefetch slot, how the gather scratch's slot 0 is sized (``scratch_sizing``)
 and, once the pool exists, the logical capacity.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason, is_pd_prefill_server
-from sglang_cp_shared_kv.model_executor.prefill_scratch import scratch_sizing
+from sglang_cp_shared_kv.model_executor.scratch_sizing import scratch_sizing
 from sglang_cp_shared_kv.settings import PREFETCH_SLOT_AUTO, current_settings
 
 

@@ -62,7 +62,7 @@ from sglang_cp_shared_kv.model_executor.peer_page_prefetch import (
     create_prefetch_group,
     indexer_layer_ids_of,
 )
-from sglang_cp_shared_kv.model_executor.prefill_scratch import ScratchSizing, scratch_sizing
+from sglang_cp_shared_kv.model_executor.scratch_sizing import ScratchSizing, scratch_sizing
 from sglang_cp_shared_kv.model_executor.scratch_rows import (
     BatchRowMaps,
     batch_row_maps,
@@ -104,7 +104,7 @@ class CpSharedKVRuntime:
         group of the layer-ahead prefetch (both or neither; neither: serial path only);
         ``indexer_layer_ids``: layers that store indexer K (None: all); ``scratch_serves_decode``:
         slot 0 holds the logical capacity, so decode forwards may gather (False: sized for prefill
-        batches only, decode runs per owner; see ``prefill_scratch``)."""
+        batches only, decode runs per owner; see ``scratch_sizing``)."""
         self.scratch_serves_decode = scratch_serves_decode
         if self.scratch_serves_decode and scratch.size < layout.cp_size * pool.size:
             raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")

@@ -5,7 +5,7 @@ read and write it with the pool's exact row formats (bf16 576-wide rows, fp8 656
 132-byte indexer rows per token).
 
 * Slot 0 is used for all layers by every forward that does not prefetch. Its size comes from
-  ``prefill_scratch.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
+  ``scratch_sizing.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
   pool's token count (= the logical capacity), so every forward fits (a batch cannot reference
   more pages than exist, see ``build_peer_page_plan``); when decode runs per owner, what one
   prefill batch may reference (admission caps batches to it).
@@ -130,7 +130,7 @@ def reserve_scratch_bytes(
 
 def slot0_scratch_tokens(prefill_tokens: Optional[int], logical_tokens: int, page_size: int) -> int:
     """Slot 0's tokens: the logical capacity, or ``prefill_tokens`` rounded up to pages and capped
-    at it (see ``prefill_scratch``)."""
+    at it (see ``scratch_sizing``)."""
     if prefill_tokens is None:
         return logical_tokens
     return min(-(-prefill_tokens // page_size) * page_size, logical_tokens)

@@ -28,7 +28,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
     slot0_scratch_tokens,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
-from sglang_cp_shared_kv.model_executor.prefill_scratch import (
+from sglang_cp_shared_kv.model_executor.scratch_sizing import (
     PREFILL_SCRATCH_TOKENS_ENV,
     prefill_batch_scratch_pages,
     scratch_sizing,
