@@ -307,9 +307,12 @@ def _attach(scenario: Scenario, runtime, pool, backend):
     )
     from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
 
+    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
+
     with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
         if scenario.hooks == "decode":
-            return per_owner_decode.attach(runtime, scenario.decode_impl)
+            impl = scenario.decode_impl
+            return per_owner_decode.attach(runtime, impl, impl_gather_reason(impl))
         init_attention_backend(pool, backend)
         return per_owner_decode.per_owner_of(pool)
 
@@ -317,14 +320,24 @@ def _attach(scenario: Scenario, runtime, pool, backend):
 def init_attention_backend(pool, backend) -> None:
     """``ModelRunner.init_attention_backend`` (with whatever hooks are applied) on a model runner
     holding ``pool`` whose backend is ``backend``, the flag on. Where a runtime is already attached
-    to ``pool`` the runtime's own AFTER hook returns at once."""
+    to ``pool``, the startup's attach keeps it and attaches only per-owner decode, by the decision
+    taken from the runner's server args."""
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FIELD
 
     runner = object.__new__(ModelRunner)
     runner.server_args = SimpleNamespace(
-        enable_pdmux=False, enable_two_batch_overlap=False, **{CP_SHARED_KV_FIELD: True}
+        enable_pdmux=False,
+        enable_two_batch_overlap=False,
+        # What the startup's scratch decision reads (scratch_sizing.decide_scratch).
+        nsa_decode_backend=backend.nsa_decode_impl,
+        disaggregation_mode="null",
+        enable_mixed_chunk=False,
+        chunked_prefill_size=8192,
+        max_prefill_tokens=16384,
+        **{CP_SHARED_KV_FIELD: True},
     )
+    runner.model_config = SimpleNamespace(context_len=pool.size)
     runner.is_draft_worker = False
     runner.token_to_kv_pool = pool
     runner._get_attention_backend = lambda: backend
