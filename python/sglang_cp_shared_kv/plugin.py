@@ -38,7 +38,7 @@ def register() -> None:
 
 def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
-    from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
+    from sglang_cp_shared_kv.disaggregation import transfer_class_hooks
     from sglang_cp_shared_kv.managers import (
         cp_hicache_draft_pool,
         cp_hicache_storage_prefetch,
@@ -91,5 +91,5 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     per_owner_decode.register_hooks(registry)
     # Decode CUDA graphs over per-owner decode's static tables (inert without both).
     per_owner_decode_graphs.register_hooks(registry)
-    disaggregation_utils.register_hooks(registry)
+    transfer_class_hooks.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")
