@@ -193,6 +193,9 @@ class _AttachCase(CustomTestCase):
              mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group), \
              mock.patch("sglang.srt.distributed.parallel_state.get_world_group", return_value=world), \
              mock.patch.object(startup_wiring, "create_prefetch_group", create_prefetch_group), \
+             mock.patch.object(  # the stand-in CP group has no collectives (per-owner decode's attach)
+                 startup_wiring.per_owner_decode, "process_group_collectives", return_value=(None, None)
+             ), \
              mock.patch("torch.distributed.get_backend", return_value="nccl"), \
              mock.patch.dict("os.environ"):
             if prefetch_slot is None:
@@ -217,7 +220,8 @@ class TestAttachRuntime(_AttachCase):
         # Context 100 + chunk 28 = 128 tokens (2 pages), below the logical 384.
         self.assertEqual(runtime.scratch.size, 2 * PAGE_SIZE)
         self.assertFalse(runtime.scratch_serves_decode)
-        # The same decision attached per-owner decode, after the runtime, in the same hook.
+        # The same decision attached per-owner decode, after the runtime, in the same hook
+        # (planted, caught: startup_wiring skipping per-owner decode's attach).
         from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import per_owner_of
 
         self.assertEqual(per_owner_of(pool).decode_impl, "flashmla_kv")
