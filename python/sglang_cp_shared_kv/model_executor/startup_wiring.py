@@ -8,7 +8,9 @@
 
    a. the startup rules that need the model runner (draft worker or not, the pool's type, the
       allocator) and, on a draft worker (MTP), the draft pool's runtime over the target's layout
-      and scratch (``cp_shared_kv_draft_pool.attach_draft_worker``); nothing more there;
+      and scratch (``cp_shared_kv_draft_pool.attach_draft_worker``); nothing more there (per-owner
+      decode serves the target's decode only: the draft's decode steps gather,
+      ``draft_decode_steps``);
    b. on the target worker: the gather scratch's slots (as the decision of 1 sized them), the
       prefetch's process group, the ``CpSharedKVRuntime`` on the pool, the host mirror of
       ``req_to_token`` and the metrics (``--enable-metrics``);
@@ -123,7 +125,7 @@ def attach_after_attention_backend(result, model_runner, *args, **kwargs):
             runtime, model_runner.server_args.nsa_decode_backend, decision.decode_gather_reason
         )
     if attached_now:
-        log_startup_summary(model_runner.server_args, runtime, model_runner.model_config.context_len)
+        log_startup_summary(model_runner, runtime)
     return None
 
 
@@ -186,7 +188,7 @@ def attach_target_runtime(model_runner, decision: ScratchDecision) -> CpSharedKV
     return runtime
 
 
-def log_startup_summary(server_args, runtime: CpSharedKVRuntime, context_len: int) -> None:
+def log_startup_summary(model_runner, runtime: CpSharedKVRuntime) -> None:
     """The one startup line of the server (CP rank 0; every rank sized the same: sglang takes the
     minimum of the profiled pool sizes over the TP group, and every rank reads the same settings)."""
     from sglang_cp_shared_kv.startup_summary import effective_settings, summary_line
@@ -196,11 +198,12 @@ def log_startup_summary(server_args, runtime: CpSharedKVRuntime, context_len: in
         return
     slots = runtime.pipeline.slots
     rows = effective_settings(
-        server_args,
-        context_len,
+        model_runner.server_args,
+        model_runner.model_config.context_len,
         logical_tokens=layout.cp_size * runtime.pool.size,
         scratch_tokens=runtime.scratch.size,
         prefetch_slot_tokens=slots[1].size if len(slots) > 1 else 0,
+        decision=scratch_decision_of(model_runner),
     )
     logger.info("%s on: %s", FLAG, summary_line(rows))
 
