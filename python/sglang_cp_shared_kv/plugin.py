@@ -60,8 +60,12 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         peer_page_reads,
         startup_wiring,
     )
-    from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as per_owner_decode_graphs
-    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        cuda_graphs as per_owner_decode_graphs,
+    )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        decode_forward as per_owner_decode,
+    )
 
     cp_shared_kv_capacity.register_hooks(registry)
     cp_hiradix_cache.register_hooks(registry)

@@ -34,7 +34,9 @@ def effective_settings(
     if is_pd_prefill_server(server_args):
         decode = "none (PD prefill server: the decode server decodes)"
     else:
-        reason = decode_gather_reason(server_args) if decision is None else decision.decode_gather_reason
+        reason = (
+            decode_gather_reason(server_args) if decision is None else decision.decode_gather_reason
+        )
         decode = "per owner" if reason is None else f"page gather ({reason})"
     graphs = "off (--disable-cuda-graph)" if server_args.disable_cuda_graph else "on (per-owner decode)"
     mtp = server_args.speculative_algorithm or "off"

@@ -72,8 +72,8 @@ def impl_gather_reason(impl: Optional[str]) -> Optional[str]:
     return None
 
 
-# Decode under CUDA graphs (``per_owner_decode.cuda_graphs``) is opt-in until its capture and replay have
-# been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
+# Decode under CUDA graphs (``per_owner_decode.cuda_graphs``) is opt-in until its capture and
+# replay have been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
 def graph_decode_opted_in() -> bool:
     return current_settings().decode_cuda_graph
 

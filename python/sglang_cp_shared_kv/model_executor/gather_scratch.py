@@ -9,10 +9,11 @@ read and write it with the pool's exact row formats (bf16 576-wide rows, fp8 656
   pool's token count (= the logical capacity), so every forward fits (a batch cannot reference
   more pages than exist, see ``build_peer_page_plan``); when decode runs per owner, what one
   prefill batch may reference (admission caps batches to it).
-* Slot 1 (``prefetch_slot_tokens``, requested in ``scratch_sizing``) lets a prefill forward gather layer ``l+1`` while layer ``l``
-  reads slot 0 (``peer_page_prefetch``). It only has to hold what one prefill forward references,
-  so by default it is sized from the context length plus the chunked-prefill budget (+25% for
-  owner padding), capped at the logical capacity; a forward that does not fit runs the serial path.
+* Slot 1 (``prefetch_slot_tokens``, requested in ``scratch_sizing``) lets a prefill forward
+  gather layer ``l+1`` while layer ``l`` reads slot 0 (``peer_page_prefetch``). It only has to
+  hold what one prefill forward references, so by default it is sized from the context length
+  plus the chunked-prefill budget (+25% for owner padding), capped at the logical capacity; a
+  forward that does not fit runs the serial path.
 
 Layers reuse the slots one after another, so the scratch costs at most ``cp_size / num_layers`` of
 the physical pool for slot 0 (a fixed, prefill-sized amount when decode runs per owner) plus slot

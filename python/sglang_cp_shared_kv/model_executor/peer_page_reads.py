@@ -17,8 +17,8 @@
 * Readers this runtime does not serve raise: ``get_index_k_continuous`` /
   ``get_index_k_scale_continuous`` (in-seq-split CP and the non-CUDA indexer), ``get_mla_kv_buffer``
   (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend
-  unless decode graphs run per owner (``per_owner_decode.cuda_graphs`` made the backend's static owner
-  tables).
+  unless decode graphs run per owner (``per_owner_decode.cuda_graphs`` made the backend's static
+  owner tables).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import dataclasses
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
-from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as per_owner_decode_graphs
+from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+    cuda_graphs as per_owner_decode_graphs,
+)
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import serves_physical
 
@@ -90,7 +92,7 @@ def refuse_when_served(name: str):
 
 def refuse_cuda_graph(backend, *args, **kwargs):
     if per_owner_decode_graphs.buffers_of(backend) is not None:
-        return None  # decode graphs per owner (per_owner_decode.cuda_graphs): static tables, no gather
+        return None  # decode graphs per owner (per_owner_decode.cuda_graphs): no gather
     raise ValueError(
         f"{FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
         f"variable-size page gather"

@@ -97,8 +97,8 @@ def scratch_sizing(server_args, context_len: int) -> ScratchSizing:
 
 
 def configured_prefetch_slot_tokens(context_len: int, chunked_prefill_size: Optional[int]) -> int:
-    """Requested tokens of slot 1 before the capacity cap (``SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS``,
-    parsed in ``settings``; unset or 0: no slot 1, no layer-ahead prefetch, the default until the
+    """Requested tokens of slot 1 before the capacity cap
+    (``SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS``, parsed in ``settings``; unset or 0: no slot 1, no layer-ahead prefetch, the default until the
     prefetch has been served and timed across GPUs; docs/runtime.md, section 3).
 
     ``auto``: one request of the full context length plus one chunk of new tokens, +25% for the
