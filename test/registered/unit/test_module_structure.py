@@ -2,8 +2,9 @@
 startup rules only in ``server_args.py``, hook registration reached only from ``plugin.py``, one
 spelling of the flag, no test-only module imported by product code, every setting read only through
 the leaf ``settings`` module, the layout built only by the allocator, one ordered startup hook on
-``ModelRunner.init_attention_backend`` (``startup_wiring``), and one per-forward dispatcher
-(``forward_dispatch``) as the only caller of the plan, draft-step and per-owner entries.
+``ModelRunner.init_attention_backend`` (``startup_wiring``), one scratch decision per model runner,
+and one per-forward dispatcher (``forward_dispatch``) as the only caller of the plan, draft-step and
+per-owner entries.
 
 Planted once each: an ``os.environ.get`` left in ``gather_scratch`` failed
 ``test_the_environment_is_read_only_by_settings``; the startup attach rebuilding
@@ -12,7 +13,9 @@ Planted once each: an ``os.environ.get`` left in ``gather_scratch`` failed
 second AFTER hook of ``init_attention_backend`` failed ``test_one_hook_on_init_attention_backend``;
 ``peer_page_reads`` calling ``runtime.begin_forward`` again failed
 ``test_only_the_dispatcher_begins_a_forward``; ``per_owner_decode.decode_forward`` importing
-``forward_dispatch`` (a dispatcher module reaching back) failed ``test_no_import_circle``."""
+``forward_dispatch`` (a dispatcher module reaching back) failed ``test_no_import_circle``; the
+attach asking ``scratch_sizing(...)`` again failed
+``test_the_scratch_decision_is_taken_in_one_place``."""
 
 import ast
 import unittest
@@ -184,6 +187,40 @@ class TestModuleStructure(CustomTestCase):
             {
                 f"{PACKAGE}.model_executor.forward_dispatch.dispatch_forward_metadata",
                 f"{PACKAGE}.model_executor.per_owner_decode.decode_forward.begin_forward",
+            },
+        )
+
+    def test_the_scratch_decision_is_taken_in_one_place(self):
+        """The scratch's sizes and the decode path come from ``scratch_sizing.decide_scratch``,
+        taken once per model runner by ``startup_wiring`` (and by ``check_launch``'s summary
+        without a runner); nobody else asks the sizing rules again."""
+        rules = (
+            "decide_scratch",
+            "scratch_sizing",
+            "configured_prefetch_slot_tokens",
+            "impl_gather_reason",
+        )
+        homes = (
+            f"{PACKAGE}.model_executor.scratch_sizing",
+            f"{PACKAGE}.model_executor.decode_path",
+        )
+        callers = set()
+        for name, tree in self.modules.items():
+            if name in homes:
+                continue
+            for function in ast.walk(tree):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call):
+                        called = getattr(node.func, "attr", getattr(node.func, "id", None))
+                        if called in rules:
+                            callers.add(f"{name}.{function.name}")
+        self.assertEqual(
+            callers,
+            {
+                f"{PACKAGE}.model_executor.startup_wiring.scratch_decision_of",
+                f"{PACKAGE}.startup_summary.effective_settings",
             },
         )
 
