@@ -203,7 +203,7 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
     ``pair``: ``stock`` (replicated KV, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER unset: CP rank 0
     sends), ``stock-all-cp`` (replicated KV, the variable set), ``shared-kv-round-robin`` (ours with
     the allocator's default placement, page ``j`` on owner ``j % cp_size``), ``shared-kv`` (ours as
-    a PD prefill server runs it: owner runs of ``transfer_blocks.owner_run_pages`` pages, and calls
+    a PD prefill server runs it: owner runs of ``owner_run_placement.owner_run_pages`` pages, and calls
     of at most ``MAX_BLOCKS_PER_TRANSFER_CALL`` blocks). Prefill pages
     come from the real allocators of a fresh pool (stock's for stock, ours for shared KV); decode
     pages from stock's allocator of a fresh pool (``contiguous``) or drawn at random (``scattered``).
@@ -229,7 +229,7 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
     if shared_kv:
         from types import SimpleNamespace
 
-        from sglang_cp_shared_kv.disaggregation.transfer_blocks import owner_run_pages
+        from sglang_cp_shared_kv.mem_cache.owner_run_placement import owner_run_pages
 
         run = 1
         if pair == "shared-kv":
@@ -652,7 +652,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                         "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER to time it)")
     m.add_argument("--run-pages", type=int, default=None,
                    help="pages per owner run of shared-kv (default: what a PD prefill server with "
-                        "--chunked-prefill-size 8192 uses, transfer_blocks.owner_run_pages)")
+                        "--chunked-prefill-size 8192 uses, owner_run_placement.owner_run_pages)")
     m.add_argument("--devices", default="cuda:0>cuda:0,cpu>cpu", help="comma-separated SRC>DST (cpu or cuda:N)")
     m.add_argument("--repeats", type=int, default=5)
     m.add_argument("--small", action="store_true", help="4 layers, 2048 tokens, 2 repeats (a quick CPU run)")
@@ -668,7 +668,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         _import_plugin()
         from types import SimpleNamespace
 
-        from sglang_cp_shared_kv.disaggregation.transfer_blocks import owner_run_pages
+        from sglang_cp_shared_kv.mem_cache.owner_run_placement import owner_run_pages
 
         args.run_pages = owner_run_pages(SimpleNamespace(disaggregation_mode="prefill", chunked_prefill_size=8192),
                                          args.cp, PAGE)  # fmt: skip

@@ -125,7 +125,9 @@ class Kernels:
 
     def sglang_topk(self, logits, lens, page_table_1, cu_seqlens_q):
         if self.device != "cuda":
-            from sglang_cp_shared_kv.model_executor.decode_topk_merge import replicated_topk_positions
+            from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+                replicated_topk_positions,
+            )
 
             positions = replicated_topk_positions(logits, lens, self.topk)
             return torch.where(positions >= 0, page_table_1.gather(1, positions.clamp(min=0).long()), -1)
@@ -196,13 +198,15 @@ def _graphed(device: str, fn):
 
 def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tokens: int) -> dict:
     from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-    from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
         local_candidates,
         owned_attention_indices,
         select_global,
     )
-    from sglang_cp_shared_kv.model_executor.owner_decode_tables import build_owner_decode_tables
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
+        build_owner_decode_tables,
+    )
 
     device, topk = args.device, args.topk
     timer = _timer(device, args.iters, args.warmup)

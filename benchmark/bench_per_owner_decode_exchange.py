@@ -39,17 +39,19 @@ def parse_args(argv=None):
 
 
 def _rank(rank, args, rendezvous, out_path):
-    from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
         merge_by_all_gather,
         merge_by_scaled_sum,
         process_group_collectives,
     )
-    from sglang_cp_shared_kv.model_executor.decode_step_bytes import (
+    from sglang_cp_shared_kv.testing.decode_step_bytes import (
         GLM5_FP8,
         candidate_bytes_per_token_layer,
         merge_bytes_per_token_layer,
     )
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import all_gather_candidates
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+        all_gather_candidates,
+    )
 
     cuda = args.device == "cuda"
     if cuda:

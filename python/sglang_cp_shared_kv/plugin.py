@@ -38,7 +38,7 @@ def register() -> None:
 
 def register_runtime_hooks(registry=HookRegistry) -> None:
     """Hooks that change what the server does; only with the flag on (see module docstring)."""
-    from sglang_cp_shared_kv.disaggregation import utils as disaggregation_utils
+    from sglang_cp_shared_kv.disaggregation import transfer_class_hooks
     from sglang_cp_shared_kv.managers import (
         cp_hicache_draft_pool,
         cp_hicache_storage_prefetch,
@@ -53,13 +53,18 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     )
     from sglang_cp_shared_kv.model_executor import (
         cp_shared_kv_capacity,
-        cp_shared_kv_draft_pool,
         cp_shared_kv_runtime,
         draft_decode_steps,
+        forward_dispatch,
         owner_filtered_writes,
         peer_page_reads,
-        per_owner_decode,
-        per_owner_decode_graphs,
+        startup_wiring,
+    )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        cuda_graphs as per_owner_decode_graphs,
+    )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        decode_forward as per_owner_decode,
     )
 
     cp_shared_kv_capacity.register_hooks(registry)
@@ -72,23 +77,23 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     prefill_load_back_quota.register_hooks(registry)
     # Prefill batches within a gather scratch sized for prefill only (decode per owner).
     prefill_scratch_admission.register_hooks(registry)
+    # Startup, in one module and its order: scratch reservation, then, once the attention backend
+    # exists, the runtime (or the MTP draft pool's), per-owner decode, the startup summary.
+    startup_wiring.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
-    # The MTP draft pool, sharded like the target's (MTP is opt-in: speculative/mtp_opt_in.py).
-    cp_shared_kv_draft_pool.register_hooks(registry)
     # The plan's host mirror of req_to_token: every writer of the table (EAGLE's too), and the
     # tree's value pages.
     req_to_page_mirror_writers.register_hooks(registry)
     req_to_page_mirror_spec_writers.register_hooks(registry)
     owner_filtered_writes.register_hooks(registry)
     peer_page_reads.register_hooks(registry)
+    # Per forward, once: draft step, per owner or gather (the one dispatcher).
+    forward_dispatch.register_hooks(registry)
     # The MTP draft's multi-step decode: one plan per draft step, selected when the step runs.
     draft_decode_steps.register_hooks(registry)
-    # Decode per owner where the decode impl is served (SGLANG_CP_SHARED_KV_DECODE=gather: off).
-    # Its attach is an AFTER hook of ModelRunner.init_attention_backend registered after the
-    # runtime's (cp_shared_kv_runtime above): AFTER hooks run in registration order, so the runtime
-    # exists when it runs.
+    # Decode per owner's forward hooks (attached by startup_wiring where the decision says so).
     per_owner_decode.register_hooks(registry)
     # Decode CUDA graphs over per-owner decode's static tables (inert without both).
     per_owner_decode_graphs.register_hooks(registry)
-    disaggregation_utils.register_hooks(registry)
+    transfer_class_hooks.register_hooks(registry)
     logger.info("sglang-cp-shared-kv: runtime hooks registered (NSA prefill CP shared KV on)")

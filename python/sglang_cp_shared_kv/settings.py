@@ -63,7 +63,7 @@ DEFAULT_DECODE_PATH = GATHER
 DEFAULT_DECODE_CUDA_GRAPH = False
 DEFAULT_MTP = False
 DEFAULT_PREFETCH_SLOT_TOKENS = 0  # 0: no slot 1, no layer-ahead prefetch
-DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (prefill_scratch)
+DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (scratch_sizing)
 DEFAULT_CHECK_PAGE_MIRROR = False
 DEFAULT_ALL_CP_RANKS_TRANSFER = False  # sglang's default
 

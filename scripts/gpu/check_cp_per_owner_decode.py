@@ -170,7 +170,11 @@ def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
     except Exception as error:  # noqa: BLE001  (any import failure: report and fall back)
         names["indexer"] = f"torch reference (deep_gemm not importable: {error!r})"
     try:
-        from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+        from sgl_kernel.flash_mla import (
+            flash_mla_sparse_fwd,
+            flash_mla_with_kvcache,
+            get_mla_metadata,
+        )
 
         from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
 
@@ -259,11 +263,13 @@ def build_pool(generator, batch, device, kv_dtype="fp8"):
 def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_kv") -> dict:
     import torch
 
-    from sglang_cp_shared_kv.model_executor.per_owner_decode import SERVED_DECODE_IMPLS
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
+        SERVED_DECODE_IMPLS,
+    )
     from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 
-    from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
         owned_attention_indices,
         replicated_topk_positions,
         same_selection_up_to_ties,

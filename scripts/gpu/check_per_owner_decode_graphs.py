@@ -100,7 +100,11 @@ def cuda_kernels(decode_impls=DECODE_IMPLS):
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
     from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
-    from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import PAGE, GraphKernels, ImplAttention
+    from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import (
+        PAGE,
+        GraphKernels,
+        ImplAttention,
+    )
     from sglang_cp_shared_kv.testing.per_owner_decode_hooked import real_fa3_problem
 
     num_sms = deep_gemm.get_num_sms()
@@ -150,7 +154,9 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
     """[batch A passed, batch B passed] of ``decode_impl`` at ``cp_size``."""
     import torch
 
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import same_selection_up_to_ties
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+        same_selection_up_to_ties,
+    )
     from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
 
     device = args.device

@@ -11,9 +11,8 @@ wherever the request's pages change owner:
   ``j % cp_size``) no two owned pages are adjacent in the decode's page list: one block per page
   per layer (GLM-5, 8K prompt, cp 2: 9,984 blocks per rank, against 156 for a stock rank). On a PD
   prefill server the allocator therefore places runs of ``owner_run_pages`` consecutive pages of a
-  request on one owner (``(j // run) % cp_size``), and a rank's blocks are runs of that many pages.
-  Any placement is correct (every rank stores the owned rows of the whole all-gathered chunk); the
-  run is capped by the chunk so that one chunk's pages still spread over every rank.
+  request on one owner (``(j // run) % cp_size``; the policy is the allocator's,
+  ``mem_cache/owner_run_placement.py``), and a rank's blocks are runs of that many pages.
 * **Calls of bounded size.** Mooncake's TCP transport queues at most
   ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (default 1024) requests per peer of one engine, plus as
   many again waiting up to 1 s for admission (``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``,
@@ -25,31 +24,11 @@ wherever the request's pages change owner:
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 # At most this many blocks per engine call: 4 transfer threads x 256 = mooncake TCP's default
 # per-peer queue (1024).
 MAX_BLOCKS_PER_TRANSFER_CALL = 256
-
-# Pages of a request placed on one owner in a row on a PD prefill server (1024 tokens at page 64):
-# a block of 16 pages carries 672 KB of fp8 GLM-5 KV per layer, so the per-request cost of the engine
-# (tens of microseconds over TCP) is small against the bytes.
-PD_PREFILL_OWNER_RUN_PAGES = 16
-
-
-def owner_run_pages(server_args, cp_size: int, page_size: int) -> int:
-    """Consecutive pages of a request the allocator places on one owner: 1 (round-robin) unless the
-    server is a PD prefill server, where runs shorten the transfer (module docstring). A run never
-    exceeds ``chunk pages / cp_size``, so every chunk of a chunked prefill still reaches every rank
-    and the allocator's per-chunk balance does not break the runs."""
-    if getattr(server_args, "disaggregation_mode", "null") != "prefill" or cp_size <= 1:
-        return 1
-    run = PD_PREFILL_OWNER_RUN_PAGES
-    chunk_tokens: Optional[int] = getattr(server_args, "chunked_prefill_size", None)
-    if chunk_tokens is not None and chunk_tokens > 0:
-        run = min(run, chunk_tokens // page_size // cp_size)
-    return max(1, run)
-
 
 def bounded_calls(
     blocks: Sequence[Tuple[int, int, int]], max_blocks: int = MAX_BLOCKS_PER_TRANSFER_CALL

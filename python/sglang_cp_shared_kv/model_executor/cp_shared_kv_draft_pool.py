@@ -25,9 +25,9 @@ Replicating the draft pool at the logical capacity was the alternative; docs/spe
 gives the numbers against it (memory stock never reserved, and the PD transfer and HiCache pair the
 draft's pages with the target's physical pages).
 
-``attach_draft_worker_runtime`` (AFTER ``ModelRunner.init_attention_backend``, next to the target's
-``attach_runtime``) attaches it on the draft worker; the startup rules accept MTP only with its
-opt-in (``speculative/mtp_opt_in.py``), so without it this is never reached in a server.
+``attach_draft_worker`` (called by ``startup_wiring`` after ``ModelRunner.init_attention_backend``
+on the draft worker) attaches it; the startup rules accept MTP only with its opt-in
+(``speculative/mtp_opt_in.py``), so without it this is never reached in a server.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     FLAG,
@@ -48,7 +47,7 @@ from sglang_cp_shared_kv.model_executor.decode_path import (
     PER_OWNER,
     is_pd_prefill_server,
 )
-from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
+from sglang_cp_shared_kv.server_args import runtime_problems
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +102,19 @@ def attach_draft_runtime(
     )
 
 
-def attach_draft_worker_runtime(result, model_runner, *args, **kwargs):
-    """AFTER ``ModelRunner.init_attention_backend`` on a draft worker (MTP), flag on.
+def attach_draft_worker(model_runner) -> None:
+    """The draft worker's step of the startup (``startup_wiring``, after
+    ``ModelRunner.init_attention_backend``; MTP, flag on): the startup rules, then the draft pool's
+    runtime.
 
     The draft shares the target's allocator, whose pool is the target's, whose runtime attached when
     the target worker initialized; the host mirror of the shared ``req_to_token`` is already there."""
-    if not cp_shared_kv_enabled(model_runner.server_args) or not model_runner.is_draft_worker:
-        return None
     draft_pool = model_runner.token_to_kv_pool
     if runtime_of(draft_pool) is not None:
-        return None
+        return
     reasons = runtime_problems(model_runner.server_args)
+    if model_runner.server_args.speculative_algorithm is None:
+        reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
     if reasons:
         raise ValueError("; ".join(reasons))
     attach_draft_runtime(
@@ -125,13 +126,4 @@ def attach_draft_worker_runtime(result, model_runner, *args, **kwargs):
         "CP shared KV runtime on the draft pool: %d physical tokens, %d layer(s), the target's layout",
         draft_pool.size,
         draft_pool.layer_num,
-    )
-    return None
-
-
-def register_hooks(registry) -> None:
-    registry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
-        attach_draft_worker_runtime,
-        HookType.AFTER,
     )

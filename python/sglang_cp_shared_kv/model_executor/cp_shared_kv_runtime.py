@@ -18,11 +18,11 @@ logical pool:
    the pool (``scratch_rows``). Attention and the indexer then read the slot through the pool
    getters.
 
-Lifecycle hooks here: reserve the scratch's memory before sglang sizes the pool, and build the
-runtime once the pool, allocator and attention backend exist. Anything this runtime cannot serve
-correctly (CUDA-graph decode, speculative decoding, in-seq-split, ...) raises a ``ValueError``
-naming the flags at startup; the rules themselves live with every other startup rule in
-``server_args.runtime_problems``.
+The runtime is built at startup by ``startup_wiring`` (scratch reservation, attach, per-owner
+decode, the draft's runtime, in that module's order); the one hook here marks sglang's warm-up
+forwards (``mark_dummy_run``). Anything this runtime cannot serve correctly raises a
+``ValueError`` naming the flags at startup; the rules themselves live with every other startup rule
+in ``server_args.runtime_problems``.
 """
 
 from __future__ import annotations
@@ -38,31 +38,13 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
-    ReqToPageMirror,
-    mirror_check_enabled,
-    mirror_of,
-)
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_check_enabled, mirror_of
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER
-from sglang_cp_shared_kv.model_executor.gather_scratch import (
-    SCRATCH_LAYER,
-    SCRATCH_LAYER_ID,
-    configured_prefetch_slot_tokens,
-    create_gather_scratch,
-    create_prefetch_slot,
-    reserve_scratch_bytes,
-)
+from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
-from sglang_cp_shared_kv.model_executor.peer_page_prefetch import (
-    INDEX,
-    KV,
-    LayerPipeline,
-    create_prefetch_group,
-    indexer_layer_ids_of,
-)
-from sglang_cp_shared_kv.model_executor.prefill_scratch import ScratchSizing, scratch_sizing
+from sglang_cp_shared_kv.model_executor.peer_page_prefetch import INDEX, KV, LayerPipeline
 from sglang_cp_shared_kv.model_executor.scratch_rows import (
     BatchRowMaps,
     batch_row_maps,
@@ -70,7 +52,6 @@ from sglang_cp_shared_kv.model_executor.scratch_rows import (
     copy_kv_rows,
 )
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
-from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +85,7 @@ class CpSharedKVRuntime:
         group of the layer-ahead prefetch (both or neither; neither: serial path only);
         ``indexer_layer_ids``: layers that store indexer K (None: all); ``scratch_serves_decode``:
         slot 0 holds the logical capacity, so decode forwards may gather (False: sized for prefill
-        batches only, decode runs per owner; see ``prefill_scratch``)."""
+        batches only, decode runs per owner; see ``scratch_sizing``)."""
         self.scratch_serves_decode = scratch_serves_decode
         if self.scratch_serves_decode and scratch.size < layout.cp_size * pool.size:
             raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")
@@ -385,154 +366,6 @@ def draft_step_lengths(forward_batch, step: int) -> tuple:
     return seq_lens + written, written
 
 
-# ---- startup ----
-
-
-def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **kwargs):
-    """AFTER ``_profile_available_bytes``: hold back the scratch's bytes from the KV budget."""
-    if model_runner.is_draft_worker or not cp_shared_kv_enabled(model_runner.server_args):
-        return None
-    from sglang.srt.layers.dp_attention import get_attention_cp_size
-    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
-
-    server_args = model_runner.server_args
-    page_size = server_args.page_size
-    unreserved_tokens = (
-        create_memory_pool_configurator(model_runner)
-        .calculate_pool_sizes(available_bytes, page_size)
-        .max_total_num_tokens
-    )
-    if server_args.max_total_tokens is not None:
-        unreserved_tokens = min(unreserved_tokens, server_args.max_total_tokens)
-    kv_row_bytes = model_runner.calculate_mla_kv_cache_dim() * model_runner.kv_cache_dtype.itemsize
-    reserve = reserve_scratch_bytes(
-        available_bytes,
-        unreserved_tokens,
-        get_attention_cp_size(),
-        kv_row_bytes,
-        page_size,
-        requested_prefetch_slot_tokens=_requested_prefetch_slot_tokens(model_runner),
-        prefill_slot0_tokens=_scratch_sizing(model_runner).prefill_tokens,
-    )
-    logger.info(
-        "CP shared KV: reserved %.2f GB of %.2f GB KV memory for the gather scratch",
-        reserve / (1 << 30),
-        available_bytes / (1 << 30),
-    )
-    return available_bytes - reserve
-
-
-def _scratch_sizing(model_runner) -> ScratchSizing:
-    return scratch_sizing(model_runner.server_args, model_runner.model_config.context_len)
-
-
-def _requested_prefetch_slot_tokens(model_runner) -> int:
-    return configured_prefetch_slot_tokens(
-        model_runner.model_config.context_len, model_runner.server_args.chunked_prefill_size
-    )
-
-
-def attach_runtime(result, model_runner, *args, **kwargs):
-    """AFTER ``ModelRunner.init_attention_backend``: pool, allocator and backend exist now."""
-    if not cp_shared_kv_enabled(model_runner.server_args):
-        return None
-    pool = model_runner.token_to_kv_pool
-    if runtime_of(pool) is not None:
-        return None
-    from sglang.srt.layers.dp_attention import get_attention_cp_group
-    from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
-
-    reasons = runtime_problems(model_runner.server_args)
-    if model_runner.is_draft_worker:
-        # The draft pool's runtime is attached by cp_shared_kv_draft_pool's hook on the same method
-        # (registered with these); here the draft worker is only refused.
-        if model_runner.server_args.speculative_algorithm is None:
-            reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
-        if reasons:
-            raise ValueError("; ".join(reasons))
-        return None
-    if type(pool) is not NSATokenToKVPool:
-        reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
-    if reasons:
-        raise ValueError("; ".join(reasons))
-    allocator = model_runner.token_to_kv_pool_allocator
-    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator):
-        raise ValueError(
-            f"{FLAG}: the token allocator must be CPSharedPagedTokenToKVPoolAllocator, got "
-            f"{type(allocator).__name__}"
-        )
-    layout = allocator.layout  # the one layout (built by the allocator, installed with the capacity)
-    if getattr(model_runner.server_args, "enable_metrics", False):
-        from sglang_cp_shared_kv.observability import cp_shared_kv_metrics
-
-        cp_shared_kv_metrics.install(layout.cp_rank).watch(allocator=allocator)
-    from sglang.srt.distributed.parallel_state import get_world_group
-
-    cp_group = get_attention_cp_group()
-    sizing = _scratch_sizing(model_runner)
-    scratch = create_gather_scratch(pool, layout.cp_size, sizing.prefill_tokens)
-    context_len = model_runner.model_config.context_len
-    if sizing.prefill_only and scratch.size < context_len:
-        logger.warning(
-            "CP shared KV: the gather scratch holds %d tokens, less than the context length %d: "
-            "requests whose context does not fit are rejected",
-            scratch.size,
-            context_len,
-        )
-    prefetch_slot = create_prefetch_slot(
-        pool, layout.cp_size, _requested_prefetch_slot_tokens(model_runner)
-    )
-    prefetch_group = None
-    if prefetch_slot is not None:
-        # Every rank reaches this point (attach runs on every TP worker), as new_group requires.
-        prefetch_group = create_prefetch_group(
-            cp_group.ranks,
-            coordination_group=get_world_group().cpu_group,
-            backend=dist.get_backend(cp_group.device_group),
-        )
-    indexer_layer_ids = indexer_layer_ids_of(model_runner.model)
-    CpSharedKVRuntime(
-        pool,
-        layout,
-        scratch,
-        cp_group.device_group,
-        prefetch_slot=prefetch_slot,
-        prefetch_group=prefetch_group,
-        indexer_layer_ids=indexer_layer_ids,
-        scratch_serves_decode=not sizing.prefill_only,
-    )
-    # The plan's page ids come from this host mirror, fed by every writer of req_to_token.
-    ReqToPageMirror.attach(model_runner.req_to_token_pool, pool.page_size)
-    log_startup_summary(
-        model_runner.server_args,
-        layout,
-        context_len=context_len,
-        physical_tokens=pool.size,
-        scratch_tokens=scratch.size,
-        prefetch_slot_tokens=prefetch_slot.size if prefetch_slot is not None else 0,
-    )
-    return None
-
-
-def log_startup_summary(
-    server_args, layout, context_len, physical_tokens, scratch_tokens, prefetch_slot_tokens
-) -> None:
-    """The one startup line of the server (CP rank 0; every rank sized the same: sglang takes the
-    minimum of the profiled pool sizes over the TP group, and every rank reads the same settings)."""
-    from sglang_cp_shared_kv.startup_summary import effective_settings, summary_line
-
-    if layout.cp_rank != 0:
-        return
-    rows = effective_settings(
-        server_args,
-        context_len,
-        logical_tokens=layout.cp_size * physical_tokens,
-        scratch_tokens=scratch_tokens,
-        prefetch_slot_tokens=prefetch_slot_tokens,
-    )
-    logger.info("%s on: %s", FLAG, summary_line(rows))
-
-
 def mark_dummy_run(original, model_runner, *args, **kwargs):
     """AROUND ``ModelRunner._dummy_run``: its batch has no host rows; they are all row 0."""
     runtime = runtime_of(model_runner.token_to_kv_pool)
@@ -546,15 +379,6 @@ def mark_dummy_run(original, model_runner, *args, **kwargs):
 
 
 def register_hooks(registry) -> None:
-    mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
-    registry.register(
-        f"{mixin}._profile_available_bytes", reserve_scratch_before_pool_sizing, HookType.AFTER
-    )
-    registry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
-        attach_runtime,
-        HookType.AFTER,
-    )
     registry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", mark_dummy_run, HookType.AROUND
     )

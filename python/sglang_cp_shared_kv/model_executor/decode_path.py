@@ -13,8 +13,9 @@ The decision is needed before the model runner exists (the scratch is reserved b
 the pool, and the CUDA-graph rule is judged on ``ServerArgs``), so it is taken here from the same
 inputs on every rank: ``SGLANG_CP_SHARED_KV_DECODE`` (``gather``, the default, or ``per_owner``),
 the NSA decode impl sglang resolved into ``--nsa-decode-backend``, ``SGLANG_NSA_FUSE_TOPK``, and
-the PD mode (a ``--disaggregation-mode prefill`` server never decodes). ``per_owner_decode.attach``
-takes the same decision again when it attaches; a decode forward that reaches the gather while the
+the PD mode (a ``--disaggregation-mode prefill`` server never decodes). At startup
+``scratch_sizing.decide_scratch`` asks these rules once per model runner, and per-owner decode
+attaches by that decision (``startup_wiring``); a decode forward that reaches the gather while the
 scratch was sized for prefill raises (``CpSharedKVRuntime.begin_forward``).
 """
 
@@ -57,8 +58,8 @@ def decode_gather_reason(server_args) -> Optional[str]:
 
 def impl_gather_reason(impl: Optional[str]) -> Optional[str]:
     """Why decode with this NSA decode impl gathers pages, or None when it runs per owner. The one
-    rule: the startup sizing (from ``--nsa-decode-backend``) and ``per_owner_decode.attach`` (from
-    the backend's ``nsa_decode_impl``) both ask it."""
+    rule, asked by ``scratch_sizing.decide_scratch`` (with ``--nsa-decode-backend``, which sglang's
+    NSA backend takes as its decode impl) and by the startup rules."""
     if configured_decode_path() == GATHER:
         return f"{DECODE_PATH_ENV}={GATHER} (the default; {PER_OWNER} opts in)"
     if impl not in PER_OWNER_DECODE_IMPLS:
@@ -71,8 +72,8 @@ def impl_gather_reason(impl: Optional[str]) -> Optional[str]:
     return None
 
 
-# Decode under CUDA graphs (``per_owner_decode_graphs``) is opt-in until its capture and replay have
-# been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
+# Decode under CUDA graphs (``per_owner_decode.cuda_graphs``) is opt-in until its capture and
+# replay have been checked on GPUs: without it the server keeps requiring --disable-cuda-graph.
 def graph_decode_opted_in() -> bool:
     return current_settings().decode_cuda_graph
 

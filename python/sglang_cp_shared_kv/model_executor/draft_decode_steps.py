@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.per_owner_decode import per_owner_of
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import per_owner_of
 
 _MULTI_STEP_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnMultiStepBackend"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"

@@ -5,14 +5,15 @@ read and write it with the pool's exact row formats (bf16 576-wide rows, fp8 656
 132-byte indexer rows per token).
 
 * Slot 0 is used for all layers by every forward that does not prefetch. Its size comes from
-  ``prefill_scratch.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
+  ``scratch_sizing.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
   pool's token count (= the logical capacity), so every forward fits (a batch cannot reference
   more pages than exist, see ``build_peer_page_plan``); when decode runs per owner, what one
   prefill batch may reference (admission caps batches to it).
-* Slot 1 (``prefetch_slot_tokens``) lets a prefill forward gather layer ``l+1`` while layer ``l``
-  reads slot 0 (``peer_page_prefetch``). It only has to hold what one prefill forward references,
-  so by default it is sized from the context length plus the chunked-prefill budget (+25% for
-  owner padding), capped at the logical capacity; a forward that does not fit runs the serial path.
+* Slot 1 (``prefetch_slot_tokens``, requested in ``scratch_sizing``) lets a prefill forward
+  gather layer ``l+1`` while layer ``l`` reads slot 0 (``peer_page_prefetch``). It only has to
+  hold what one prefill forward references, so by default it is sized from the context length
+  plus the chunked-prefill budget (+25% for owner padding), capped at the logical capacity; a
+  forward that does not fit runs the serial path.
 
 Layers reuse the slots one after another, so the scratch costs at most ``cp_size / num_layers`` of
 the physical pool for slot 0 (a fixed, prefill-sized amount when decode runs per owner) plus slot
@@ -30,19 +31,11 @@ from typing import Optional
 import torch
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-from sglang_cp_shared_kv.settings import (
-    PREFETCH_SLOT_AUTO,
-    PREFETCH_SLOT_TOKENS_ENV,
-    current_settings,
-)
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV
 
 logger = logging.getLogger(__name__)
 
 SCRATCH_LAYER_ID = 0  # the scratch pool's only layer
-# Tokens of the second slot (``PREFETCH_SLOT_TOKENS_ENV``, parsed in ``settings``), which turns the
-# layer-ahead prefetch on: a token count, or ``auto`` (sized from the context length and the
-# chunked-prefill budget). Unset or 0: off, the default until the prefetch has been served and timed
-# across GPUs (on one GPU it checks bit-exact but showed no gain; docs/runtime.md, section 3).
 # The indexer head dim of GLM-5 / DeepSeek-V3.2, and the only one NSATokenToKVPool accepts (it asserts).
 NSA_INDEX_HEAD_DIM = 128
 
@@ -75,19 +68,6 @@ def scratch_bytes(
     kv_rows = scratch_tokens + page_size  # + dummy page 0
     index_pages = (scratch_tokens + page_size + 1) // page_size
     return kv_rows * kv_row_bytes + index_pages * page_size * index_k_bytes_per_token(index_head_dim)
-
-
-def configured_prefetch_slot_tokens(context_len: int, chunked_prefill_size: Optional[int]) -> int:
-    """Requested tokens of slot 1 before the capacity cap (``PREFETCH_SLOT_TOKENS_ENV``; 0: no slot 1).
-
-    ``auto``: one request of the full context length plus one chunk of new tokens, +25% for the
-    padding of unbalanced owners (``1 + cp_size * n`` scratch pages for the gathered region).
-    """
-    settings = current_settings()
-    if not settings.prefetch_slot_auto:
-        return settings.prefetch_slot_tokens
-    chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else context_len
-    return (context_len + chunk) * 5 // 4
 
 
 def prefetch_slot_tokens(requested_tokens: int, logical_tokens: int, page_size: int) -> int:
@@ -130,7 +110,7 @@ def reserve_scratch_bytes(
 
 def slot0_scratch_tokens(prefill_tokens: Optional[int], logical_tokens: int, page_size: int) -> int:
     """Slot 0's tokens: the logical capacity, or ``prefill_tokens`` rounded up to pages and capped
-    at it (see ``prefill_scratch``)."""
+    at it (see ``scratch_sizing``)."""
     if prefill_tokens is None:
         return logical_tokens
     return min(-(-prefill_tokens // page_size) * page_size, logical_tokens)

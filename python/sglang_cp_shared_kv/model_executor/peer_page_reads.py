@@ -1,7 +1,7 @@
 """Reads of peer pages: attention and the NSA indexer read the gather scratch, not the shard.
 
-* ``NativeSparseAttnBackend.init_forward_metadata`` (AFTER): plan the forward's pages
-  (``CpSharedKVRuntime.begin_forward``) and rewrite the index tables in the frozen ``NSAMetadata``
+* ``remap_index_tables``: once ``forward_dispatch`` has planned a gathering forward's pages
+  (``CpSharedKVRuntime.begin_forward``), rewrite the index tables in the frozen ``NSAMetadata``
   (``dataclasses.replace``): ``page_table_1`` and ``page_table_1_flattened`` hold token locs,
   ``real_page_table`` page ids; all become scratch locs / pages. Under round-robin CP the tables are
   already filtered to this rank's requests; the remap is elementwise, and the plan covers the whole
@@ -12,15 +12,13 @@
   decode; the fused indexer store also calls it, see ``CpSharedKVRuntime.writing_physical``) and
   ``get_index_k_scale_buffer`` (ragged indexer in prefill) return the scratch's buffers, after the
   original's HiCache per-layer wait.
-* The EAGLE draft's steps are planned one by one while the multi-step backend builds their metadata
-  (``draft_decode_steps``), each with its own plan, never per owner.
-* A decode forward that ``per_owner_decode`` takes over (when attached) is not planned or remapped,
-  and the getters then serve the physical buffers (``serves_physical``).
+* A decode forward that per-owner decode takes over (``forward_dispatch``) is not planned or
+  remapped, and the getters then serve the physical buffers (``serves_physical``).
 * Readers this runtime does not serve raise: ``get_index_k_continuous`` /
   ``get_index_k_scale_continuous`` (in-seq-split CP and the non-CUDA indexer), ``get_mla_kv_buffer``
   (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend
-  unless decode graphs run per owner (``per_owner_decode_graphs`` made the backend's static owner
-  tables).
+  unless decode graphs run per owner (``per_owner_decode.cuda_graphs`` made the backend's static
+  owner tables).
 """
 
 from __future__ import annotations
@@ -29,25 +27,19 @@ import dataclasses
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
-from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs
+from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+    cuda_graphs as per_owner_decode_graphs,
+)
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
-from sglang_cp_shared_kv.model_executor.per_owner_decode import begin_forward as begin_per_owner
-from sglang_cp_shared_kv.model_executor.per_owner_decode import serves_physical
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import serves_physical
 
 _POOL = "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool"
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
 
 
-def remap_forward_metadata(result, backend, forward_batch, *args, **kwargs):
-    runtime = runtime_of(forward_batch.token_to_kv_pool)
-    if runtime is None:
-        return None
-    if runtime.planning_draft_steps:  # one of EAGLE's draft steps (draft_decode_steps): gathers
-        plan = runtime.plan_draft_step(backend, forward_batch)
-    elif begin_per_owner(runtime, backend, forward_batch):  # decode per owner: no plan, no remap
-        return None
-    else:
-        plan = runtime.begin_forward(forward_batch)
+def remap_index_tables(backend, plan) -> None:
+    """Rewrite the frozen ``NSAMetadata`` of a gathering forward to scratch locs / pages (the
+    decision to gather is ``forward_dispatch``'s)."""
     metadata = backend.forward_metadata
     flattened = metadata.page_table_1_flattened
     backend.forward_metadata = dataclasses.replace(
@@ -56,7 +48,6 @@ def remap_forward_metadata(result, backend, forward_batch, *args, **kwargs):
         real_page_table=plan.remap_pages(metadata.real_page_table),
         page_table_1_flattened=None if flattened is None else plan.remap_token_locs(flattened),
     )
-    return None
 
 
 def get_key_buffer(original, pool, layer_id):
@@ -101,7 +92,7 @@ def refuse_when_served(name: str):
 
 def refuse_cuda_graph(backend, *args, **kwargs):
     if per_owner_decode_graphs.buffers_of(backend) is not None:
-        return None  # decode graphs per owner (per_owner_decode_graphs): static tables, no gather
+        return None  # decode graphs per owner (per_owner_decode.cuda_graphs): no gather
     raise ValueError(
         f"{FLAG} requires --disable-cuda-graph: decode graphs cannot replay the per-forward, "
         f"variable-size page gather"
@@ -109,7 +100,6 @@ def refuse_cuda_graph(backend, *args, **kwargs):
 
 
 def register_hooks(registry) -> None:
-    registry.register(f"{_BACKEND}.init_forward_metadata", remap_forward_metadata, HookType.AFTER)
     for method in (
         "init_forward_metadata_capture_cuda_graph",
         "init_forward_metadata_replay_cuda_graph",

@@ -7,6 +7,10 @@ region through the host (``peer_page_gather``), and per-owner decode's exchanges
 candidates and partials (``attention_lse_merge.process_group_collectives``). ``sync_debug_exempt()``
 turns sync debugging off for exactly that bounce and restores the previous mode (``exempted`` counts
 the bounces); it does nothing without CUDA.
+
+It lives in the product, not in ``testing/``: the gather and the merge enter it on every bounce
+over a gloo group, with no debug switch (on NCCL, the serving transport, they never bounce), and
+product code imports no test helper (``test_module_structure``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import List
 
 from sglang_cp_shared_kv.model_executor.decode_path import is_pd_prefill_server
-from sglang_cp_shared_kv.model_executor.prefill_scratch import logical_capacity_reason
+from sglang_cp_shared_kv.model_executor.scratch_sizing import logical_capacity_reason
 from sglang_cp_shared_kv.settings import (
     DECODE_PATH_ENV,
     GATHER,
@@ -41,7 +41,7 @@ def mtp_combination_problems(server_args, flag: str) -> List[str]:
         )
     if not is_pd_prefill_server(server_args) and logical_capacity_reason(server_args) is None:
         # The draft's decode steps gather over the whole batch (draft_decode_steps); per-owner
-        # decode sizes the gather scratch for prefill batches only (prefill_scratch).
+        # decode sizes the gather scratch for prefill batches only (scratch_sizing).
         problems.append(
             f"--speculative-algorithm {algorithm} with {DECODE_PATH_ENV}={PER_OWNER}: the draft's "
             "decode steps gather the pages of every request, but per-owner decode sizes the gather "

@@ -3,7 +3,7 @@
 The kernel is an argument (the real one, or its torch reference from ``nsa_decode_reference``), so
 the eager check (``scripts/gpu/check_cp_per_owner_decode.py``) and the graph check
 (``scripts/gpu/check_per_owner_decode_graphs.py``) call real kernels and references the same way,
-and that way is the runtime's (``model_executor/per_owner_decode.py``). ``rows`` are the KV rows
+and that way is the runtime's (``model_executor/per_owner_decode/decode_forward.py``). ``rows`` are the KV rows
 as the impl's pool stores them; ``indices`` [B, k] rows of ``rows``, -1 elsewhere. Each call returns
 (out [B, H, 512], LSE [B, H] in the kernel's base, ``per_owner_decode.SERVED_DECODE_IMPLS``). Every
 call has fixed shapes and no host sync, so it can be captured in a CUDA graph.
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import compact_owned_indices
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+    compact_owned_indices,
+)
 
 DECODE_IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
 KV_DTYPE_OF_IMPL = {"flashmla_kv": "fp8", "flashmla_sparse": "bf16", "fa3": "bf16"}

@@ -14,7 +14,7 @@ from typing import Callable, List
 import torch
 
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     GlobalSelection,
     LocalCandidates,
     local_candidates,
@@ -22,7 +22,7 @@ from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
     select_global,
     selected_positions,
 )
-from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )

@@ -25,20 +25,20 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     local_candidates,
     owned_attention_indices,
     replicated_topk_positions,
     select_global,
     selected_positions,
 )
-from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
-from sglang_cp_shared_kv.model_executor.per_owner_decode import SERVED_DECODE_IMPLS
-from sglang_cp_shared_kv.model_executor.per_owner_decode_graphs import OwnerTableBuffers
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import SERVED_DECODE_IMPLS
+from sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs import OwnerTableBuffers
 from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
 from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 from sglang_cp_shared_kv.testing.per_owner_decode_hooked import KV_DIM, pool_rows

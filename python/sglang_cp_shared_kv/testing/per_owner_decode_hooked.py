@@ -39,7 +39,9 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import same_selection_up_to_ties
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+    same_selection_up_to_ties,
+)
 from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
 from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
@@ -221,7 +223,11 @@ def kernels_in_this_process(stack: ExitStack, device: str) -> dict:
     real_flash_mla = False
     if device == "cuda":
         try:
-            from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache  # noqa: F401
+            # noqa: F401
+            from sgl_kernel.flash_mla import (
+                flash_mla_sparse_fwd,
+                flash_mla_with_kvcache,
+            )
 
             real_flash_mla = True
             names["attention (flashmla)"] = "sgl_kernel.flash_mla"
@@ -296,12 +302,17 @@ def _attach(scenario: Scenario, runtime, pool, backend):
     ``SGLANG_CP_SHARED_KV_DECODE=per_owner``); returns the state (None: gather)."""
     import os
 
-    from sglang_cp_shared_kv.model_executor import per_owner_decode
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        decode_forward as per_owner_decode,
+    )
     from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+
+    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
 
     with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
         if scenario.hooks == "decode":
-            return per_owner_decode.attach(runtime, scenario.decode_impl)
+            impl = scenario.decode_impl
+            return per_owner_decode.attach(runtime, impl, impl_gather_reason(impl))
         init_attention_backend(pool, backend)
         return per_owner_decode.per_owner_of(pool)
 
@@ -309,14 +320,24 @@ def _attach(scenario: Scenario, runtime, pool, backend):
 def init_attention_backend(pool, backend) -> None:
     """``ModelRunner.init_attention_backend`` (with whatever hooks are applied) on a model runner
     holding ``pool`` whose backend is ``backend``, the flag on. Where a runtime is already attached
-    to ``pool`` the runtime's own AFTER hook returns at once."""
+    to ``pool``, the startup's attach keeps it and attaches only per-owner decode, by the decision
+    taken from the runner's server args."""
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FIELD
 
     runner = object.__new__(ModelRunner)
     runner.server_args = SimpleNamespace(
-        enable_pdmux=False, enable_two_batch_overlap=False, **{CP_SHARED_KV_FIELD: True}
+        enable_pdmux=False,
+        enable_two_batch_overlap=False,
+        # What the startup's scratch decision reads (scratch_sizing.decide_scratch).
+        nsa_decode_backend=backend.nsa_decode_impl,
+        disaggregation_mode="null",
+        enable_mixed_chunk=False,
+        chunked_prefill_size=8192,
+        max_prefill_tokens=16384,
+        **{CP_SHARED_KV_FIELD: True},
     )
+    runner.model_config = SimpleNamespace(context_len=pool.size)
     runner.is_draft_worker = False
     runner.token_to_kv_pool = pool
     runner._get_attention_backend = lambda: backend
@@ -325,12 +346,12 @@ def init_attention_backend(pool, backend) -> None:
 
 def _apply_plants(stack: ExitStack, scenario: Scenario, rank: int, state) -> dict:
     """Patch this process for ``scenario.plant``; returns flags the forward loop reads."""
-    from sglang_cp_shared_kv.model_executor import (
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
         attention_lse_merge,
         decode_topk_merge,
         owner_decode_tables,
-        per_owner_decode,
     )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
 
     plant, flags = scenario.plant, {}
     if plant == "skip-layer-unmerged":
@@ -388,10 +409,11 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang_cp_shared_kv import plugin
     from sglang_cp_shared_kv.model_executor import (
+        forward_dispatch,
         owner_filtered_writes,
         peer_page_reads,
-        per_owner_decode,
     )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
     from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
     from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import cpu_kernels
@@ -407,6 +429,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
         hooks = (
             owner_filtered_writes.register_hooks,
             peer_page_reads.register_hooks,
+            forward_dispatch.register_hooks,
             per_owner_decode.register_forward_hooks,
         )
     else:
@@ -448,7 +471,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
                 out_cache_loc=case.last_locs[step],
             )
             if scenario.graph == "eager":
-                peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+                forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
             else:
                 _capture_then_replay(backend, state, stale=scenario.graph == "graph-stale")
             planned.append(runtime.plan is not None)
@@ -503,8 +526,10 @@ def _capture_then_replay(backend, state, stale: bool) -> None:
     """The decode-graph hooks around ``backend.forward_metadata`` (the batch to run): capture with
     sglang's capture-time contents, then the replay's copy into the static metadata and refresh."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang_cp_shared_kv.model_executor import per_owner_decode
-    from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs as graphs
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+        decode_forward as per_owner_decode,
+    )
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
 
     real = backend.forward_metadata
     bs, width = real.real_page_table.shape
@@ -537,7 +562,9 @@ def replicated_reference(case, results, logits_fn=None, attention_fn=None):
     positions, the indexer scores [B, L] and lengths the selection came from) of a replicated pool holding the rows
     the owners stored. ``logits_fn`` / ``attention_fn`` default to
     the torch references; ``attention_fn(q, rows, locs, sm_scale, seq_lens, kv_dtype)``."""
-    from sglang_cp_shared_kv.model_executor.decode_topk_merge import replicated_topk_positions
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+        replicated_topk_positions,
+    )
 
     scenario, batch = case.scenario, case.batch
     rows = []

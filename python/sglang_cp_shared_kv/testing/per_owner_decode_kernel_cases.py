@@ -1,6 +1,6 @@
 """The fused per-owner decode kernels against their torch references, on awkward inputs.
 
-``per_owner_decode_kernels`` runs on CUDA tensors; its torch forms in ``decode_topk_merge`` and
+``per_owner_decode.fused_kernels`` runs on CUDA tensors; its torch forms in ``decode_topk_merge`` and
 ``attention_lse_merge`` are the reference. ``compare(device)`` runs both on the same inputs:
 candidate gathers with padding columns and an empty request; selections with many exact ties at the
 k-th score spread over the ranks, a request shorter than k, one with no tokens, widths above the
@@ -30,9 +30,9 @@ def _tied(generator, shape, levels):
 
 
 def compare(device: str, seed: int = 0) -> dict:
-    from sglang_cp_shared_kv.model_executor import attention_lse_merge as merge
-    from sglang_cp_shared_kv.model_executor import decode_topk_merge as topk
-    from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels as kernels
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_topk_merge as topk
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import fused_kernels as kernels
 
     g = torch.Generator().manual_seed(seed)
     result = {"device": device}

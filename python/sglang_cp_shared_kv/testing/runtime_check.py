@@ -33,7 +33,7 @@ With ``draft_steps`` (``--speculative-num-steps``, needs ``spec``) the next EAGL
 7. the draft's multi-step decode over the seven requests and a padded one, as ``EAGLEWorker.draft``
    runs it: every step's metadata built at once through sglang's own
    ``NativeSparseAttnMultiStepBackend.init_forward_metadata`` (hooked by ``draft_decode_steps``;
-   the per-step backends stand in for sglang's metadata and run ``peer_page_reads``' hook), then
+   the per-step backends stand in for sglang's metadata and run ``forward_dispatch``' hook), then
    ``draft_steps - 1`` forwards of the draft layer, each selecting its plan as the
    ``ModelRunner.forward`` hook does, storing its token at ``seq_len + step`` and reading the
    committed tokens. The draft tokens of the 64-token request open a page at step 0, those of the
@@ -79,11 +79,19 @@ from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnMultiStepBackend
-from sglang_cp_shared_kv.model_executor import draft_decode_steps, owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor import (
+    draft_decode_steps,
+    owner_filtered_writes,
+    forward_dispatch,
+    peer_page_reads,
+)
 from sglang_cp_shared_kv.model_executor import sync_debug as sync_debug_exemptions
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime, planned_lengths
-from sglang_cp_shared_kv.model_executor.per_owner_decode import PerOwnerDecode
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
+    CpSharedKVRuntime,
+    planned_lengths,
+)
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import PerOwnerDecode
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
     create_prefetch_slot,
@@ -316,6 +324,7 @@ def apply_hooks() -> None:
     HookRegistry.reset()
     owner_filtered_writes.register_hooks(HookRegistry)
     peer_page_reads.register_hooks(HookRegistry)
+    forward_dispatch.register_hooks(HookRegistry)
     draft_decode_steps.register_hooks(HookRegistry)
     HookRegistry.apply_hooks()
 
@@ -557,7 +566,7 @@ def run_rank(
             story, mode, reqs, new_counts, out_locs, draft_replica, device, seq_lens_cpu
         )
         draft_backend = SimpleNamespace(forward_metadata=nsa_metadata_for(logical_table))
-        peer_page_reads.remap_forward_metadata(None, draft_backend, draft_batch)
+        forward_dispatch.dispatch_forward_metadata(None, draft_backend, draft_batch)
         nope, rope, key = draft_inputs
         for pool_batch in (draft_batch, replica_batch):
             pool = pool_batch.token_to_kv_pool
@@ -612,7 +621,7 @@ def run_rank(
             result.draft_steps += any(draft_runtime.plan is p for _, p in draft_runtime.draft_step_plans)
 
     def _run_layers(batch, replica_batch, inputs, reads, load_back, delay_ms):
-        peer_page_reads.remap_forward_metadata(None, backend, batch)
+        forward_dispatch.dispatch_forward_metadata(None, backend, batch)
         result.prefetch_forwards += runtime.pipeline.prefetching
         result.exact_layout_forwards += runtime.plan.exact_layout
         metadata = backend.forward_metadata
@@ -714,7 +723,7 @@ class _DraftStepBackend:
 
     def init_forward_metadata(self, forward_batch) -> None:
         self.forward_metadata = self._metadata
-        peer_page_reads.remap_forward_metadata(None, self, forward_batch)
+        forward_dispatch.dispatch_forward_metadata(None, self, forward_batch)
 
 
 class _ReadIndex:

@@ -11,7 +11,7 @@ whose model is a stand-in. The plugin's hooks are applied as the plugin register
 ``ForwardBatch.init_new`` hook (the batch's rows on the host).
 
 Stand-ins: the step backends' metadata init (a real ``NSAMetadata`` of the committed tokens, then
-the backend's metadata hook ``peer_page_reads`` as the registry runs it; sglang's own builds it on
+the backend's metadata hook ``forward_dispatch`` as the registry runs it; sglang's own builds it on
 CUDA), the model (records, when the step's forward reaches it, which step backend the forward
 carries and which of the runtime's step plans is active, with the pages that plan gathers and fills
 locally, the forward's locs and positions), and ``build_tree_kernel_efficient`` (sgl_kernel CUDA;
@@ -54,14 +54,14 @@ def _plan_pages(plan) -> dict:
 
 class _StepBackend:
     """A ``NativeSparseAttnBackend`` of one draft step: its metadata init builds the committed
-    tokens' tables, then runs the backend's metadata hook (``peer_page_reads``)."""
+    tokens' tables, then runs the backend's metadata hook (``forward_dispatch``)."""
 
     def __init__(self, step: int):
         self.speculative_step_id = step
         self.forward_metadata = None
 
     def init_forward_metadata(self, forward_batch) -> None:
-        from sglang_cp_shared_kv.model_executor import peer_page_reads
+        from sglang_cp_shared_kv.model_executor import forward_dispatch
         from sglang_cp_shared_kv.testing.runtime_check import nsa_metadata_for
 
         seq_lens = forward_batch.seq_lens_cpu
@@ -69,7 +69,7 @@ class _StepBackend:
             forward_batch.req_pool_indices, : int(seq_lens.max())
         ].to(torch.int32)
         self.forward_metadata = nsa_metadata_for(table, seq_lens.to(torch.int32))
-        peer_page_reads.remap_forward_metadata(None, self, forward_batch)
+        forward_dispatch.dispatch_forward_metadata(None, self, forward_batch)
 
 
 class _Model:

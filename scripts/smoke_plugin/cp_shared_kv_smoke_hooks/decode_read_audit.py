@@ -18,7 +18,7 @@ it with the indices the rank hands the attention kernel:
 Counts go to ``<dir>/decode_read_audit.rank<r>.json``; rows of another owner are logged as ERROR.
 Smoke servers only: it reads the selection back to the host once per layer.
 
-Under decode CUDA graphs (``per_owner_decode_graphs``) no Python runs inside a replayed forward, and
+Under decode CUDA graphs (``per_owner_decode.cuda_graphs``) no Python runs inside a replayed forward, and
 none may read the device while a graph is captured, so the per-layer check skips captures and
 cannot see replays. What a replay reads that can be wrong is its static owner tables, refreshed in
 Python before each replay (``OwnerTableBuffers.refresh``): the table audit checks every local score
@@ -41,8 +41,8 @@ from sglang.srt.plugins.hook_registry import HookType
 
 logger = logging.getLogger(__name__)
 
-_PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
-_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode_graphs"
+_PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward"
+_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs"
 COUNT_KEYS = ("forwards", "layers", "selected", "attended_rows", "wrong_rows", "wrong_owner", "missing",
               "padding_requests", "graph_forwards", "graph_columns")  # fmt: skip
 

@@ -12,7 +12,7 @@
   by one column, so the rank scores and attends to the wrong physical page of each request (an
   owner-table bug; caught by the decode read audit). Planted where eager decode builds the tables
   (``per_owner_decode``) and where decode CUDA graphs refresh their static ones
-  (``per_owner_decode_graphs``, which imports the builder under its own name).
+  (``per_owner_decode.cuda_graphs``, which imports the builder under its own name).
 * ``draft-wrong-owner`` (MTP): in every store of the draft pool (KV and indexer K), the first page
   of the stored locs is written by the next rank (into its own physical page of the same number)
   instead of its owner, whose row stays stale (an owner-filter bug of the draft's runtime; caught by
@@ -51,8 +51,8 @@ _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRu
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
 _CP_HIRADIX = "sglang_cp_shared_kv.mem_cache.cp_hiradix_cache.CpHiRadixCache"
 _PD_MANAGER = "sglang_cp_shared_kv.disaggregation.mooncake.conn.CpSharedKVMooncakeKVManager"
-_PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode"
-_PER_OWNER_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode_graphs"
+_PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward"
+_PER_OWNER_GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs"
 
 
 def read_from_wrong_owner(plan, runtime, forward_batch):

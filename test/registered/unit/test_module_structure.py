@@ -1,12 +1,21 @@
 """Structure the package keeps: no import circle among product modules (lazy imports included),
 startup rules only in ``server_args.py``, hook registration reached only from ``plugin.py``, one
 spelling of the flag, no test-only module imported by product code, every setting read only through
-the leaf ``settings`` module, and the layout built only by the allocator.
+the leaf ``settings`` module, the layout built only by the allocator, one ordered startup hook on
+``ModelRunner.init_attention_backend`` (``startup_wiring``), one scratch decision per model runner,
+and one per-forward dispatcher (``forward_dispatch``) as the only caller of the plan, draft-step and
+per-owner entries.
 
 Planted once each: an ``os.environ.get`` left in ``gather_scratch`` failed
-``test_the_environment_is_read_only_by_settings``; ``attach_runtime`` rebuilding
+``test_the_environment_is_read_only_by_settings``; the startup attach rebuilding
 ``CpSharedKVLayout(...)`` failed ``test_the_layout_is_built_once``; ``settings`` importing
-``server_args`` failed ``test_settings_is_a_leaf``."""
+``server_args`` failed ``test_settings_is_a_leaf``; per-owner decode's attach registered again as a
+second AFTER hook of ``init_attention_backend`` failed ``test_one_hook_on_init_attention_backend``;
+``peer_page_reads`` calling ``runtime.begin_forward`` again failed
+``test_only_the_dispatcher_begins_a_forward``; ``per_owner_decode.decode_forward`` importing
+``forward_dispatch`` (a dispatcher module reaching back) failed ``test_no_import_circle``; the
+attach asking ``scratch_sizing(...)`` again failed
+``test_the_scratch_decision_is_taken_in_one_place``."""
 
 import ast
 import unittest
@@ -140,6 +149,80 @@ class TestModuleStructure(CustomTestCase):
                 ):
                     callers.add(name)
         self.assertEqual(callers, {f"{PACKAGE}.plugin"})
+
+    def test_one_hook_on_init_attention_backend(self):
+        """Startup steps whose order matters (runtime, draft runtime, per-owner decode) run from
+        one hook, in ``startup_wiring``'s code, not from hooks ordered by registration."""
+        hooking = [
+            name
+            for name, tree in self.modules.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "register"
+            and node.args
+            and ast.unparse(node.args[0]).rstrip("'\"").endswith(".init_attention_backend")
+        ]
+        self.assertEqual(hooking, [f"{PACKAGE}.model_executor.startup_wiring"])
+
+    def test_only_the_dispatcher_begins_a_forward(self):
+        """The per-forward decision (draft step / per owner / gather) is taken in one place: every
+        call of ``begin_forward``, ``plan_draft_step`` or ``remap_index_tables`` is in
+        ``forward_dispatch``, but for per-owner decode's module function handing the forward to its
+        state."""
+        entries = ("begin_forward", "plan_draft_step", "remap_index_tables")
+        callers = set()
+        for name, tree in self.modules.items():
+            for function in ast.walk(tree):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if not isinstance(node, ast.Call):
+                        continue
+                    called = getattr(node.func, "attr", getattr(node.func, "id", None))
+                    if called in entries:
+                        callers.add(f"{name}.{function.name}")
+        self.assertEqual(
+            callers,
+            {
+                f"{PACKAGE}.model_executor.forward_dispatch.dispatch_forward_metadata",
+                f"{PACKAGE}.model_executor.per_owner_decode.decode_forward.begin_forward",
+            },
+        )
+
+    def test_the_scratch_decision_is_taken_in_one_place(self):
+        """The scratch's sizes and the decode path come from ``scratch_sizing.decide_scratch``,
+        taken once per model runner by ``startup_wiring`` (and by ``check_launch``'s summary
+        without a runner); nobody else asks the sizing rules again."""
+        rules = (
+            "decide_scratch",
+            "scratch_sizing",
+            "configured_prefetch_slot_tokens",
+            "impl_gather_reason",
+        )
+        homes = (
+            f"{PACKAGE}.model_executor.scratch_sizing",
+            f"{PACKAGE}.model_executor.decode_path",
+        )
+        callers = set()
+        for name, tree in self.modules.items():
+            if name in homes:
+                continue
+            for function in ast.walk(tree):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call):
+                        called = getattr(node.func, "attr", getattr(node.func, "id", None))
+                        if called in rules:
+                            callers.add(f"{name}.{function.name}")
+        self.assertEqual(
+            callers,
+            {
+                f"{PACKAGE}.model_executor.startup_wiring.scratch_decision_of",
+                f"{PACKAGE}.startup_summary.effective_settings",
+            },
+        )
 
 
 if __name__ == "__main__":

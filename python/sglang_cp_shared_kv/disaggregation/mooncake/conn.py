@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 # The allocator's layout of the pool whose bootstrap queue is building a KV manager right now: sglang
-# hands the manager only the pool's buffers (``KVArgs``), so ``disaggregation.utils`` sets this
+# hands the manager only the pool's buffers (``KVArgs``), so ``transfer_class_hooks`` sets this
 # around ``PrefillBootstrapQueue._init_kv_manager`` and the manager's ``__init__`` reads it.
 _pool_layout: contextvars.ContextVar = contextvars.ContextVar("cp_shared_kv_pool_layout", default=None)
 

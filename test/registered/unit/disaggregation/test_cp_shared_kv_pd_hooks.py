@@ -16,7 +16,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver  # noqa: 
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager  # noqa: E402
 from sglang.srt.disaggregation.utils import KVClassType, TransferBackend  # noqa: E402
 
-from sglang_cp_shared_kv.disaggregation import utils as shared_kv_utils  # noqa: E402
+from sglang_cp_shared_kv.disaggregation import transfer_class_hooks  # noqa: E402
 from sglang_cp_shared_kv.disaggregation.mooncake.conn import (  # noqa: E402
     CpSharedKVMooncakeKVManager,
     CpSharedKVMooncakeKVSender,
@@ -28,7 +28,7 @@ register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
 class TestGetKvClassHook(CustomTestCase):
     def test_mooncake_manager_and_sender_are_replaced(self):
-        with applied_hooks(shared_kv_utils.register_hooks):
+        with applied_hooks(transfer_class_hooks.register_hooks):
             for get_kv_class in (stock_utils.get_kv_class, stock_prefill.get_kv_class):
                 mooncake = TransferBackend.MOONCAKE
                 self.assertIs(get_kv_class(mooncake, KVClassType.MANAGER), CpSharedKVMooncakeKVManager)

@@ -21,7 +21,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang_cp_shared_kv.disaggregation.mooncake.conn import CpSharedKVMooncakeKVManager  # noqa: E402
-from sglang_cp_shared_kv.disaggregation.utils import init_kv_manager_around  # noqa: E402
+from sglang_cp_shared_kv.disaggregation.transfer_class_hooks import init_kv_manager_around  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")

@@ -28,12 +28,14 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.disaggregation.mooncake import conn as shared_kv_conn
 from sglang_cp_shared_kv.disaggregation.transfer_blocks import (
     MAX_BLOCKS_PER_TRANSFER_CALL,
-    PD_PREFILL_OWNER_RUN_PAGES,
     bounded_calls,
-    owner_run_pages,
 )
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.mem_cache.owner_run_placement import (
+    PD_PREFILL_OWNER_RUN_PAGES,
+    owner_run_pages,
+)
 from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
 
 register_cpu_ci(est_time=60, suite="stage-a-test-cpu")

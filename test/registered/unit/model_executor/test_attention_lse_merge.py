@@ -17,7 +17,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
     global_lse,
     merge_by_all_gather,
     merge_by_scaled_sum,
@@ -25,7 +25,9 @@ from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
     natural_lse,
     process_group_collectives,
 )
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import all_gather_candidates
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+    all_gather_candidates,
+)
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 from sglang_cp_shared_kv.testing.nsa_decode_reference import sparse_mla_decode_reference
 

@@ -16,11 +16,10 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
-from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime
+from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, startup_wiring
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
-from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_worker_runtime
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import attach_runtime, runtime_of
+from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
@@ -160,7 +159,7 @@ class _Attention(torch.nn.Module):
 
 
 class _AttachCase(CustomTestCase):
-    """Stand-in model runners and ``attach_runtime`` as a TP worker runs it."""
+    """Stand-in model runners and the startup's attach (``startup_wiring``) as a TP worker runs it."""
 
     CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
 
@@ -179,7 +178,7 @@ class _AttachCase(CustomTestCase):
         )
 
     def _attach(self, model_runner, cp_rank=1, prefetch_slot="auto"):
-        """``attach_runtime`` as a TP worker runs it. ``prefetch_slot``: the slot-1 setting when the
+        """``startup_wiring``'s attach as a TP worker runs it. ``prefetch_slot``: the slot-1 setting when the
         test has not set one (the prefetch is opt-in; None leaves it unset, as a server runs)."""
         group = SimpleNamespace(device_group="cp-device-group", ranks=[0, 1])
         world = SimpleNamespace(cpu_group="world-cpu-group")
@@ -193,14 +192,17 @@ class _AttachCase(CustomTestCase):
              mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_rank", return_value=cp_rank), \
              mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group), \
              mock.patch("sglang.srt.distributed.parallel_state.get_world_group", return_value=world), \
-             mock.patch.object(cp_shared_kv_runtime, "create_prefetch_group", create_prefetch_group), \
+             mock.patch.object(startup_wiring, "create_prefetch_group", create_prefetch_group), \
+             mock.patch.object(  # the stand-in CP group has no collectives (per-owner decode's attach)
+                 startup_wiring.per_owner_decode, "process_group_collectives", return_value=(None, None)
+             ), \
              mock.patch("torch.distributed.get_backend", return_value="nccl"), \
              mock.patch.dict("os.environ"):
             if prefetch_slot is None:
                 os.environ.pop(_SLOT_ENV, None)
             else:
                 os.environ.setdefault(_SLOT_ENV, prefetch_slot)
-            attach_runtime(None, model_runner)
+            startup_wiring.attach_after_attention_backend(None, model_runner)
 
     def _allocator(self, pool, cp_rank=1):
         return CPSharedPagedTokenToKVPoolAllocator(
@@ -218,6 +220,11 @@ class TestAttachRuntime(_AttachCase):
         # Context 100 + chunk 28 = 128 tokens (2 pages), below the logical 384.
         self.assertEqual(runtime.scratch.size, 2 * PAGE_SIZE)
         self.assertFalse(runtime.scratch_serves_decode)
+        # The same decision attached per-owner decode, after the runtime, in the same hook
+        # (planted, caught: startup_wiring skipping per-owner decode's attach).
+        from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import per_owner_of
+
+        self.assertEqual(per_owner_of(pool).decode_impl, "flashmla_kv")
         batch = SimpleNamespace(forward_mode=ForwardMode.DECODE)
         with self.assertRaisesRegex(ValueError, "SGLANG_CP_SHARED_KV_DECODE=gather"):
             runtime.begin_forward(batch)
@@ -229,7 +236,7 @@ class TestAttachRuntime(_AttachCase):
         runtime = runtime_of(pool)
         self.assertEqual((runtime.layout.cp_size, runtime.layout.cp_rank), (2, 1))
         # One birth of the layout: the runtime holds the allocator's object (planted: rebuilding it
-        # from get_attention_cp_size() in attach_runtime failed this and test_the_layout_is_built_once).
+        # from get_attention_cp_size() in the attach failed this and test_the_layout_is_built_once).
         self.assertIs(runtime.layout, runner.token_to_kv_pool_allocator.layout)
         self.assertEqual(runtime.scratch.size, 2 * pool.size)
         self.assertEqual(runtime.cp_group, "cp-device-group")
@@ -296,7 +303,7 @@ class TestAttachRuntime(_AttachCase):
 
 
 class TestAttachDraftRuntime(_AttachCase):
-    """The MTP draft worker's ``attach_runtime`` (after the target's). Planted, caught: the draft
+    """The MTP draft worker's attach (after the target's). Planted, caught: the draft
     worker attached like a target (a runtime with a scratch of its own); the draft hook attaching
     despite a refused setting."""
 
@@ -321,8 +328,7 @@ class TestAttachDraftRuntime(_AttachCase):
                 self._attach(draft_runner)
         self.assertIsNone(runtime_of(draft_runner.token_to_kv_pool))
         with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
-            self._attach(draft_runner)  # both AFTER hooks of init_attention_backend, in order
-            attach_draft_worker_runtime(None, draft_runner)
+            self._attach(draft_runner)  # the draft worker's step of the one attach hook
         draft = runtime_of(draft_runner.token_to_kv_pool)
         self.assertIsNotNone(draft)
         self.assertIsNot(draft, target)
@@ -334,8 +340,6 @@ class TestAttachDraftRuntime(_AttachCase):
         with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
             with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
                 self._attach(other)
-            with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
-                attach_draft_worker_runtime(None, other)
         self.assertIsNone(runtime_of(other.token_to_kv_pool))
 
     def test_a_pd_prefill_server_attaches_the_draft_to_its_prefill_sized_scratch(self):
@@ -352,7 +356,6 @@ class TestAttachDraftRuntime(_AttachCase):
         draft_runner = self._draft_runner(target_runner, **spec)
         with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
             self._attach(draft_runner, prefetch_slot=None)
-            attach_draft_worker_runtime(None, draft_runner)
         draft = runtime_of(draft_runner.token_to_kv_pool)
         self.assertIs(draft.scratch, runtime_of(pool).scratch)
         step = SimpleNamespace(forward_mode=ForwardMode.DECODE)
@@ -383,7 +386,7 @@ class TestHookTargets(CustomTestCase):
     def test_every_target_resolves_in_sglang(self):
         registered = []
         registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
-        for module in (cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads):
+        for module in (cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads, forward_dispatch, startup_wiring):
             module.register_hooks(registry)
         self.assertEqual(len(registered), len(set(registered)))
         for target in registered:
@@ -400,9 +403,11 @@ class TestHookTargets(CustomTestCase):
         ):
             self.assertTrue(any(t.endswith(expected) for t in registered), expected)
 
-    def test_the_draft_hook_follows_the_targets_attach(self):
+    def test_one_ordered_attach_hook(self):
+        """The plugin hooks ``ModelRunner.init_attention_backend`` once, with ``startup_wiring``'s
+        attach, which runs the runtime, the draft's and per-owner decode's steps in its own order
+        (planted, caught: per-owner decode's attach registered as a second AFTER hook again)."""
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import cp_shared_kv_draft_pool, per_owner_decode
         from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
@@ -410,15 +415,10 @@ class TestHookTargets(CustomTestCase):
         registry = SimpleNamespace(register=lambda *entry: registered.append(entry))
         plugin.register_runtime_hooks(registry)
         target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
-        hooks = [hook for t, hook, kind in registered if t == target and kind == HookType.AFTER]
-        # Both run after the method, the target's attach first (the draft's needs its runtime).
-        self.assertEqual(
-            hooks,
-            [attach_runtime, cp_shared_kv_draft_pool.attach_draft_worker_runtime, per_owner_decode.attach_after_runtime],
-        )
+        hooks = [(hook, kind) for t, hook, kind in registered if t == target]
+        self.assertEqual(hooks, [(startup_wiring.attach_after_attention_backend, HookType.AFTER)])
         owner, name = target.rsplit(".", 1)
         self.assertTrue(callable(getattr(pkgutil.resolve_name(owner), name)))
-
 
 if __name__ == "__main__":
     unittest.main()

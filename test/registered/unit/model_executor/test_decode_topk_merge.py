@@ -19,7 +19,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     compact_owned_indices,
     replicated_topk_positions,
     same_selection_up_to_ties,

@@ -27,14 +27,18 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
-from sglang_cp_shared_kv.model_executor import draft_decode_steps, peer_page_reads, per_owner_decode
+from sglang_cp_shared_kv.model_executor import draft_decode_steps, forward_dispatch, peer_page_reads
+from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     CpSharedKVRuntime,
     draft_step_lengths,
 )
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
-from sglang_cp_shared_kv.model_executor.per_owner_decode import PerOwnerDecode, serves_physical
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
+    PerOwnerDecode,
+    serves_physical,
+)
 from sglang_cp_shared_kv.testing.device_sync_recorder import DeviceSyncRecorder
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
@@ -82,7 +86,7 @@ class _Case(CustomTestCase):
 
     def _multi_step_backend(self, batch):
         """sglang's multi-step backend over step backends whose metadata init stands in for
-        sglang's and runs the backend's metadata hook (``peer_page_reads``)."""
+        sglang's and runs the backend's metadata hook (``forward_dispatch``)."""
         shape = (len(batch.seq_lens_cpu), 3 * PAGE_SIZE)
         table = torch.zeros(shape, dtype=torch.int32, device=self.device)
 
@@ -92,7 +96,7 @@ class _Case(CustomTestCase):
 
             def init_forward_metadata(self, forward_batch):
                 self.forward_metadata = nsa_metadata_for(table)
-                peer_page_reads.remap_forward_metadata(None, self, forward_batch)
+                forward_dispatch.dispatch_forward_metadata(None, self, forward_batch)
 
         multi_step = NativeSparseAttnMultiStepBackend.__new__(NativeSparseAttnMultiStepBackend)
         multi_step.speculative_num_steps, multi_step.topk = NUM_STEPS, 1

@@ -9,12 +9,8 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
-    reserve_scratch_before_pool_sizing,
-)
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     PREFETCH_SLOT_TOKENS_ENV,
-    configured_prefetch_slot_tokens,
     create_gather_scratch,
     create_prefetch_slot,
     index_k_bytes_per_token,
@@ -23,6 +19,8 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
     scratch_bytes,
     slot0_scratch_tokens,
 )
+from sglang_cp_shared_kv.model_executor.scratch_sizing import configured_prefetch_slot_tokens
+from sglang_cp_shared_kv.model_executor.startup_wiring import reserve_scratch_before_pool_sizing
 from sglang_cp_shared_kv.testing.runtime_check import KV_DIMS, make_nsa_pool
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")

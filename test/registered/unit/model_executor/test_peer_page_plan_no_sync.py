@@ -22,7 +22,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
-from sglang_cp_shared_kv.model_executor import peer_page_reads
+from sglang_cp_shared_kv.model_executor import forward_dispatch
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv.testing.device_sync_recorder import DeviceSyncRecorder
@@ -66,7 +66,7 @@ class TestPlanHasNoDeviceSync(CustomTestCase):
         backend = SimpleNamespace(forward_metadata=nsa_metadata_for(table))
         recorder = DeviceSyncRecorder(DEVICE, raise_at_first=True)
         with recorder:
-            peer_page_reads.remap_forward_metadata(None, backend, batch)
+            forward_dispatch.dispatch_forward_metadata(None, backend, batch)
         return recorder
 
     def test_chunked_prefill_over_a_cached_prefix(self):

@@ -12,7 +12,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
@@ -61,7 +61,7 @@ class TestMetadataRemap(CustomTestCase):
         table = batch.req_to_token_pool.req_to_token[1:, :SEQ_LEN]
         metadata = nsa_metadata_for(table)
         backend = SimpleNamespace(forward_metadata=metadata)
-        peer_page_reads.remap_forward_metadata(None, backend, batch)
+        forward_dispatch.dispatch_forward_metadata(None, backend, batch)
         plan = runtime.plan
         remapped = backend.forward_metadata
         self.assertTrue(torch.equal(remapped.page_table_1, plan.remap_token_locs(table)))
@@ -81,7 +81,7 @@ class TestMetadataRemap(CustomTestCase):
         backend = SimpleNamespace(
             forward_metadata=dataclasses.replace(metadata, page_table_1_flattened=table[0].clone())
         )
-        peer_page_reads.remap_forward_metadata(None, backend, batch)
+        forward_dispatch.dispatch_forward_metadata(None, backend, batch)
         self.assertTrue(torch.equal(
             backend.forward_metadata.page_table_1_flattened, runtime.plan.remap_token_locs(table[0])
         ))
@@ -90,7 +90,7 @@ class TestMetadataRemap(CustomTestCase):
         batch = _forward_batch(make_nsa_pool(PAGE_SIZE, "bf16", 1, "cpu"))
         backend = SimpleNamespace(forward_metadata=object())
         metadata = backend.forward_metadata
-        peer_page_reads.remap_forward_metadata(None, backend, batch)
+        forward_dispatch.dispatch_forward_metadata(None, backend, batch)
         self.assertIs(backend.forward_metadata, metadata)
 
     def test_unplanned_forward_modes_are_refused(self):

@@ -35,6 +35,15 @@ from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
 
 register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
+
+def attach_as_startup_decides(runtime, impl):
+    """``attach`` with the decision the startup takes for ``impl`` (``scratch_sizing``)."""
+    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import attach
+
+    return attach(runtime, impl, impl_gather_reason(impl))
+
+
 PAGE = hooked.PAGE
 TOPK = 128
 # longer than k, shorter than k, a single page (a rank owns none of its rows), exactly k
@@ -141,46 +150,53 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
 
     def test_attaches_only_for_served_impls_with_fused_top_k(self):
         from sglang.srt.environ import envs
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         for impl in ("trtllm", "tilelang", "aiter", None):
             runtime = self._runtime()
             with self.assertLogs(per_owner_decode.logger, "INFO") as logs:
-                self.assertIsNone(per_owner_decode.attach(runtime, impl))
+                self.assertIsNone(attach_as_startup_decides(runtime, impl))
             self.assertIn("decode uses the page gather", logs.output[0])
             self.assertIsNone(per_owner_decode.per_owner_of(runtime.pool))
         with envs.SGLANG_NSA_FUSE_TOPK.override(False):
-            self.assertIsNone(per_owner_decode.attach(self._runtime(), "flashmla_kv"))
+            self.assertIsNone(attach_as_startup_decides(self._runtime(), "flashmla_kv"))
         for impl, base in (("flashmla_kv", "e"), ("flashmla_sparse", 2), ("fa3", "e")):
             runtime = self._runtime()
-            state = per_owner_decode.attach(runtime, impl)
+            state = attach_as_startup_decides(runtime, impl)
             self.assertIs(per_owner_decode.per_owner_of(runtime.pool), state)
             self.assertEqual(state.decode_impl, impl)
             self.assertAlmostEqual(state.lse_base, 2.718281828459045 if base == "e" else 2.0)
             self.assertFalse(per_owner_decode.serves_physical(runtime))  # no decode forward begun
 
     def test_decode_mode_env(self):
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         env = per_owner_decode.DECODE_PATH_ENV
         self.assertEqual(env, "SGLANG_CP_SHARED_KV_DECODE")
         with mock.patch.dict(os.environ, {env: "gather"}):
             runtime = self._runtime()
             with self.assertLogs(per_owner_decode.logger, "INFO") as logs:
-                self.assertIsNone(per_owner_decode.attach(runtime, "flashmla_kv"))
+                self.assertIsNone(attach_as_startup_decides(runtime, "flashmla_kv"))
             self.assertIn(f"{env}=gather", logs.output[0])
         with mock.patch.dict(os.environ, {env: "per_owner"}):
-            self.assertIsNotNone(per_owner_decode.attach(self._runtime(), "flashmla_kv"))
+            self.assertIsNotNone(attach_as_startup_decides(self._runtime(), "flashmla_kv"))
         with mock.patch.dict(os.environ, {env: "per-owner"}):
             with self.assertRaisesRegex(ValueError, env):
-                per_owner_decode.attach(self._runtime(), "flashmla_kv")
+                attach_as_startup_decides(self._runtime(), "flashmla_kv")
 
     def _plugin_decode_forward(self, mode):
         """The plugin's runtime hooks applied; init_attention_backend on a model runner holding an
         attached runtime, then a decode forward's metadata hook. Returns (state, plan begun)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import peer_page_reads, per_owner_decode
+        from sglang_cp_shared_kv.model_executor import forward_dispatch
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
         from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
         from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 
@@ -204,7 +220,7 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
             with mock.patch.object(runtime, "begin_forward", return_value=plan) as begin, \
                     mock.patch("dataclasses.replace", side_effect=lambda m, **kw: m), \
                     mock.patch.object(per_owner_decode, "build_owner_decode_tables") as tables:
-                peer_page_reads.remap_forward_metadata(None, backend, forward_batch)
+                forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
             return state, begin.called, tables.called
 
     def test_plugin_gathers_by_default_and_decodes_per_owner_on_request(self):
@@ -221,28 +237,12 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         with self.assertRaisesRegex(ValueError, "SGLANG_CP_SHARED_KV_DECODE"):
             self._plugin_decode_forward("sometimes")
 
-    def test_runtime_attaches_before_per_owner_decode(self):
-        """HookRegistry runs AFTER hooks of one target in registration order: the plugin must
-        register the runtime's attach before per-owner decode's."""
-        from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, per_owner_decode
-
-        target = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend"
-        order = []
-        registry = SimpleNamespace(
-            register=lambda name, hook, kind: order.append(hook) if name == target else None
-        )
-        plugin.register_runtime_hooks(registry)
-        self.assertIn(per_owner_decode.attach_after_runtime, order)
-        self.assertLess(
-            order.index(cp_shared_kv_runtime.attach_runtime),
-            order.index(per_owner_decode.attach_after_runtime),
-        )
-
     def test_every_target_resolves_in_sglang(self):
         import pkgutil
 
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
 
         registered = []
         registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))

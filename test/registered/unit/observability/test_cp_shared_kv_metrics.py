@@ -65,7 +65,7 @@ class TestCpSharedKVMetrics(CustomTestCase):
             cp_size=2, cp_rank=1, group=single_process_group(), physical_pages=12
         )
         self.assertIs(self.metrics.controller, view.controller)  # watched when the controller is adopted
-        self.metrics.watch(allocator=view.allocator)  # what attach_runtime does
+        self.metrics.watch(allocator=view.allocator)  # what the startup attach does
         cache, allocator = view.cache, view.allocator
 
         locs = allocator.alloc(len(SEQ))

@@ -42,7 +42,12 @@ DRAFT_STEPS = 4  # --speculative-num-steps 4: three step forwards
 
 def _rank(rank, world_size, audit_dir, plant):
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_cp_shared_kv.model_executor import draft_decode_steps, owner_filtered_writes, peer_page_reads
+    from sglang_cp_shared_kv.model_executor import (
+        draft_decode_steps,
+        forward_dispatch,
+        owner_filtered_writes,
+        peer_page_reads,
+    )
     from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
@@ -50,6 +55,7 @@ def _rank(rank, world_size, audit_dir, plant):
     HookRegistry.reset()
     owner_filtered_writes.register_hooks(HookRegistry)
     peer_page_reads.register_hooks(HookRegistry)
+    forward_dispatch.register_hooks(HookRegistry)
     draft_decode_steps.register_hooks(HookRegistry)
     kv_audit.register_hooks(HookRegistry, audit_dir)
     if plant:

@@ -59,13 +59,14 @@ def _apply_hooks(audit_dir: str, plant: bool, runtimes: list) -> None:
     """The runtime's hooks, the smoke's read audit and optionally the planted bug, as the smoke
     plugin registers them (audit before plant)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
+    from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
     from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
 
     os.environ[CP_SHARED_KV_ENV] = "1"  # the audit registers its read hooks on shared-KV servers only
     HookRegistry.reset()
     owner_filtered_writes.register_hooks(HookRegistry)
     peer_page_reads.register_hooks(HookRegistry)
+    forward_dispatch.register_hooks(HookRegistry)
     kv_audit.register_hooks(HookRegistry, audit_dir)
     if plant:
         planted_bugs.register_hooks(HookRegistry, "read-wrong-owner")
@@ -80,7 +81,7 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
     token on page cp_size) and sglang's padding row (req_pool_idx 0, seq_len 1, loc 0)."""
     from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang_cp_shared_kv.model_executor import peer_page_reads
+    from sglang_cp_shared_kv.model_executor import forward_dispatch
     from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub
     from sglang_cp_shared_kv.testing.page_mirror import mirrored
 
@@ -102,7 +103,7 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
     ))
     table = req_to_token[batch.req_pool_indices, : 2 * PAGE + 1]
     backend = SimpleNamespace(forward_metadata=runtime_check.nsa_metadata_for(table))
-    peer_page_reads.remap_forward_metadata(None, backend, batch)
+    forward_dispatch.dispatch_forward_metadata(None, backend, batch)
     data = torch.Generator().manual_seed(7)  # same on every rank: the batch is replicated
     for layer_id in range(NUM_LAYERS):
         nope = torch.randn(2, 1, 512, generator=data).to(torch.bfloat16)

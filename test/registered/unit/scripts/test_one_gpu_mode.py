@@ -155,7 +155,7 @@ class TestDecodeTableAudit(CustomTestCase):
     def audited(self, plant: bool):
         from cp_shared_kv_smoke_hooks import decode_read_audit, planted_bugs
 
-        from sglang_cp_shared_kv.model_executor import per_owner_decode_graphs as graphs
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
         from sglang_cp_shared_kv.testing import per_owner_decode_cases as cases
         from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
 

@@ -13,7 +13,7 @@ decode top-k runs; it serves k = 2048, GLM-5's and DeepSeek-V3.2's ``index_topk`
 one more radix select over the gathered scores gives it, then elementwise masks and one cumulative
 sum pick the selection, fixed shapes, no host sync, so decode CUDA graphs capture it. On CUDA the
 candidate gather and this rank's share of the selection run as one fused kernel each
-(``per_owner_decode_kernels``); the torch forms here are their reference and serve CPU.
+(``fused_kernels``); the torch forms here are their reference and serve CPU.
 
 Tie rule: the selection holds every token scoring above the k-th score ``t`` and, of the tokens
 scoring exactly ``t``, the first ones in candidate order (rank ascending, then the rank's local
@@ -40,7 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sglang_cp_shared_kv.model_executor.attention_lse_merge import process_group_collectives
+from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
+    process_group_collectives,
+)
 
 RADIX_TOPK_K = 2048  # the k sgl_kernel's fast_topk_v2 serves
 
@@ -90,9 +92,9 @@ def local_candidates(
     """
     columns = topk_columns(logits, owned_seq_lens, k)
     if logits.is_cuda:
-        from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels  # Triton: CUDA only
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import fused_kernels  # Triton: CUDA
 
-        scores, rows, picked_positions = per_owner_decode_kernels.gather_candidates(
+        scores, rows, picked_positions = fused_kernels.gather_candidates(
             columns, logits, positions, physical_rows
         )
         return LocalCandidates(scores=scores, physical_rows=rows, positions=picked_positions)
@@ -151,9 +153,9 @@ def owned_attention_indices(
     """[B, k] int32 attention indices of this rank: its pool row for each selected token it owns,
     -1 for every other entry."""
     if selection.gathered_scores.is_cuda:
-        from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels  # Triton: CUDA only
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import fused_kernels  # Triton: CUDA
 
-        return per_owner_decode_kernels.owned_selection(
+        return fused_kernels.owned_selection(
             selection.gathered_scores, selection.kth_columns, candidates.physical_rows, cp_rank
         )
     chosen = selection.chosen_mask()[:, cp_rank]

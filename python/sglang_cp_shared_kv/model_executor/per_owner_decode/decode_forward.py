@@ -28,9 +28,10 @@ In a decode forward each rank scores and attends over its own physical pool only
 
 Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_IMPLS`` and fused
 top-k, once opted in with ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` (the default is the gather:
-``decode_path``). ``attach`` decides once per server from state identical on every rank; otherwise
-decode keeps the page gather, and the log says why. Prefill keeps the plan path. Decode CUDA
-graphs over it: ``per_owner_decode_graphs`` (opt-in).
+``decode_path``). Whether it attaches is decided once per server at startup
+(``scratch_sizing.decide_scratch``, from state identical on every rank), and ``startup_wiring``
+calls ``attach`` with that decision; otherwise decode keeps the page gather, and the log says why.
+Prefill keeps the plan path. Decode CUDA graphs over it: ``per_owner_decode.cuda_graphs`` (opt-in).
 """
 
 from __future__ import annotations
@@ -48,23 +49,22 @@ import torch
 from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
-from sglang_cp_shared_kv.model_executor.attention_lse_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
     merge_by_scaled_sum,
     natural_lse,
     process_group_collectives,
 )
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (DECODE_PATH_ENV re-exported)
+from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (re-exported)
     DECODE_PATH_ENV,
-    impl_gather_reason,
 )
-from sglang_cp_shared_kv.model_executor.decode_topk_merge import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     compact_owned_indices,
     local_candidates,
     owned_attention_indices,
     select_global,
 )
-from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
@@ -299,11 +299,14 @@ def _kept_lse(module, name: str, lse_of, lse_kwarg: bool = False):
 # ---- startup ----
 
 
-def attach(runtime, decode_impl: Optional[str]) -> Optional[PerOwnerDecode]:
-    """Decide once (same inputs on every rank) whether decode runs per owner, and attach if so."""
-    reason = impl_gather_reason(decode_impl)
-    if reason is not None:
-        logger.info("CP shared KV: decode uses the page gather: %s", reason)
+def attach(
+    runtime, decode_impl: Optional[str], gather_reason: Optional[str]
+) -> Optional[PerOwnerDecode]:
+    """Attach per-owner decode to ``runtime`` unless ``gather_reason`` (the startup's one decision,
+    ``scratch_sizing.ScratchDecision.decode_gather_reason``; the same on every rank) says decode
+    gathers. ``decode_impl``: the backend's NSA decode impl (sglang's ``--nsa-decode-backend``)."""
+    if gather_reason is not None:
+        logger.info("CP shared KV: decode uses the page gather: %s", gather_reason)
         return None
     state = PerOwnerDecode(runtime, schedule_fn=_deep_gemm_schedule(), decode_impl=decode_impl)
     logger.info(
@@ -322,15 +325,6 @@ def _deep_gemm_schedule():
     return lambda seq_lens: deep_gemm.get_paged_mqa_logits_metadata(seq_lens, 64, num_sms)
 
 
-def attach_after_runtime(result, model_runner, *args, **kwargs):
-    """AFTER ``ModelRunner.init_attention_backend`` (after the runtime's own attach)."""
-    runtime = runtime_of(model_runner.token_to_kv_pool)
-    if runtime is None or per_owner_of(runtime.pool) is not None:
-        return None
-    attach(runtime, getattr(model_runner.attn_backend, "nsa_decode_impl", None))
-    return None
-
-
 def register_forward_hooks(registry) -> None:
     """The hooks a decode forward runs through (no model runner needed: the GPU check uses these)."""
     registry.register(f"{_BACKEND}.get_indexer_metadata", indexer_metadata_per_owner, HookType.AFTER)
@@ -344,9 +338,5 @@ def register_forward_hooks(registry) -> None:
 
 
 def register_hooks(registry) -> None:
+    """Its attach is a step of ``startup_wiring``; here only the forward's hooks."""
     register_forward_hooks(registry)
-    registry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backend",
-        attach_after_runtime,
-        HookType.AFTER,
-    )

@@ -48,11 +48,11 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
-from sglang_cp_shared_kv.model_executor.owner_decode_tables import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
-from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
     _STATE_ATTR,
     OwnerForward,
     per_owner_of,

@@ -28,7 +28,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
     slot0_scratch_tokens,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
-from sglang_cp_shared_kv.model_executor.prefill_scratch import (
+from sglang_cp_shared_kv.model_executor.scratch_sizing import (
     PREFILL_SCRATCH_TOKENS_ENV,
     prefill_batch_scratch_pages,
     scratch_sizing,
@@ -99,7 +99,9 @@ class TestScratchSizing(CustomTestCase):
 
     def test_startup_rule_names_the_impls_per_owner_decode_serves(self):
         # The sizing decides before the runtime exists; it must agree with per_owner_decode.attach.
-        from sglang_cp_shared_kv.model_executor import per_owner_decode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import (
+            decode_forward as per_owner_decode,
+        )
         from sglang_cp_shared_kv.model_executor.decode_path import PER_OWNER_DECODE_IMPLS
 
         served = getattr(per_owner_decode, "SERVED_DECODE_IMPLS", None)

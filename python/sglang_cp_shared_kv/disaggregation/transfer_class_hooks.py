@@ -1,4 +1,5 @@
-"""Wiring: sglang picks the transfer classes through ``disaggregation.utils.get_kv_class``.
+"""Transfer-class hooks: sglang picks the PD transfer classes through its
+``disaggregation.utils.get_kv_class``; these hooks answer with ours.
 
 ``PrefillBootstrapQueue`` asks it for the KV manager and for one sender per request. An AROUND hook
 answers mooncake's with the shared-KV subclasses (``mooncake/conn.py``); every other backend and

@@ -1,4 +1,11 @@
-"""How large slot 0 of the gather scratch is, and how many scratch pages a prefill batch can need.
+"""How large the gather scratch's slots are, decided once per server, and how many scratch pages a
+prefill batch can need.
+
+``decide_scratch`` takes the whole decision (``ScratchDecision``: slot 0's rule, slot 1's request,
+whether decode runs per owner) from the server args, the model's context length and the settings,
+the same inputs on every rank. ``startup_wiring`` takes it once per model runner and hands it to the
+reservation before the pool is sized, the runtime's attach and per-owner decode's attach; the
+startup summary and ``check_launch`` print the same decision.
 
 A forward that gathers reads every page its requests reference, one layer at a time, from the
 scratch. A decode forward that gathers references every running request's whole context, so with
@@ -27,9 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason
+from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason, impl_gather_reason
 from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV, current_settings
-
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,53 @@ def scratch_sizing(server_args, context_len: int) -> ScratchSizing:
     return ScratchSizing(
         tokens,
         f"context length {context_len} + chunked prefill {server_args.chunked_prefill_size}",
+    )
+
+
+def configured_prefetch_slot_tokens(context_len: int, chunked_prefill_size: Optional[int]) -> int:
+    """Requested tokens of slot 1 before the capacity cap
+    (``SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS``, parsed in ``settings``; unset or 0: no slot 1, no layer-ahead prefetch, the default until the
+    prefetch has been served and timed across GPUs; docs/runtime.md, section 3).
+
+    ``auto``: one request of the full context length plus one chunk of new tokens, +25% for the
+    padding of unbalanced owners (``1 + cp_size * n`` scratch pages for the gathered region).
+    """
+    settings = current_settings()
+    if not settings.prefetch_slot_auto:
+        return settings.prefetch_slot_tokens
+    chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else context_len
+    return (context_len + chunk) * 5 // 4
+
+
+@dataclass(frozen=True)
+class ScratchDecision:
+    """What the gather scratch holds on this server, decided once (``decide_scratch``).
+
+    ``slot0``: slot 0's rule (prefill batches only, or the logical capacity);
+    ``prefetch_slot_requested_tokens``: slot 1's request before the capacity cap (0: no slot 1);
+    ``decode_gather_reason``: why decode with this server's NSA decode impl gathers pages, None
+    when per-owner decode attaches. sglang's NSA backend takes its decode impl from
+    ``--nsa-decode-backend``, so the server args decide it before the backend exists. (A PD
+    prefill server runs no decode forward, so its slot 0 holds prefill batches whatever this says.)
+    """
+
+    slot0: ScratchSizing
+    prefetch_slot_requested_tokens: int
+    decode_gather_reason: Optional[str]
+
+    @property
+    def decode_per_owner(self) -> bool:
+        return self.decode_gather_reason is None
+
+
+def decide_scratch(server_args, context_len: int) -> ScratchDecision:
+    """The one decision (same inputs on every rank: server args, context length, settings)."""
+    return ScratchDecision(
+        slot0=scratch_sizing(server_args, context_len),
+        prefetch_slot_requested_tokens=configured_prefetch_slot_tokens(
+            context_len, server_args.chunked_prefill_size
+        ),
+        decode_gather_reason=impl_gather_reason(server_args.nsa_decode_backend),
     )
 
 

@@ -122,11 +122,11 @@ def merge_by_scaled_sum(
 
 def scaled_partial_of_gathered(out_r: torch.Tensor, lse_r: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """This rank's term in ``out_r``'s dtype, from every rank's natural LSEs ``lses`` [n, T, H]:
-    one fused kernel on CUDA (``per_owner_decode_kernels``), the torch form elsewhere."""
+    one fused kernel on CUDA (``fused_kernels``), the torch form elsewhere."""
     if out_r.is_cuda:
-        from sglang_cp_shared_kv.model_executor import per_owner_decode_kernels  # Triton: CUDA only
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import fused_kernels  # Triton: CUDA
 
-        return per_owner_decode_kernels.scaled_partial(out_r, lse_r, lses)
+        return fused_kernels.scaled_partial(out_r, lse_r, lses)
     return scaled_partial(out_r, lse_r, global_lse(lses)).to(out_r.dtype)
 
 
