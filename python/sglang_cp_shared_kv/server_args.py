@@ -93,15 +93,16 @@ def _add_cli_args_after(result, parser: argparse.ArgumentParser) -> None:
         default=False,
         help="With --enable-nsa-prefill-context-parallel (NSA models: DeepSeek-V3.2, GLM-5): keep one "
         "KV cache shared by the context-parallel group, each rank storing every cp_size-th page, "
-        "instead of a full replica per rank; works with host-only HiCache (--enable-hierarchical-cache) "
-        "and as the prefill server of a PD pair (mooncake). "
+        "instead of a full replica per rank; works with HiCache (--enable-hierarchical-cache; L3 "
+        "storage with --hicache-storage-backend file or mooncake) and as the prefill server of a PD "
+        "pair (mooncake). "
         f"Requires --enable-nsa-prefill-context-parallel (round-robin-split), --tp {_TP_SIZES_TEXT} on "
         "one node, the NSA attention backend for prefill and decode (sglang's default for NSA models), "
-        f"--disable-cuda-graph (unless decode runs per owner with {GRAPH_DECODE_ENV}=1) and "
+        f"--disable-cuda-graph (unless decode runs per owner and {GRAPH_DECODE_ENV}=1) and "
         "--disable-piecewise-cuda-graph, the radix cache on, and page size "
-        f"{CP_SHARED_KV_PAGE_SIZE} (what sglang sets for NSA models on CUDA); refuses speculative "
-        f"decoding (MTP with the NextN layer, top-k 1, is opt-in: {MTP_ENV}=1) and "
-        "HiCache storage backends. Environment settings: docs/configuration.md. Provided by the "
+        f"{CP_SHARED_KV_PAGE_SIZE} (what sglang sets for NSA models on CUDA). Speculative decoding: "
+        f"MTP with the NextN layer, top-k 1, is opt-in ({MTP_ENV}=1); other algorithms are refused. "
+        "Environment settings: docs/configuration.md. Provided by the "
         "sglang-cp-shared-kv plugin.",
     )
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pickle
 import tempfile
 import unittest
-from argparse import ArgumentParser
+from argparse import ArgumentParser, HelpFormatter
 from unittest import mock
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args
@@ -406,13 +406,14 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         self.assertRejected("--page-size 32", model_path="dummy", page_size=32, **CP_ON)
 
     def test_help_names_what_the_flag_requires(self):
-        parser = ArgumentParser()
+        # One line per option: argparse wraps at hyphens ("--disable- cuda-graph") at a terminal's width.
+        parser = ArgumentParser(formatter_class=lambda prog: HelpFormatter(prog, width=100_000))
         ServerArgs.add_cli_args(parser)
         help_text = " ".join(parser.format_help().split())
         start = help_text.rindex(CP_SHARED_KV_FLAG)  # its entry, after the usage line
         flag_help = help_text[start : start + 1200]
         for part in ("--enable-nsa-prefill-context-parallel", "--tp 2, 4 or 8", "NSA attention backend",
-                     "--disable-cuda-graph", "page size 64"):  # fmt: skip
+                     "--disable-cuda-graph", "page size 64", "file or mooncake", "is opt-in"):  # fmt: skip
             self.assertIn(part, flag_help)
 
 
