@@ -244,7 +244,7 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
     if args.one_gpu:
         extra.update(one_gpu_env())
     if shared_kv:
-        extra.update(dict(args.server_env))
+        extra.update(dict(getattr(args, "server_env", ())))
     return extra
 
 
