@@ -77,6 +77,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (every server)")
+    p.add_argument("--ignore-log-pattern", action="append", default=[],
+                   help="regex of server log lines not to treat as errors (as the serve smoke's)")
     p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
     p.add_argument("--startup-timeout", type=float, default=420)
     p.add_argument("--request-timeout", type=float, default=300)
@@ -226,7 +228,7 @@ def judge(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, Li
         totals = kv_audit_compare.read_audit_totals(audit_dir(out_dir, name))
         figures[f"read_audit_{name}"] = totals
         failures += [f"{name}: {f}" for f in kv_audit_compare.read_audit_failures(totals)]
-        failures += [f"{name}: {f}" for f in log_failures(scan_for_errors(logs.get(name, [])))]
+        failures += [f"{name}: {f}" for f in log_failures(scan_for_errors(logs.get(name, []), args.ignore_log_pattern))]
         if name not in logs:
             failures.append(f"{name}: the server never started")
     figures["ttft"] = l3_restart.ttft_comparison(plan, requests)

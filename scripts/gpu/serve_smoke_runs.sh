@@ -54,7 +54,7 @@
 #                           its first SMOKE_AUDIT_LAYERS layers (default 2; layer 0 is what judges)
 #   SMOKE_SERIAL=1          one smoke at a time, in the order listed (references first)
 #   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
-#   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-max-bs 16)
+#   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-bs 1 2 .. 16)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
 #   SMOKE_NEXTN_MODEL_DIR   the mtp modes' model (default /tmp/tiny-glm5-nextn; tiny model only)
@@ -138,9 +138,9 @@ spawn() {  # spawn smoke NAME ARGS...: in the background (at most PARALLEL at on
 GRAMMAR="--grammar-backend none"
 BF16_WT="$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
 FP8_WT="$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
-# per-owner decode graphs: capture the batch sizes a smoke sends; SMOKE_GRAPH_ARGS replaces it (e.g.
-# "--cuda-graph-bs 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16": every size captured, no padded rows)
-GRAPHS="${SMOKE_GRAPH_ARGS:---cuda-graph-max-bs 16}"
+# per-owner decode graphs: capture every batch size a smoke sends (sglang keeps the multiples of the CP
+# size; per-owner graphs refuse a list that pads a replay by the CP size or more, which crashed served)
+GRAPHS="${SMOKE_GRAPH_ARGS:---cuda-graph-bs $(seq -s ' ' 1 16)}"
 # The runs the correctness, decode and onegpu-core modes share (each judged against its reference).
 ref_bf16() {
   spawn smoke ref_bf16 --shared-kv off --audit --burst 12 --extra-server-args "$BF16_WT"

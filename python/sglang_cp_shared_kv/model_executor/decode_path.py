@@ -96,4 +96,31 @@ def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
             f"{flag} requires --disable-cuda-graph while decode gathers pages ({reason}): graphs "
             f"cannot replay the per-forward, variable-size page gather"
         )
-    return None
+    return graph_padding_problem(
+        getattr(server_args, "cuda_graph_bs", None), getattr(server_args, "tp_size", 1), flag
+    )
+
+
+def graph_padding_problem(cuda_graph_bs, cp_size: int, flag: str) -> Optional[str]:
+    """Why this capture list is refused with per-owner decode graphs, or None.
+
+    sglang captures only batch sizes that are multiples of the attention CP size and replays a
+    batch in the smallest captured size that holds it. Served at CP 2 (one-GPU test mode,
+    2026-12-02), replays padded by fewer than ``cp_size`` rows passed the KV audits while a batch of
+    6 replayed in the graph of 8 (sglang's default list) crashed with an illegal memory access, so
+    the list must hold every multiple of ``cp_size`` up to its largest size. ``None`` (sglang has
+    not resolved the list yet): judged again before capture (``per_owner_decode.cuda_graphs``)."""
+    if not cuda_graph_bs:
+        return None
+    step = max(1, cp_size)
+    largest = max(cuda_graph_bs)
+    missing = sorted(set(range(step, largest + 1, step)) - set(cuda_graph_bs))
+    if not missing:
+        return None
+    wanted = " ".join(str(bs) for bs in range(step, largest + 1, step))
+    return (
+        f"{flag} with decode CUDA graphs per owner needs --cuda-graph-bs to hold every multiple of "
+        f"the CP size ({step}) up to {largest}, or --disable-cuda-graph: a replay padded by "
+        f"{step} rows or more crashed served (missing: {' '.join(map(str, missing[:8]))}"
+        f"{' ...' if len(missing) > 8 else ''}); e.g. --cuda-graph-bs {wanted}"
+    )

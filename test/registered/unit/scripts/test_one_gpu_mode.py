@@ -132,7 +132,7 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
                 for dtype, impl in (("bfloat16", "fa3"), ("fp8_e4m3", "flashmla_kv")):
                     args = smoke.parse_args(["--model-path", model, "--tp", "4", "--load-format", "dummy", "--one-gpu",
                                              "--decode", "per-owner-graphs", "--prefetch-slot-tokens", "auto",
-                                             "--extra-server-args", f"--kv-cache-dtype {dtype} --cuda-graph-max-bs 16"])  # fmt: skip
+                                             "--extra-server-args", f"--kv-cache-dtype {dtype} --cuda-graph-bs {' '.join(map(str, range(1, 17)))}"])  # fmt: skip
                     config = [c for c in smoke.serve_configs(args, 30000) if c.shared_kv][0]
                     os.environ.update(smoke.server_env(args, True, Path(tmp)))
                     with applied_hooks(register_server_args_hooks), mock.patch(
