@@ -178,7 +178,7 @@ def bind_graph_decode(model_runner) -> bool:
     if state is None:
         return False
     problem = graph_padding_problem(
-        model_runner.server_args.cuda_graph_bs, runtime.layout.cp_size, FLAG
+        getattr(model_runner.server_args, "cuda_graph_bs", None), runtime.layout.cp_size, FLAG
     )
     if problem is not None:
         raise ValueError(problem)

@@ -151,7 +151,7 @@ def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, O
         return args.max_total_tokens, None
     from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
     from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes, slot0_scratch_tokens
-    from sglang_cp_shared_kv.model_executor.prefill_scratch import default_prefill_scratch_tokens
+    from sglang_cp_shared_kv.model_executor.scratch_sizing import default_prefill_scratch_tokens
     from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
 
     dtype = "fp8" if args.kv_cache_dtype.startswith("fp8") else "bf16"

@@ -216,6 +216,17 @@ class TestCollectivesAndBinding(CustomTestCase):
         self.assertIs(getattr(runner.attn_backend, _STATE_ATTR), state)
         self.assertIsNotNone(state.all_gather)
 
+    def test_binding_refuses_a_capture_list_that_pads_by_the_cp_size(self):
+        """What sglang resolved (its default list at CP 2 keeps 2 4 8 12 16) is judged before
+        capture, where ServerArgs could not see it."""
+        runner, runtime, state = self._runner()
+        runner.server_args.cuda_graph_bs = [2, 4, 8, 12, 16]
+        with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
+             mock.patch.object(graphs, "per_owner_of", return_value=state):
+            with self.assertRaisesRegex(ValueError, "--cuda-graph-bs .*missing: 6 10 14"):
+                graphs.bind_graph_decode(runner)
+        self.assertFalse(hasattr(runner.attn_backend, _STATE_ATTR))
+
     def test_nothing_bound_without_graphs(self):
         runner, runtime, state = self._runner(disable_cuda_graph=True)
         with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
