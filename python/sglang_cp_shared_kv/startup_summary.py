@@ -66,6 +66,10 @@ def effective_settings(
         if server_args.enable_hierarchical_cache
         else "off"
     )
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    storage = (
+        f"{backend} (owner-free page keys, each rank stores the pages it owns)" if backend else "off"
+    )
     return [
         ("CP size", str(server_args.attn_cp_size)),
         ("page size", str(server_args.page_size)),
@@ -78,6 +82,7 @@ def effective_settings(
         ("gather scratch slot 0", scratch),
         ("logical capacity", capacity),
         ("HiCache", hicache),
+        ("L3 storage", storage),
         ("PD", str(server_args.disaggregation_mode)),
     ]
 

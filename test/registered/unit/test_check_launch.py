@@ -8,6 +8,8 @@ of the startup validation failed ``test_refused_launches_name_every_problem`` (t
 
 import io
 import os
+import json
+import tempfile
 import unittest
 from unittest import mock
 
@@ -46,6 +48,15 @@ class TestCheckLaunch(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
         self.assertIn("page size: 64", report)
         self.assertIn("decode: page gather", report)
         self.assertIn("HiCache: on (--hicache-ratio 2.0", report)
+        self.assertIn("L3 storage: off", report)
+
+    def test_l3_storage_is_reported(self):
+        with tempfile.TemporaryDirectory() as storage:
+            line = README_LINE + " --hicache-storage-backend file --hicache-storage-backend-extra-config"
+            config = json.dumps({"file_path": storage}).replace(" ", "")
+            code, report = self.run_check(line + " " + config.replace("{", "{{").replace("}", "}}"))
+        self.assertEqual(code, ACCEPTED, report)
+        self.assertIn("L3 storage: file (owner-free page keys", report)
 
     def test_readme_pd_prefill_line_is_accepted(self):
         line = README_LINE + " --disaggregation-mode prefill --disaggregation-transfer-backend mooncake"
