@@ -47,7 +47,6 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     kv_audit_compare,
 )
 from sglang_cp_shared_kv.testing.e2e import soak  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.one_gpu import with_one_gpu_args  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import model_context_len, parse_token_id_range  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics  # noqa: E402
@@ -57,6 +56,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     ServerError,
     SglangServer,
     free_port,
+    shared_kv_serve_config,
 )
 from sglang_cp_shared_kv.testing.e2e.smoke_report import hicache_failures, log_failures  # noqa: E402
 
@@ -136,13 +136,7 @@ def make_plan(args, logical_device_tokens: int) -> soak.SoakPlan:
 
 def serve_config(args, port: int) -> ServeConfig:
     extra = shlex.split(args.extra_server_args) + ["--hicache-write-policy", args.write_policy]
-    if args.one_gpu:
-        extra = with_one_gpu_args(extra)
-    return ServeConfig(
-        model_path=args.model_path, tp_size=args.tp, shared_kv=True, port=port,
-        physical_tokens_per_rank=args.physical_tokens_per_rank, hicache_ratio=args.hicache_ratio,
-        mem_fraction_static=args.mem_fraction_static, load_format=args.load_format, extra_args=extra,
-    )  # fmt: skip
+    return shared_kv_serve_config(args, port, extra)
 
 
 def server_env(args, out_dir: Path) -> dict:

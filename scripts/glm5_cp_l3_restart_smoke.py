@@ -43,7 +43,7 @@ from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV  
 from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import parse_token_id_range  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics  # noqa: E402
@@ -53,6 +53,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     SglangServer,
     free_port,
     generate_greedy,
+    shared_kv_serve_config,
 )
 from sglang_cp_shared_kv.testing.e2e.smoke_report import log_failures  # noqa: E402
 
@@ -114,13 +115,7 @@ def serve_config(args, server: str, port: int, out_dir: Path) -> ServeConfig:
     if server in (WRITE, RESTART):
         extra += ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
                   json.dumps({"file_path": str(storage_dir(out_dir).resolve())})]  # fmt: skip
-    if args.one_gpu:
-        extra = with_one_gpu_args(extra)
-    return ServeConfig(
-        model_path=args.model_path, tp_size=args.tp, shared_kv=True, port=port,
-        physical_tokens_per_rank=args.physical_tokens_per_rank, hicache_ratio=args.hicache_ratio,
-        mem_fraction_static=args.mem_fraction_static, load_format=args.load_format, extra_args=extra,
-    )  # fmt: skip
+    return shared_kv_serve_config(args, port, extra)
 
 
 def server_env(args, server: str, out_dir: Path) -> Dict[str, str]:

@@ -268,3 +268,17 @@ def generate_greedy(
     if not last:
         return GenerateResult([], {}, ttft, e2e, "no output chunk")
     return GenerateResult(list(last.get("output_ids", [])), last.get("meta_info", {}), ttft, e2e)
+
+
+def shared_kv_serve_config(args, port: int, extra_args: Sequence[str]) -> ServeConfig:
+    """A shared-KV server from a driver's common options (``--model-path``, ``--tp``,
+    ``--physical-tokens-per-rank``, ``--hicache-ratio``, ``--mem-fraction-static``,
+    ``--load-format``, ``--one-gpu``) and its own ``extra_args``: the soak and the L3 restart smoke."""
+    from sglang_cp_shared_kv.testing.e2e.one_gpu import with_one_gpu_args
+
+    extra = with_one_gpu_args(extra_args) if args.one_gpu else list(extra_args)
+    return ServeConfig(
+        model_path=args.model_path, tp_size=args.tp, shared_kv=True, port=port,
+        physical_tokens_per_rank=args.physical_tokens_per_rank, hicache_ratio=args.hicache_ratio,
+        mem_fraction_static=args.mem_fraction_static, load_format=args.load_format, extra_args=extra,
+    )  # fmt: skip
