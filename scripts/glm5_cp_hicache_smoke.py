@@ -126,6 +126,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="shared-KV server only: decode through the page gather (default), per owner "
                         f"({DECODE_PATH_ENV}={PER_OWNER}), or per owner under CUDA graphs ({GRAPH_DECODE_ENV}=1, "
                         "no --disable-cuda-graph)")
+    p.add_argument("--stock-cuda-graphs", action="store_true",
+                   help="stock server only: decode CUDA graphs (no --disable-cuda-graph) with sglang's own "
+                        "capture list unless --extra-server-args names one; tells a stock padded-replay "
+                        "failure from a shared-KV one")
     p.add_argument("--prefetch-slot-tokens", default=None,
                    help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")
     p.add_argument("--server-env", action="append", default=[], type=env_assignment, metavar="KEY=VALUE",
@@ -147,6 +151,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--plant {args.plant} needs --mtp (it plants a bug in the draft pool)")
     if args.decode != "gather" and args.mtp:
         p.error(f"--decode {args.decode} with --mtp: the shared-KV server refuses MTP with per-owner decode")
+    if args.stock_cuda_graphs and args.shared_kv != "off":
+        p.error("--stock-cuda-graphs needs --shared-kv off (the shared-KV server's graphs: --decode per-owner-graphs)")
     if args.decode != "gather" and args.shared_kv == "off":
         p.error(f"--decode {args.decode} needs --shared-kv on or both (it sets the shared-KV server's decode)")
     try:
@@ -201,7 +207,8 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
             load_format=args.load_format,
             extra_args=extra,
             mtp=args.mtp,
-            cuda_graphs=shared_kv and args.decode == "per-owner-graphs",
+            cuda_graphs=(shared_kv and args.decode == "per-owner-graphs")
+            or (not shared_kv and args.stock_cuda_graphs),
             decode_path=PER_OWNER if shared_kv and args.decode != "gather" else "gather",
         )
         for shared_kv in modes_of(args.shared_kv)

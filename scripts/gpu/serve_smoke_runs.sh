@@ -37,13 +37,17 @@
 #                 eager and one graph run; a burst of 12 in each (batched decode), against the
 #                 references of correctness (run here too); the decode-wrong-page plant eager (fp8)
 #                 and under graphs (bf16); each plant must FAIL. (MTP is refused with per-owner decode.)
+#   stock-graphs  stock (shared KV off) with decode CUDA graphs and sglang's own capture list, KV audits
+#                 on, a burst of 12 under --max-running-requests 6 (decode batches of 6 replayed in the
+#                 graph of 8 at CP 2 and 4: padded by 2 rows): whether a padded replay fails without
+#                 shared KV too (per-owner graphs refuse such a list: decode_path.py).
 #   onegpu-core   the most per minute at one SMOKE_TP: the two references, shared KV in gather /
 #                 per-owner eager / per-owner graphs, bf16 and fp8 (prefetch on in one run of each
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
 #                 eager and under graphs); 12 servers. Meant for SMOKE_ONE_GPU=1 (docs/gpu.md, "One-GPU
 #                 test mode", gives the expected wall time per SMOKE_TP); SMOKE_ONLY splits it.
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core   (results under $OUT)
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -54,6 +58,8 @@
 #                           its first SMOKE_AUDIT_LAYERS layers (default 2; layer 0 is what judges)
 #   SMOKE_SERIAL=1          one smoke at a time, in the order listed (references first)
 #   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
+#   SMOKE_MAX_NEW_TOKENS=N  tokens generated per request (default 16): fewer decode steps where one-GPU
+#                           ranks are slow (CP 4 and 8); every run of the call gets the same
 #   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-bs 1 2 .. 16)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
@@ -72,7 +78,7 @@
 # Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
 # logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
@@ -124,7 +130,7 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   "${limit[@]}" python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
     --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} \
-    ${ONE_GPU:+--one-gpu} "${extra_env[@]}" "$@" > "$OUT/$name.log" 2>&1
+    ${ONE_GPU:+--one-gpu} ${SMOKE_MAX_NEW_TOKENS:+--max-new-tokens "$SMOKE_MAX_NEW_TOKENS"} "${extra_env[@]}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$? took=$(( $(date +%s) - t0 ))
   echo "$rc $took" > "$RUNS/$name/runner_exit"
   echo "$name: exit $rc (${took} s)"
@@ -204,6 +210,10 @@ case "$MODE" in
       on_bf16 "plant_$bug" --plant "$bug" --extra-server-args "$BF16_WT"
     done
     decode_plants
+    wait ;;
+  stock-graphs)
+    spawn smoke ref_bf16_stock_graphs --shared-kv off --audit --burst 12 --stock-cuda-graphs \
+      --extra-server-args "$BF16_WT --max-running-requests 6"
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
     spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \

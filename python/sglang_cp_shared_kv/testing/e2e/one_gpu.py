@@ -34,6 +34,9 @@ ONE_GPU_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
+    # Up to 14 rank processes share the machine's cores: torch's default of one intra-op thread per
+    # core in each of them oversubscribes the CPU the schedulers and NCCL's socket proxies need.
+    "OMP_NUM_THREADS": "1",
 }
 
 

@@ -137,7 +137,7 @@ class TestServeRunnerDryRun(CustomTestCase):
 
 
 ONE_GPU_ENV = {"SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU": "1", "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
-               "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}  # fmt: skip
+               "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
 ONE_GPU_ARGS = ("--disable-custom-all-reduce", "--enforce-disable-flashinfer-allreduce-fusion")
 
 
@@ -175,6 +175,38 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                     self.assertEqual("--kv-cache-dtype" in argv, "fp8" in name or name == "plant_decode-wrong-page")
                     if name.startswith("plant_"):
                         self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT"), "decode-wrong-page")
+
+    def test_stock_graphs_mode_runs_stock_graphs_with_sglangs_capture_list_and_padded_batches(self):
+        """Mode stock-graphs: the stock server runs decode CUDA graphs (no --disable-cuda-graph)
+        with sglang's own capture list (no --cuda-graph-bs) and at most 6 running requests (a batch
+        of 6 replays in the graph of 8), shared KV off; SMOKE_MAX_NEW_TOKENS reaches the plan.
+        Seen failing with --stock-cuda-graphs dropped from the runner (the server ran eagerly)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_MAX_NEW_TOKENS": "4",
+                   "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["stock-graphs"], env, tmp)
+            self.assertIn("ref_bf16_stock_graphs: exit 0", proc.stdout, proc.stderr[-2000:])
+            text = (tmp / "out" / "ref_bf16_stock_graphs.log").read_text()
+            (server,) = servers_in(text)
+            mode, _, env_vars, argv = server
+            self.assertEqual(mode, "shared-kv-off")
+            self.assert_one_gpu(env_vars, argv, "stock-graphs")
+            self.assertNotIn("--disable-cuda-graph", argv)
+            self.assertNotIn("--cuda-graph-bs", argv)
+            self.assertEqual(flag(argv, "--max-running-requests"), "6")
+            self.assertNotIn("--enable-nsa-prefill-cp-shared-kv", argv)
+            self.assertIn("max_new_tokens=4", text)
+
+    def test_stock_cuda_graphs_needs_shared_kv_off(self):
+        proc = subprocess.run(
+            ["python3", "scripts/glm5_cp_hicache_smoke.py", "--model-path", "/nonexistent", "--tp", "2",
+             "--shared-kv", "both", "--stock-cuda-graphs", "--dry-run"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
+        self.assertIn("--stock-cuda-graphs needs --shared-kv off", proc.stderr)
 
     def test_pd_pairs_share_device_0_at_tp8(self):
         with tempfile.TemporaryDirectory() as tmp:
