@@ -37,11 +37,10 @@
 #                 eager and one graph run; a burst of 12 in each (batched decode), against the
 #                 references of correctness (run here too); the decode-wrong-page plant eager (fp8)
 #                 and under graphs (bf16); each plant must FAIL. (MTP is refused with per-owner decode.)
-#   stock-graphs  stock (shared KV off) with decode CUDA graphs and sglang's own capture list (up to
-#                 --cuda-graph-max-bs 16), KV audits on, a burst of 12 under --max-running-requests 6
-#                 (batches of 6 replayed in the graph of 8 at CP 2 and 4: padded by 2 rows): whether a
-#                 padded replay fails without shared KV too (per-owner graphs refuse such a list:
-#                 decode_path.py).
+#   stock-graphs  stock (shared KV off) with decode CUDA graphs captured only at batch SMOKE_TP and 16,
+#                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
+#                 13 rows. Whether a padded replay fails without shared KV too (per-owner graphs refuse
+#                 a list that pads by the CP size or more: decode_path.py).
 #   onegpu-core   the most per minute at one SMOKE_TP: the two references, shared KV in gather /
 #                 per-owner eager / per-owner graphs, bf16 and fp8 (prefetch on in one run of each
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
@@ -214,7 +213,7 @@ case "$MODE" in
     wait ;;
   stock-graphs)
     spawn smoke ref_bf16_stock_graphs --shared-kv off --audit --burst 12 --stock-cuda-graphs \
-      --extra-server-args "$BF16_WT --max-running-requests 6 --cuda-graph-max-bs 16"
+      --extra-server-args "$BF16_WT --cuda-graph-bs $TP 16"
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
     spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \
