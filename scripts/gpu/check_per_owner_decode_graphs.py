@@ -65,9 +65,10 @@ TOPK = 2048
 # roundings, measured 1.1e-3); a stale static buffer gives about 1.
 FRESH_TOL = 1e-2
 REL_TOL = 2e-2
-# Batch A and B: same batch size (one graph), different lengths; 0 is a padded request.
-SEQ_LENS_A = (6000, 2048, 700, 3001, 0)
-SEQ_LENS_B = (9100, 130, 2500, 4097, 0)
+# Batch A and B: same batch size (one graph), different lengths; then --padded-rows padded requests
+# (length 0 here: sglang's seq len 1 on the dummy page, which no rank owns).
+SEQ_LENS_A = (6000, 2048, 700, 3001)
+SEQ_LENS_B = (9100, 130, 2500, 4097)
 
 
 def parse_args(argv=None):
@@ -88,8 +89,16 @@ def parse_args(argv=None):
         help="also run one decode layer through sglang's methods and the decode-graph hooks on gloo "
         "ranks sharing the device; '' skips it",
     )
+    parser.add_argument(
+        "--padded-rows", type=int, default=1,
+        help="padded requests in each batch (a served replay of batch 6 in the graph of 8 has 2, "
+        "and crashed served: run with CUDA_LAUNCH_BLOCKING=1 to name the kernel)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.padded_rows < 0:
+        parser.error("--padded-rows must be >= 0")
+    return args
 
 
 def cuda_kernels(decode_impls=DECODE_IMPLS):
@@ -161,14 +170,16 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
 
     device = args.device
     g = torch.Generator().manual_seed(args.seed * 100 + cp_size)
-    width_pages = -(-max(SEQ_LENS_A + SEQ_LENS_B) // emu.PAGE) + 8
-    needed = sum(-(-s // emu.PAGE) for s in SEQ_LENS_A + SEQ_LENS_B)
+    padded = (0,) * args.padded_rows
+    seq_lens_a, seq_lens_b = SEQ_LENS_A + padded, SEQ_LENS_B + padded
+    width_pages = -(-max(seq_lens_a + seq_lens_b) // emu.PAGE) + 8
+    needed = sum(-(-s // emu.PAGE) for s in seq_lens_a + seq_lens_b)
     physical_pages = 2 + -(-needed // cp_size)
-    layer = emu.EmulatedDecodeLayer(cp_size, physical_pages, width_pages, len(SEQ_LENS_A), HEADS,
+    layer = emu.EmulatedDecodeLayer(cp_size, physical_pages, width_pages, len(seq_lens_a), HEADS,
                                     TOPK, kernels, device, decode_impl)
     graph = None
     results = []
-    for name, seq_lens in (("A", SEQ_LENS_A), ("B", SEQ_LENS_B)):
+    for name, seq_lens in (("A", seq_lens_a), ("B", seq_lens_b)):
         start = time.monotonic()
         batch = emu.random_batch(g, cp_size, physical_pages, width_pages, list(seq_lens), HEADS, device,
                                  layer.kv_dtype)

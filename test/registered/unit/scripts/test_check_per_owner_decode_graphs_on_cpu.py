@@ -31,8 +31,9 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
     def setUpClass(cls):
         cls.check = load_script("scripts/gpu/check_per_owner_decode_graphs.py")
 
-    def _run(self, impl, plant="none"):
-        args = self.check.parse_args(["--device", "cpu", "--cp-sizes", "2", "--plant", plant])
+    def _run(self, impl, plant="none", padded_rows=1):
+        args = self.check.parse_args(["--device", "cpu", "--cp-sizes", "2", "--plant", plant,
+                                      "--padded-rows", str(padded_rows)])  # fmt: skip
         return self.check.run_cp(args, 2, reference_kernels(), impl)
 
     def test_both_batches_pass_for_every_impl(self):
@@ -40,6 +41,23 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
         for impl in IMPLS:
             with self.subTest(impl=impl):
                 self.assertEqual(self._run(impl), [True, True])
+
+    def test_several_padded_rows_pass_and_still_catch_stale_tables(self):
+        """--padded-rows (the served crash replayed batch 6 in the graph of 8: two padded rows on
+        every rank, owned by none): the layer stays right with 0 and 3 of them, and a stale table
+        still fails with 3."""
+        from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
+
+        for padded_rows in (0, 3):
+            with self.subTest(padded_rows=padded_rows), mock.patch.object(
+                emu, "EmulatedDecodeLayer", wraps=emu.EmulatedDecodeLayer
+            ) as layer:
+                self.assertEqual(self._run("fa3", padded_rows=padded_rows), [True, True])
+                bs = layer.call_args.args[3]  # the graph's batch: the real requests + the padded
+                self.assertEqual(bs, len(self.check.SEQ_LENS_A) + padded_rows)
+        self.assertEqual(self._run("flashmla_kv", "stale-tables", padded_rows=3), [True, False])
+        with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
+            self.check.parse_args(["--padded-rows", "-1"])
 
     def test_stale_tables_fail_the_second_batch(self):
         for impl in ("flashmla_kv", "fa3"):
