@@ -38,7 +38,8 @@ from typing import Dict, List, Optional
 
 SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
-from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV, SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
+from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_AUDIT_LAYERS_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
+from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV, SMOKE_PLANT_ENV  # noqa: E402
 from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
@@ -114,6 +115,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="server logs and report.json (default ./glm5_smoke_<time>)")
     p.add_argument("--audit", action="store_true",
                    help="KV audits (the oracle): pool dumps of every finished request; read audit under shared KV")
+    p.add_argument("--audit-layers", type=int, default=0,
+                   help="leading layers the audits cover on both servers (0: all, or the inherited "
+                        f"{SMOKE_AUDIT_LAYERS_ENV}). Layer 0 judges the pool audit; every layer the read "
+                        "audit covers all-gathers that layer's whole pool in every forward")
     p.add_argument("--reference-dir", default=None,
                    help="out dir of a reference run (shared KV off, --audit): compare this run's pool dumps with it")
     p.add_argument("--plant", default=None, choices=SERVE_PLANTS,
@@ -151,6 +156,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--plant {args.plant} needs --mtp (it plants a bug in the draft pool)")
     if args.decode != "gather" and args.mtp:
         p.error(f"--decode {args.decode} with --mtp: the shared-KV server refuses MTP with per-owner decode")
+    if args.audit_layers < 0:
+        p.error("--audit-layers must be 0 (all) or more")
     if args.stock_cuda_graphs and args.shared_kv != "off":
         p.error("--stock-cuda-graphs needs --shared-kv off (the shared-KV server's graphs: --decode per-owner-graphs)")
     if args.decode != "gather" and args.shared_kv == "off":
@@ -238,6 +245,8 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[SMOKE_DUMMY_INIT_ENV] = "1"
     if args.audit:
         extra[SMOKE_AUDIT_DIR_ENV] = str(audit_dir(out_dir, shared_kv))
+    if args.audit_layers:
+        extra[SMOKE_AUDIT_LAYERS_ENV] = str(args.audit_layers)
     if args.plant and shared_kv:
         extra[SMOKE_PLANT_ENV] = args.plant
     if args.mtp:  # the shared-KV server's opt-in; the stock reference runs MTP without it

@@ -41,7 +41,6 @@ SCRIPTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS_DIR))
 import glm5_cp_hicache_smoke as smoke  # noqa: E402  (its server_env, plugin path and page size)
 from cp_shared_kv_smoke_hooks import (  # noqa: E402
-    SMOKE_AUDIT_LAYERS_ENV,
     SMOKE_AUDIT_POOL_ENV,
     decode_read_audit,
     kv_audit_compare,
@@ -144,11 +143,10 @@ def server_env(args, out_dir: Path) -> dict:
     smoke_args = argparse.Namespace(
         load_format=args.load_format, dummy_init=args.dummy_init, audit=not args.fake_server, plant=args.plant,
         mtp=False, decode="gather", prefetch_slot_tokens=None, one_gpu=args.one_gpu,
+        audit_layers=args.audit_layers,
     )  # fmt: skip
     env = smoke.server_env(smoke_args, True, out_dir)
     env[SMOKE_AUDIT_POOL_ENV] = soak.AUDITED_RID_PATTERN
-    if args.audit_layers:
-        env[SMOKE_AUDIT_LAYERS_ENV] = str(args.audit_layers)
     return env
 
 

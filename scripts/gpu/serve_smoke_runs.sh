@@ -60,6 +60,9 @@
 #   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
 #   SMOKE_MAX_NEW_TOKENS=N  tokens generated per request (default 16): fewer decode steps where one-GPU
 #                           ranks are slow (CP 4 and 8); every run of the call gets the same
+#   SMOKE_AUDIT_LAYERS=N    leading layers the audits cover (default: all; 2 with SMOKE_ONE_GPU, where the read
+#                           audit's per-forward all-gather of each audited layer's pool over sockets dominated
+#                           the shared-KV servers' time; layers 0 and 1 cover both prefetch slots)
 #   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-bs 1 2 .. 16)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
@@ -85,6 +88,7 @@ ONE_GPU="${SMOKE_ONE_GPU:-}"
 [[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
 PARALLEL="${SMOKE_PARALLEL:-$([[ -n "$ONE_GPU" ]] && echo $(( TP >= 12 ? 1 : 12 / TP )) || echo 0)}"
 BUDGET_S="${SMOKE_BUDGET_S:-$([[ -n "$ONE_GPU" ]] && echo 540)}"
+AUDIT_LAYERS="${SMOKE_AUDIT_LAYERS:-$([[ -n "$ONE_GPU" ]] && echo 2)}"
 start_s=$(date +%s)
 SKIP_STAGED_ENV="${SMOKE_DRY_RUN:-}" source scripts/gpu/runner_env.sh || exit 1
 OUT="${OUT:-/tmp/smoke_out}"
@@ -130,7 +134,8 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   "${limit[@]}" python3 scripts/glm5_cp_hicache_smoke.py --model-path "$MODEL" --tp "$TP" --load-format dummy \
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
     --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} \
-    ${ONE_GPU:+--one-gpu} ${SMOKE_MAX_NEW_TOKENS:+--max-new-tokens "$SMOKE_MAX_NEW_TOKENS"} "${extra_env[@]}" "$@" > "$OUT/$name.log" 2>&1
+    ${ONE_GPU:+--one-gpu} ${SMOKE_MAX_NEW_TOKENS:+--max-new-tokens "$SMOKE_MAX_NEW_TOKENS"} \
+    ${AUDIT_LAYERS:+--audit-layers "$AUDIT_LAYERS"} "${extra_env[@]}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$? took=$(( $(date +%s) - t0 ))
   echo "$rc $took" > "$RUNS/$name/runner_exit"
   echo "$name: exit $rc (${took} s)"

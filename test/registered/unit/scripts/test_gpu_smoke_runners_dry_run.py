@@ -84,6 +84,8 @@ class TestServeRunnerDryRun(CustomTestCase):
                 self.assertEqual(flag(argv, "--model-path"), str(tmp / "model"))
                 self.assertEqual("--kv-cache-dtype" in argv, "fp8" in name)
                 self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"), "1")
+                # two GPUs or more: the audits cover every layer (one-GPU runs: the first two)
+                self.assertNotIn("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS", env_vars)
                 # the plan is sized for both capacities: per-rank pool and cp x it
                 physical = int(flag(argv, "--max-total-tokens"))
                 self.assertIn(f"device D={physical} ", text)
@@ -167,6 +169,8 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                     _, _, env_vars, argv = server
                     self.assert_one_gpu(env_vars, argv, name)
                     self.assertEqual(flag(argv, "--tp"), str(tp))
+                    # the read audit's per-forward pool all-gathers go through sockets: two layers
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS"), "2", name)
                     per_owner, graphs, prefetch = expected[name]
                     self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE") == "per_owner", per_owner, name)
                     self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH") == "1", graphs, name)
