@@ -37,7 +37,8 @@
 #   PD_MODEL=tiny|glm5-width   the tiny GLM-5 (default), or GLM-5's widths with as many layers as the
 #                       prefill's share of PD_TP H200s holds (make_tiny_glm5_config.py --glm5-width,
 #                       sized at --mem-fraction-static 0.4; PD_WEIGHTS bf16|fp8, default fp8); its KV
-#                       audits (transfer audit included) cover the first PD_AUDIT_LAYERS layers (default 2)
+#                       audits (transfer audit included) cover the first PD_AUDIT_LAYERS layers (default 2); so
+#                       do the tiny model's in the one-GPU mode (every layer with several GPUs)
 #   PD_DECODE_GPUS, PD_DECODE_TP   the stock decode server. Default, tiny: --tp 1 on the prefill's last
 #                       GPU; glm5-width: --tp PD_TP on the prefill's GPUs. Sharing a GPU, the prefill takes
 #                       --mem-fraction-static 0.35 (glm5-width 0.4) of it and the decode, launched second,
@@ -65,7 +66,8 @@ case "${PD_MODEL:-tiny}" in
     MODEL="${PD_MODEL_DIR:-/tmp/tiny-glm5}"
     [[ ${#mtp[@]} -gt 0 ]] && MODEL="${PD_NEXTN_MODEL_DIR:-/tmp/tiny-glm5-nextn}"
     DECODE_GPUS="${PD_DECODE_GPUS:-$(( TP - 1 ))}"; DECODE_TP="${PD_DECODE_TP:-1}"
-    [[ -n "$ONE_GPU" ]] && { DECODE_GPUS=0; DECODE_TP=1; }
+    # one GPU: the read audit's per-forward pool all-gathers go over sockets; two layers (docs/gpu.md)
+    [[ -n "$ONE_GPU" ]] && { DECODE_GPUS=0; DECODE_TP=1; export SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS="${PD_AUDIT_LAYERS:-2}"; }
     MEM=(--prefill-mem-fraction-static 0.35 --decode-mem-fraction-static 0.75)
     make_model=(--no-check)
     [[ ${#mtp[@]} -gt 0 ]] && make_model=(--nextn --no-check) ;;
