@@ -101,15 +101,29 @@ def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
     )
 
 
+# Per-owner decode graphs pad a replay by up to cp_size - 1 rows; served clean only where that is 1.
+MAX_SERVED_GRAPH_CP_SIZE = 2
+
+
 def graph_padding_problem(cuda_graph_bs, cp_size: int, flag: str) -> Optional[str]:
-    """Why this capture list is refused with per-owner decode graphs, or None.
+    """Why per-owner decode graphs are refused at this CP size with this capture list, or None.
 
     sglang captures only batch sizes that are multiples of the attention CP size and replays a
     batch in the smallest captured size that holds it. Served at CP 2 (one-GPU test mode,
-    2026-12-02), replays padded by fewer than ``cp_size`` rows passed the KV audits while a batch of
-    6 replayed in the graph of 8 (sglang's default list) crashed with an illegal memory access, so
-    the list must hold every multiple of ``cp_size`` up to its largest size. ``None`` (sglang has
-    not resolved the list yet): judged again before capture (``per_owner_decode.cuda_graphs``)."""
+    2026-12-02), replays padded by one row passed the KV audits while a batch of 6 replayed in the
+    graph of 8 (sglang's default list) crashed with an illegal memory access; stock sglang replays
+    such batches cleanly (2026-12-03), and the faulting kernel is not located. So the list must hold
+    every multiple of ``cp_size`` up to its largest size, and a CP size above 2 is refused: there
+    every batch that is not a multiple of it replays padded by up to ``cp_size - 1`` rows, which
+    has never been served. ``None`` list (sglang has not resolved it yet): judged again before
+    capture (``per_owner_decode.cuda_graphs``)."""
+    if cp_size > MAX_SERVED_GRAPH_CP_SIZE:
+        return (
+            f"{flag} with decode CUDA graphs per owner is served only up to CP size "
+            f"{MAX_SERVED_GRAPH_CP_SIZE}, not {cp_size}: sglang pads a replay to a multiple of the CP "
+            f"size (up to {cp_size - 1} rows here) and a replay padded by 2 rows crashed served at CP 2 "
+            f"(not located yet); use --disable-cuda-graph (per-owner decode then runs eagerly)"
+        )
     if not cuda_graph_bs:
         return None
     step = max(1, cp_size)

@@ -288,10 +288,22 @@ class TestGraphDecodeStartupRule(CustomTestCase):
         self.assertEqual(problems, [problem])
         self.assertEqual(self._problem(env, tp_size=2, cuda_graph_bs=list(range(2, 17, 2))), (None, []))
         self.assertEqual(self._problem(env, tp_size=2, cuda_graph_bs=list(range(1, 17))), (None, []))
-        problem, _ = self._problem(env, tp_size=4, cuda_graph_bs=[4, 12])
-        self.assertIn("missing: 8", problem)
         # Not resolved by sglang yet: judged again before capture.
         self.assertEqual(self._problem(env, tp_size=2, cuda_graph_bs=None), (None, []))
+
+    def test_cp_sizes_above_two_are_refused_whatever_the_capture_list(self):
+        """Above CP 2 every batch that is not a multiple of the CP size replays padded by up to
+        cp - 1 rows, never served (a replay padded by 2 rows crashed at CP 2): refused at startup,
+        naming the CP size and --disable-cuda-graph; eager per-owner decode stays accepted.
+        Planted: the old rule (multiples of the CP size only) accepted 4 8 12 16 at CP 4."""
+        env = {GRAPH_DECODE_ENV: "1"}
+        for tp_size, listed in ((4, list(range(4, 17, 4))), (8, [8, 16]), (4, None)):
+            with self.subTest(tp_size=tp_size, listed=listed):
+                problem, problems = self._problem(env, tp_size=tp_size, cuda_graph_bs=listed)
+                self.assertIn(f"served only up to CP size 2, not {tp_size}", problem)
+                self.assertIn("--disable-cuda-graph", problem)
+                self.assertEqual(problems, [problem])
+        self.assertEqual(self._problem(env, tp_size=8, disable_cuda_graph=True), (None, []))
 
     def test_piecewise_graphs_stay_refused(self):
         _, problems = self._problem({GRAPH_DECODE_ENV: "1"}, disable_piecewise_cuda_graph=False)
