@@ -117,6 +117,9 @@ class TestOneGpuHook(CustomTestCase):
 
 class TestSglangAcceptsOneGpuServers(CustomTestCase):
     def test_per_owner_graph_servers_with_prefetch(self):
+        """sglang's own ServerArgs with the plugin's hooks accepts the smoke's one-GPU per-owner
+        graph servers at CP 2 (both dtypes) and refuses them at CP 4, naming the CP size (per-owner
+        graphs are served only up to CP 2)."""
         from sglang.srt.server_args import prepare_server_args
 
         from sglang_cp_shared_kv.server_args import register_server_args_hooks
@@ -129,8 +132,8 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
         with tempfile.TemporaryDirectory() as tmp:
             model = str(write_tiny_glm5_model(Path(tmp) / "tiny"))
             try:
-                for dtype, impl in (("bfloat16", "fa3"), ("fp8_e4m3", "flashmla_kv")):
-                    args = smoke.parse_args(["--model-path", model, "--tp", "4", "--load-format", "dummy", "--one-gpu",
+                for tp, dtype, impl in ((2, "bfloat16", "fa3"), (2, "fp8_e4m3", "flashmla_kv"), (4, "bfloat16", "fa3")):
+                    args = smoke.parse_args(["--model-path", model, "--tp", str(tp), "--load-format", "dummy", "--one-gpu",
                                              "--decode", "per-owner-graphs", "--prefetch-slot-tokens", "auto",
                                              "--extra-server-args", f"--kv-cache-dtype {dtype} --cuda-graph-bs {' '.join(map(str, range(1, 17)))}"])  # fmt: skip
                     config = [c for c in smoke.serve_configs(args, 30000) if c.shared_kv][0]
@@ -138,10 +141,16 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
                     with applied_hooks(register_server_args_hooks), mock.patch(
                         "torch.cuda.get_device_capability", return_value=(9, 0)
                     ):
+                        if tp > 2:
+                            with self.assertRaisesRegex(ValueError, f"served only up to CP size 2, not {tp}"):
+                                prepare_server_args(config.command()[2:] + ["--device", "cuda"])
+                            os.environ.clear()
+                            os.environ.update(saved)
+                            continue
                         server = prepare_server_args(config.command()[2:] + ["--device", "cuda"])
                     self.assertFalse(server.disable_cuda_graph, dtype)
                     self.assertTrue(server.disable_custom_all_reduce)
-                    self.assertEqual((server.tp_size, server.attn_cp_size), (4, 4))
+                    self.assertEqual((server.tp_size, server.attn_cp_size), (tp, tp))
                     self.assertEqual(server.nsa_decode_backend, impl)
                     self.assertEqual(os.environ["SGLANG_CP_SHARED_KV_DECODE"], "per_owner")
                     os.environ.clear()
