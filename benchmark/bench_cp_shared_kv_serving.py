@@ -56,6 +56,7 @@ SMOKE_PLUGIN_DIR = REPO_ROOT / "scripts" / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 
+from sglang_cp_shared_kv.model_executor.decode_path import MAX_SERVED_GRAPH_CP_SIZE
 from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
@@ -755,7 +756,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.stock_cuda_graphs and single:
             results["servers"]["off-graphs"] = run_server(args, "off", False, single, [], cuda_graphs=True)
         if args.per_owner_decode and single:
-            for graphs in (False, True):
+            graph_modes = (False, True) if args.tp <= MAX_SERVED_GRAPH_CP_SIZE else (False,)
+            if len(graph_modes) == 1:
+                print(f"on-per-owner-graphs: not run (per-owner decode graphs are refused above CP "
+                      f"{MAX_SERVED_GRAPH_CP_SIZE}; --tp {args.tp})")
+            for graphs in graph_modes:
                 server = run_server(args, "on", True, single, [], cuda_graphs=graphs, decode_path="per_owner")
                 results["servers"][server["mode"]] = server
     if "pd" in args.parts:
