@@ -403,7 +403,8 @@ def draft_checks(shared_kv: bool, run_dir: Path, report: RunReport) -> None:
     """MTP: the draft pool's audits (``draft_audit``). Under shared KV the draft's write and read
     audits and the cached-prefix ledger judge; on the stock reference the ledger is reported (stock
     0.5.11 leaves the draft of a prefix loaded back from host stale)."""
-    ledger = kv_audit_compare.cached_row_ledger(run_dir)
+    # MTP servers run EAGLE / NEXTN: their radix trees key pages by token bigrams.
+    ledger = kv_audit_compare.cached_row_ledger(run_dir, NSA_CUDA_PAGE_SIZE, bigram_keys=True)
     report.figures["cached_prefix_ledger"] = ledger.to_json()
     if not shared_kv:
         return

@@ -407,7 +407,8 @@ def audit_checks(args, shared_kv: bool, out_dir: Path, report: RunReport) -> Non
     report.failures += kv_audit_compare.copy_failures(transfer, "transfer audit", with_draft=args.mtp)
     if args.mtp:
         prefill_dir = audit_dir(out_dir, shared_kv, "prefill")
-        ledger = kv_audit_compare.cached_row_ledger(prefill_dir)
+        # MTP servers run EAGLE / NEXTN: their radix trees key pages by token bigrams.
+        ledger = kv_audit_compare.cached_row_ledger(prefill_dir, NSA_CUDA_PAGE_SIZE, bigram_keys=True)
         report.figures["cached_prefix_ledger"] = ledger.to_json()
         if shared_kv:
             totals = kv_audit_compare.draft_audit_totals(prefill_dir)

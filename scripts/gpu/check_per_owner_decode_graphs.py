@@ -213,6 +213,7 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
         err_fresh = emu.rel_err(out, fresh, real)
         err_rep = emu.rel_err(out, expected, real)
         nan = bool(out.isnan().any())
+        padded_max = float(out[~real].float().abs().max()) if bool((~real).any()) else 0.0
         ok = err_fresh <= FRESH_TOL and err_rep <= REL_TOL and bool(ties[real].all()) and not nan
         results.append(ok)
         if device == "cuda":
@@ -220,7 +221,8 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
         print(
             f"cp={cp_size} {decode_impl} batch {name} ({mode}): vs fresh tables rel err={err_fresh:.2e} "
             f"(tol {FRESH_TOL:.0e}), vs replicated rel err={err_rep:.2e} (tol {REL_TOL:.0e}), "
-            f"selection up to ties {int(ties[real].sum())}/{int(real.sum())}, nan={nan}"
+            f"selection up to ties {int(ties[real].sum())}/{int(real.sum())}, nan={nan}, "
+            f"padded rows max |out|={padded_max:.3g}"
             f"{' [rank 1 tables not refreshed]' if stale else ''} "
             f"[{time.monotonic() - start:.1f}s] {'PASS' if ok else 'FAIL'}",
             flush=True,
@@ -245,7 +247,7 @@ def run_hooked(args, cp_size, kernels) -> list:
              for mode, should_pass in (("graph-replay", True), ("graph-stale", False))]
     scenarios = [
         hooked.Scenario(seq_lens=HOOKED_SEQ_LENS, topk=TOPK, graph=mode, decode_impl=impl,
-                        kv_dtype=KV_DTYPE_OF_IMPL[impl])
+                        kv_dtype=KV_DTYPE_OF_IMPL[impl], padded=args.padded_rows)
         for impl, mode, _ in cases
     ]
 
@@ -265,6 +267,7 @@ def run_hooked(args, cp_size, kernels) -> list:
         kernels_used = ", ".join(f"{k}: {v}" for k, v in results[0]["kernels"].items() if k in ("indexer", role))
         print(
             f"hooked cp={cp_size} {impl} {mode} ({kernels_used}): max rel err={comparison['rel_err']:.2e}, "
+            f"padded rows zero={comparison['padded_rows_zero']}, finite={comparison['finite']}, "
             f"{'passes' if hooked.passed(comparison) else 'fails'} (must "
             f"{'pass' if should_pass else 'fail'}) {'PASS' if ok else 'FAIL'}",
             flush=True,

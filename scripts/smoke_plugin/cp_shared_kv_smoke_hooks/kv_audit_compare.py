@@ -293,11 +293,14 @@ class CachedRowLedger:
     A position below a request's ``cached_tokens`` came from the radix tree (device, or host through a
     load-back) and is not written again by any forward of that request: the target's extend and the
     draft's extend both start at the first uncached token. So its rows, target and draft, must equal
-    bit for bit the rows the last earlier request holding the same tokens up to and including that
-    position dumped when it finished (that request stored or itself reused them). Requests are
-    taken in the plan's order (``smoke-<index>-...`` / ``pd-<index>-...`` request ids); requests run
-    concurrently (the burst) are left out, since two of them may both compute a prefix while only one
-    copy stays in the tree."""
+    bit for bit the rows the last earlier request sharing that position's tree page dumped when it
+    finished (that request stored or itself reused them). Two requests share a page when the radix
+    tree's page-aligned key match covers it (``shared_prefix_tokens``): with EAGLE's bigram keys (every
+    MTP server) a page is shared only if the token after it matches too, so two requests with the
+    same first 8,064 tokens share 7,936 positions and the second computes its own copy of page 125.
+    Requests are taken in the plan's order (``smoke-<index>-...`` / ``pd-<index>-...`` request ids);
+    requests run concurrently (the burst) are left out, since two of them may both compute a prefix
+    while only one copy stays in the tree."""
 
     requests_with_cached_tokens: int = 0
     positions_checked: int = 0
@@ -338,8 +341,16 @@ def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a != b).reshape(len(a), -1).any(axis=-1)
 
 
-def cached_row_ledger(run_dir: Path) -> CachedRowLedger:
-    """The ledger (see ``CachedRowLedger``) of one run's pool dumps."""
+def shared_prefix_tokens(common_tokens: int, page_size: int, bigram_keys: bool) -> int:
+    """Positions two requests with ``common_tokens`` equal first tokens share in the radix tree: its
+    key match rounded down to pages, counted in bigrams (``common_tokens - 1``) under EAGLE keys."""
+    units = max(common_tokens - 1, 0) if bigram_keys else common_tokens
+    return units // page_size * page_size
+
+
+def cached_row_ledger(run_dir: Path, page_size: int, bigram_keys: bool) -> CachedRowLedger:
+    """The ledger (see ``CachedRowLedger``) of one run's pool dumps; ``bigram_keys``: the server's
+    tree keys are EAGLE bigrams (speculative decoding with EAGLE / NEXTN)."""
     ledger = CachedRowLedger()
     dumps = load_dumps(run_dir)
     ordered = sorted((int(m.group(1)), rid) for rid in dumps for m in [_PLAN_RID.match(rid)] if m)
@@ -352,7 +363,8 @@ def cached_row_ledger(run_dir: Path) -> CachedRowLedger:
             unsourced = np.ones(cached, dtype=bool)
             changed = 0
             for _, source in reversed(earlier):  # the latest request holding each position's prefix
-                covered = min(cached, _common_prefix_length(merged.token_ids, source.token_ids))
+                common = _common_prefix_length(merged.token_ids, source.token_ids)
+                covered = min(cached, shared_prefix_tokens(common, page_size, bigram_keys))
                 take = np.nonzero(unsourced[:covered])[0]
                 if not len(take):
                     continue

@@ -152,7 +152,7 @@ class TestCachedRowLedger(CustomTestCase):
         self.first.write(self.run_dir, "smoke-0-first")
         self.second.write(self.run_dir, "smoke-1-second")
         self.replay.write(self.run_dir, "smoke-2-replay")
-        return kv_audit_compare.cached_row_ledger(self.run_dir)
+        return kv_audit_compare.cached_row_ledger(self.run_dir, PAGE, bigram_keys=False)
 
     def test_rows_restored_with_the_prefix_pass(self):
         ledger = self.write()
@@ -194,12 +194,58 @@ class TestCachedRowLedger(CustomTestCase):
 
     def test_nothing_cached_cannot_judge_and_concurrent_requests_are_left_out(self):
         self.first.write(self.run_dir, "smoke-0-first")
-        ledger = kv_audit_compare.cached_row_ledger(self.run_dir)
+        ledger = kv_audit_compare.cached_row_ledger(self.run_dir, PAGE, bigram_keys=False)
         self.assertEqual(len(ledger.draft_failures()), 1)
         self.assertIn("no position", ledger.draft_failures()[0])
         self.second.draft_kv[:] = 0
         self.second.write(self.run_dir, "burst-3")  # concurrent requests: not in the ledger
-        self.assertEqual(kv_audit_compare.cached_row_ledger(self.run_dir).positions_checked, 0)
+        self.assertEqual(kv_audit_compare.cached_row_ledger(self.run_dir, PAGE, bigram_keys=False).positions_checked, 0)
+
+
+class TestCachedRowLedgerWithBigramKeys(CustomTestCase):
+    """What a served MTP run showed (2026-12-03): under EAGLE's bigram keys two requests with the
+    same first 3 pages share only 2 in the tree (the third's last bigram reaches into the differing
+    token), so the second computes its own copy of page 2 (other bytes: other kernel batches), and a
+    replay of the first gets the first's page 2. The ledger sourcing page 2 from the second (the
+    token-prefix rule) failed that clean run; here it must pass, and a replay served the second's
+    copy (a wrong tree branch) must still fail."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.run_dir = Path(self.tmp.name) / "run"
+        prefix = tokens(0, 3 * PAGE)
+        self.first = Request(prefix + tokens(1, 20), 1)
+        self.second = Request(prefix + tokens(2, 20), 2, cached_tokens=2 * PAGE)
+        self.second.reuse(self.first, slice(0, 2 * PAGE))
+        self.replay = Request(list(self.first.tokens), 3, cached_tokens=3 * PAGE)
+        self.replay.reuse(self.first, slice(0, 3 * PAGE))
+
+    def ledger(self, bigram_keys=True):
+        self.first.write(self.run_dir, "smoke-0-first")
+        self.second.write(self.run_dir, "smoke-1-second")
+        self.replay.write(self.run_dir, "smoke-2-replay")
+        return kv_audit_compare.cached_row_ledger(self.run_dir, PAGE, bigram_keys=bigram_keys)
+
+    def test_shared_pages_follow_the_tree_key(self):
+        self.assertEqual(kv_audit_compare.shared_prefix_tokens(3 * PAGE, PAGE, bigram_keys=True), 2 * PAGE)
+        self.assertEqual(kv_audit_compare.shared_prefix_tokens(3 * PAGE + 1, PAGE, bigram_keys=True), 3 * PAGE)
+        self.assertEqual(kv_audit_compare.shared_prefix_tokens(3 * PAGE, PAGE, bigram_keys=False), 3 * PAGE)
+        self.assertEqual(kv_audit_compare.shared_prefix_tokens(0, PAGE, bigram_keys=True), 0)
+
+    def test_a_page_the_second_request_recomputed_is_sourced_from_the_first(self):
+        ledger = self.ledger()
+        self.assertEqual(ledger.draft_failures(), [])
+        self.assertEqual(ledger.positions_checked, 5 * PAGE)
+        self.assertEqual(ledger.target_kv_rows_changed + ledger.draft_kv_rows_changed, 0)
+        # The token-prefix rule (what keys without bigrams share) judges this clean run wrong.
+        self.assertEqual(self.ledger(bigram_keys=False).draft_kv_rows_changed, PAGE)
+
+    def test_a_replay_served_the_other_branch_still_fails(self):
+        self.replay.reuse(self.second, slice(2 * PAGE, 3 * PAGE))
+        ledger = self.ledger()
+        self.assertEqual((ledger.draft_kv_rows_changed, ledger.draft_index_rows_changed), (PAGE, PAGE))
+        self.assertEqual(ledger.changed_by_request, {"smoke-2-replay": PAGE})
 
 
 class TestDraftAuditVerdicts(CustomTestCase):

@@ -104,7 +104,7 @@ class TestDraftStaleLoadBackPlant(CustomTestCase):
                 write_owned_pattern(draft, suffix, seed=12)
                 _dump(view, draft, run_dir, "smoke-1-b", torch.cat([new_prefix, suffix]), PREFIX + SUFFIX_B,
                       len(PREFIX), rank)  # fmt: skip
-        return mismatches, kv_audit_compare.cached_row_ledger(run_dir)
+        return mismatches, kv_audit_compare.cached_row_ledger(run_dir, PAGE, bigram_keys=False)
 
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
