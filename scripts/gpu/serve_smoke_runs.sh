@@ -41,6 +41,13 @@
 #                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
 #                 13 rows. Whether a padded replay fails without shared KV too (per-owner graphs refuse
 #                 a list that pads by the CP size or more, and any CP size above 2: decode_path.py).
+#   padded-graphs diagnosis of the crash that fences per-owner decode graphs (CP 2 only): per-owner
+#                 graphs captured at batch 2 and 16 only (every burst batch of 3 to 15 replays padded),
+#                 the startup rule lifted (smoke --lift-graph-padding-rule), CUDA_LAUNCH_BLOCKING=1:
+#                 diag_padded_graphs replays real graphs (the crash, reproduced or not), and
+#                 diag_padded_eager_replay adds sglang's --debug-cuda-graph (each replay runs the
+#                 captured forward eagerly on the graph's static, padded buffers), so a fault names
+#                 its kernel in the log. Both against ref_bf16 (run here too).
 #   onegpu-core   the most per minute at one SMOKE_TP: the two references, shared KV in gather /
 #                 per-owner eager / per-owner graphs, bf16 and fp8 (prefetch on in one run of each
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
@@ -49,7 +56,7 @@
 #   (Above SMOKE_TP 2 the per-owner graph runs of decode and onegpu-core are not started and say so:
 #   the server refuses per-owner decode graphs above CP 2.)
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs   (results under $OUT)
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs|padded-graphs   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -83,7 +90,7 @@
 # Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
 # logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs|padded-graphs}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
@@ -233,6 +240,15 @@ case "$MODE" in
   stock-graphs)
     spawn smoke ref_bf16_stock_graphs --shared-kv off --audit --burst 12 --stock-cuda-graphs \
       --extra-server-args "$BF16_WT --cuda-graph-bs $TP 16"
+    wait ;;
+  padded-graphs)
+    if (( TP != 2 )); then echo "padded-graphs: CP 2 only (SMOKE_TP=2)"; exit 2; fi
+    ref_bf16
+    for run in diag_padded_graphs diag_padded_eager_replay; do
+      debug=""; [[ "$run" == diag_padded_eager_replay ]] && debug="--debug-cuda-graph"
+      on_bf16 "$run" --decode per-owner-graphs --lift-graph-padding-rule --server-env CUDA_LAUNCH_BLOCKING=1 \
+        --extra-server-args "$BF16_WT --cuda-graph-bs 2 16 $debug"
+    done
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call
     spawn smoke ref_bf16 --shared-kv off --audit --burst 12 \

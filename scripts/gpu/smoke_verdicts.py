@@ -37,8 +37,22 @@ def audit_text(figures: dict) -> str:
     return "; ".join(parts)
 
 
+def first_cuda_error(run_dir: Path) -> str:
+    """The first CUDA error line of the run's server logs, with the frame above it (where
+    ``CUDA_LAUNCH_BLOCKING=1`` names the faulting call), or ''."""
+    for log in sorted(run_dir.glob("server_*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if "CUDA error" in line:
+                frames = [ln.strip() for ln in lines[max(0, i - 12):i] if ln.strip().startswith("File ")]
+                return (frames[-1] + " -> " if frames else "") + line.strip()
+    return ""
+
+
 def verdict(runs: Path, name: str) -> Tuple[str, bool]:
-    """(line, as expected)."""
+    """(line, as expected). ``diag_*`` runs are diagnoses: reported, never judged."""
+    if name.startswith("diag_"):
+        return diagnosis(runs, name), True
     plant = name.startswith("plant_")
     run_dir = runs / name
     exit_note = (run_dir / "runner_exit").read_text().split() if (run_dir / "runner_exit").exists() else []
@@ -62,6 +76,21 @@ def verdict(runs: Path, name: str) -> Tuple[str, bool]:
     return f"PASSED {name}: {requests} requests; {audits or 'no audit'}{timing}", True
 
 
+def diagnosis(runs: Path, name: str) -> str:
+    run_dir = runs / name
+    exit_note = (run_dir / "runner_exit").read_text().split() if (run_dir / "runner_exit").exists() else []
+    error = first_cuda_error(run_dir)
+    report = run_dir / "report.json"
+    if report.exists():
+        runs_ = json.loads(report.read_text())["runs"]
+        failures = [f for r in runs_ for f in r["failures"]]
+        requests = sum(len(r.get("records", [])) for r in runs_)
+        outcome = f"{requests} requests, {len(failures)} failures" + (f" (first: {failures[0][:160]})" if failures else "")
+    else:
+        outcome = f"no report (exit {exit_note[0] if exit_note else '?'})"
+    return f"DIAGNOSIS {name} (reported, not judged): {outcome}" + (f"; {error[:400]}" if error else "")
+
+
 def main(argv: List[str]) -> int:
     runs, names = Path(argv[0]), argv[1:]
     unexpected = []
@@ -71,10 +100,12 @@ def main(argv: List[str]) -> int:
         if not expected:
             unexpected.append(name)
     plants = sum(n.startswith("plant_") for n in names)
+    diagnoses = sum(n.startswith("diag_") for n in names)
     if unexpected:
         print(f"VERDICT: UNEXPECTED in {len(unexpected)} of {len(names)} runs: {' '.join(unexpected)}")
     else:
-        print(f"VERDICT: all {len(names)} runs as expected ({len(names) - plants} clean runs PASSED, {plants} plants caught)")
+        print(f"VERDICT: all {len(names)} runs as expected ({len(names) - plants - diagnoses} clean runs PASSED, "
+              f"{plants} plants caught{f', {diagnoses} diagnoses reported' if diagnoses else ''})")
     return 1 if unexpected else 0
 
 

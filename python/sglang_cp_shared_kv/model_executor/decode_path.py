@@ -112,7 +112,8 @@ def graph_padding_problem(cuda_graph_bs, cp_size: int, flag: str) -> Optional[st
     batch in the smallest captured size that holds it. Served at CP 2 (one-GPU test mode,
     2026-12-02), replays padded by one row passed the KV audits while a batch of 6 replayed in the
     graph of 8 (sglang's default list) crashed with an illegal memory access; stock sglang replays
-    such batches cleanly (2026-12-03), and the faulting kernel is not located. So the list must hold
+    such batches cleanly (2026-12-03), the per-owner layer alone is clean fed padded rows on one
+    GPU (2026-12-03), and the faulting kernel is not located. So the list must hold
     every multiple of ``cp_size`` up to its largest size, and a CP size above 2 is refused: there
     every batch that is not a multiple of it replays padded by up to ``cp_size - 1`` rows, which
     has never been served. ``None`` list (sglang has not resolved it yet): judged again before

@@ -297,7 +297,7 @@ class CachedRowLedger:
     finished (that request stored or itself reused them). Two requests share a page when the radix
     tree's page-aligned key match covers it (``shared_prefix_tokens``): with EAGLE's bigram keys (every
     MTP server) a page is shared only if the token after it matches too, so two requests with the
-    same first 8,064 tokens share 7,936 positions and the second computes its own copy of page 125.
+    same first 8,064 tokens share 8,000 positions (pages 0-124) and the second computes its own copy of page 125.
     Requests are taken in the plan's order (``smoke-<index>-...`` / ``pd-<index>-...`` request ids);
     requests run concurrently (the burst) are left out, since two of them may both compute a prefix
     while only one copy stays in the tree."""

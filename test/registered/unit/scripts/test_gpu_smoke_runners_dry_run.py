@@ -218,6 +218,45 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             self.assertNotIn("--enable-nsa-prefill-cp-shared-kv", argv)
             self.assertIn("max_new_tokens=4", text)
 
+    def test_padded_graphs_mode_lifts_the_rule_for_its_diagnosis_runs_only(self):
+        """Mode padded-graphs: two shared-KV runs with per-owner graphs captured at 2 and 16 only
+        (burst batches replay padded), the startup rule lifted by the smoke plugin, launches
+        blocking, and one with sglang's --debug-cuda-graph (replays run eagerly); the reference
+        without any of it; CP 2 only.
+        Seen failing with the lift dropped from the runner (the env never reached the servers)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_RUNS_DIR": str(tmp / "runs"),
+                   "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], env, tmp)
+            lift = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_PADDING_RULE"
+            for name, debug in (("diag_padded_graphs", False), ("diag_padded_eager_replay", True)):
+                self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                servers = {mode: (env_vars, argv) for mode, _, env_vars, argv in
+                           servers_in((tmp / "out" / f"{name}.log").read_text())}  # fmt: skip
+                env_vars, argv = servers["shared-kv-on"]
+                self.assertEqual((env_vars.get(lift), env_vars.get("CUDA_LAUNCH_BLOCKING")), ("1", "1"), name)
+                self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"), "1", name)
+                self.assertNotIn("--disable-cuda-graph", argv)
+                start = argv.index("--cuda-graph-bs")
+                self.assertEqual(argv[start + 1 : start + 3], ["2", "16"], name)
+                self.assertEqual("--debug-cuda-graph" in argv, debug, name)
+            ((_, _, ref_env, _),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
+            self.assertNotIn(lift, ref_env)
+            refused = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], {**env, "SMOKE_TP": "4"}, tmp)
+            self.assertEqual(refused.returncode, 2)
+            self.assertIn("CP 2 only", refused.stdout)
+
+    def test_lifting_the_graph_padding_rule_needs_per_owner_graphs(self):
+        proc = subprocess.run(
+            ["python3", "scripts/glm5_cp_hicache_smoke.py", "--model-path", "/nonexistent", "--tp", "2",
+             "--shared-kv", "both", "--decode", "per-owner", "--lift-graph-padding-rule", "--dry-run"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
+        self.assertIn("--lift-graph-padding-rule needs --decode per-owner-graphs", proc.stderr)
+
     def test_stock_cuda_graphs_needs_shared_kv_off(self):
         proc = subprocess.run(
             ["python3", "scripts/glm5_cp_hicache_smoke.py", "--model-path", "/nonexistent", "--tp", "2",

@@ -246,6 +246,45 @@ class TestVerdicts(CustomTestCase):
         self.assertIn("PLANT NOT CAUGHT", lines[2][0])
         self.assertIn("no report (exit 124", lines[4][0])
 
+    def test_a_diagnosis_is_reported_with_its_cuda_error_never_judged(self):
+        import smoke_verdicts
+
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = Path(tmp)
+            (runs / "diag_a").mkdir()
+            (runs / "diag_a" / "runner_exit").write_text("1 200")
+            (runs / "diag_a" / "server_shared-kv-on.log").write_text(
+                "Traceback (most recent call last):\n"
+                '  File "/x/fused_kernels.py", line 80, in gather_candidates\n'
+                "    _gather_candidates_kernel[grid](\n"
+                "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+            )
+            line, expected = smoke_verdicts.verdict(runs, "diag_a")
+        self.assertTrue(expected)
+        self.assertTrue(line.startswith("DIAGNOSIS diag_a (reported, not judged): no report (exit 1)"), line)
+        self.assertIn('fused_kernels.py", line 80', line)
+        self.assertIn("illegal memory access", line)
+
+
+class TestGraphPaddingRuleLift(CustomTestCase):
+    def test_the_lift_reaches_both_checks_and_only_when_asked(self):
+        """The smoke plugin's diagnosis lift: both places the product asks the rule accept a padded
+        capture list at CP 4 once lifted (seen failing with only decode_path patched: the check
+        before capture kept refusing)."""
+        from cp_shared_kv_smoke_hooks import lift_graph_padding_rule
+        from sglang_cp_shared_kv.model_executor import decode_path
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs
+
+        originals = (decode_path.graph_padding_problem, cuda_graphs.graph_padding_problem)
+        self.assertIsNotNone(decode_path.graph_padding_problem([2, 4, 8], 2, "flag"))
+        self.assertIsNotNone(cuda_graphs.graph_padding_problem([4, 8], 4, "flag"))
+        try:
+            lift_graph_padding_rule()
+            self.assertIsNone(decode_path.graph_padding_problem([2, 4, 8], 2, "flag"))
+            self.assertIsNone(cuda_graphs.graph_padding_problem([4, 8], 4, "flag"))
+        finally:
+            decode_path.graph_padding_problem, cuda_graphs.graph_padding_problem = originals
+
 
 if __name__ == "__main__":
     unittest.main()
