@@ -20,6 +20,10 @@ start_s=$(date +%s)
 
 if [[ "$manifest_line" == "part 1 of "* ]]; then
   rm -rf "$site" "$site.chunks"
+elif ! grep -q "^part 1 of " "$site/.staged_parts" 2>/dev/null; then
+  # A machine given back and started afresh between two calls has lost the earlier parts.
+  echo "remote_install: $manifest_line, but part 1 is not staged in $site (a fresh machine?): stage from part 1" >&2
+  exit 3
 fi
 mkdir -p "$site" "$site.chunks"
 scratch="$(mktemp -d /tmp/stage-part.XXXXXX)"
