@@ -80,11 +80,26 @@ SERVED_DECODE_IMPLS = {"flashmla_kv": math.e, "flashmla_sparse": 2.0, "fa3": mat
 
 @dataclasses.dataclass
 class OwnerForward:
-    """What one decode forward needs on this rank (built once, read by every layer)."""
+    """What one decode forward needs on this rank (built once, read by every layer).
+
+    Under decode CUDA graphs one ``OwnerForward`` serves several runs of the forward: sglang's two
+    eager warm-ups and the captured run (``cuda_graphs.capture_metadata_after`` builds it once, before
+    them). The local columns derived from the tables are therefore computed once per *run*, at its
+    first top-k layer (``begin_layer`` sees the layer ids restart), never carried from one run into
+    the next: a captured run that reused a warm-up's columns would record no kernel computing them,
+    and every replay would read the warm-up's tensors (capture-time values, then freed memory)."""
 
     tables: OwnerDecodeTables
     paged_mqa_schedule: Optional[torch.Tensor]
     local_columns: dict = dataclasses.field(default_factory=dict)  # width -> (positions, rows)
+    last_layer_id: Optional[int] = None
+
+    def begin_layer(self, layer_id: int) -> None:
+        """Called for every top-k layer, in the forward's layer order: a layer id not above the
+        last one starts a new run of the forward, which derives its columns afresh."""
+        if self.last_layer_id is not None and layer_id <= self.last_layer_id:
+            self.local_columns.clear()
+        self.last_layer_id = layer_id
 
     def columns(self, width_tokens: int):
         if width_tokens not in self.local_columns:
@@ -186,6 +201,7 @@ def indexer_metadata_per_owner(result, backend, layer_id, forward_batch, *args, 
     state = None if runtime is None else per_owner_of(runtime.pool)
     if state is None or state.forward is None or result is None:
         return None
+    state.forward.begin_layer(layer_id)
     tables = state.forward.tables
     attn_metadata = dataclasses.replace(
         result.attn_metadata,

@@ -13,12 +13,14 @@ the rule accepting graphs with ``SGLANG_CP_SHARED_KV_DECODE=gather``
 (``test_graphs_refused_wherever_decode_gathers``).
 """
 
+import dataclasses
 import unittest
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
 
+from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -33,7 +35,9 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables imp
     build_owner_decode_tables,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
+from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
+from sglang_cp_shared_kv.testing import cpu_graph_recorder
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, runtime_problems
 from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
 from sglang_cp_shared_kv.testing.server_args_cases import runtime_server_args
@@ -166,6 +170,97 @@ class TestGraphHooks(CustomTestCase):
         bound, _ = self._backend()
         graphs.init_cuda_graph_state_after(None, bound, self.MAX_BS, self.MAX_BS)
         self.assertIsNone(refuse_cuda_graph(bound, 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttnMetadata:
+    """The fields of sglang's ``NSAMetadata`` the per-owner graph and indexer hooks read."""
+
+    real_page_table: torch.Tensor
+    cache_seqlens_int32: torch.Tensor
+    paged_mqa_schedule_metadata: object = None
+
+
+class TestCapturedRuns(CustomTestCase):
+    """sglang captures a decode graph after two eager warm-up runs of the same forward, all three
+    after ONE ``init_forward_metadata_capture_cuda_graph`` (so one ``OwnerForward``); a replay then
+    runs only the kernels the capture run issued (``cpu_graph_recorder`` replays them on CPU).
+    Served, per-owner graphs crashed with an illegal memory access (2026-12-02): the local columns
+    (each score column's position and pool row) were derived in the first warm-up and cached on the
+    ``OwnerForward``, so the captured run recorded no kernel computing them and every replay read the
+    warm-up's tensors (capture-time values, freed once the ``OwnerForward`` was replaced). Seen
+    failing before the fix: the replay attended the capture batch's columns (all -1), not the
+    replayed batch's."""
+
+    BS, WIDTH_PAGES, TOPK = 4, 12, 96
+
+    def _state(self, layout):
+        pool = SimpleNamespace()
+        runtime = SimpleNamespace(layout=layout, cp_group=None, pool=pool, plan=None)
+        setattr(pool, "_cp_shared_kv_runtime", runtime)
+
+        def all_gather(scores):  # this rank's candidates; the other rank owns none of these
+            return torch.stack([scores, torch.full_like(scores, float("-inf"))])
+
+        with mock.patch.object(per_owner, "process_group_collectives", return_value=(all_gather, None)):
+            state = per_owner.PerOwnerDecode(runtime, decode_impl="fa3")
+        return state, pool
+
+    def test_a_replay_reads_the_replayed_batch_columns_not_the_warm_up_ones(self):
+        layout = CpSharedKVLayout(2, 0, PAGE)
+        state, pool = self._state(layout)
+        backend = SimpleNamespace(
+            decode_cuda_graph_metadata={"page_table": torch.zeros(self.BS, self.WIDTH_PAGES * PAGE, dtype=torch.int32)},
+            real_page_table=None, real_page_size=PAGE, forward_metadata=None,
+        )  # fmt: skip
+        setattr(backend, _STATE_ATTR, state)
+        setattr(backend, graphs._BOUND_ATTR, True)
+        graphs.init_cuda_graph_state_after(None, backend, self.BS, self.BS)
+        # sglang's capture batch: every request padded (seq len 1 on the dummy page 0).
+        backend.forward_metadata = _AttnMetadata(
+            real_page_table=torch.zeros(self.BS, self.WIDTH_PAGES, dtype=torch.int32),
+            cache_seqlens_int32=torch.ones(self.BS, dtype=torch.int32),
+        )
+        graphs.capture_metadata_after(None, backend, self.BS, self.BS, None, None, None, ForwardMode.DECODE, None)
+        logits = torch.zeros(self.BS, self.WIDTH_PAGES * PAGE)  # the indexer's output: a graph tensor
+        forward_batch = SimpleNamespace(token_to_kv_pool=pool)
+        result = NSAIndexerMetadata(attn_metadata=backend.forward_metadata, topk_transform_method=None)
+
+        def forward():
+            return [per_owner.indexer_metadata_per_owner(result, backend, layer, forward_batch)
+                    .topk_transform(logits, self.TOPK) for layer in (0, 1)]  # fmt: skip
+
+        forward(), forward()  # sglang's two eager warm-ups
+        with cpu_graph_recorder.RecordedRun() as capture:
+            captured = forward()
+
+        batch = _batch(11, [700, 64, 300, 1], [False, False, False, True])
+        width = batch.page_table.shape[1]
+        backend.forward_metadata.real_page_table[:, :width].copy_(batch.page_table)
+        backend.forward_metadata.cache_seqlens_int32.copy_(batch.seq_lens)
+        logits.copy_(torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)))
+        graphs.replay_metadata_after(None, backend, self.BS)
+        capture.replay()
+
+        state.forward = per_owner.OwnerForward(
+            build_owner_decode_tables(layout, backend.forward_metadata.real_page_table,
+                                      backend.forward_metadata.cache_seqlens_int32), None)  # fmt: skip
+        expected = state.select(logits, self.TOPK)
+        self.assertGreater(int((expected >= 0).sum()), 0)
+        for layer_indices in captured:
+            self.assertTrue(torch.equal(layer_indices, expected))
+
+    def test_columns_are_derived_once_per_run(self):
+        tables = build_owner_decode_tables(CpSharedKVLayout(2, 0, PAGE), *(_batch(4, [300, 64]).page_table,
+                                                                         _batch(4, [300, 64]).seq_lens))
+        forward = per_owner.OwnerForward(tables, None)
+        runs = []
+        for layers in ((0, 1, 3), (0, 1, 3)):
+            for layer in layers:
+                forward.begin_layer(layer)
+                runs.append(forward.columns(5 * PAGE)[0])
+        self.assertIs(runs[0], runs[2])  # one run: derived once, shared by its layers
+        self.assertIsNot(runs[2], runs[3])  # the next run derives its own
 
 
 class TestCollectivesAndBinding(CustomTestCase):
