@@ -19,12 +19,20 @@ Counts go to ``<dir>/decode_read_audit.rank<r>.json``; rows of another owner are
 Smoke servers only: it reads the selection back to the host once per layer.
 
 Under decode CUDA graphs (``per_owner_decode.cuda_graphs``) no Python runs inside a replayed forward, and
-none may read the device while a graph is captured, so the per-layer check skips captures and
-cannot see replays. What a replay reads that can be wrong is its static owner tables, refreshed in
-Python before each replay (``OwnerTableBuffers.refresh``): the table audit checks every local score
-column of them against the same layout arithmetic (the column's position, its row, its owner, and
-each request's owned token count), counted as ``graph_forwards`` / ``graph_columns`` with the same
-``wrong_rows`` / ``wrong_owner`` / ``missing`` keys.
+none may read the device while a graph is captured. Two checks cover replays:
+
+* the table audit: the static owner tables, refreshed in Python before each replay
+  (``OwnerTableBuffers.refresh``), column by column against the same layout arithmetic (the
+  column's position, its row, its owner, and each request's owned token count), counted as
+  ``graph_forwards`` / ``graph_columns`` with the same ``wrong_rows`` / ``wrong_owner`` /
+  ``missing`` keys;
+* the replay audit: during a capture, each layer's selection, candidates and attention indices
+  (tensors the graph rewrites at every replay) are kept by batch size; after each replay of that
+  size (``CudaGraphRunner.replay``) the per-layer check runs on them against the replay's token
+  table, counted as ``graph_replays`` and ``graph_layers`` besides the shared keys. It is what sees
+  a replay attending what the graph computed, not what the tables say (2026-12-03: columns cached
+  across sglang's warm-ups left every replay reading the capture batch's columns; the table audit
+  passed, this one counts each chosen candidate without a position as missing).
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ logger = logging.getLogger(__name__)
 _PER_OWNER = "sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward"
 _GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs"
 COUNT_KEYS = ("forwards", "layers", "selected", "attended_rows", "wrong_rows", "wrong_owner", "missing",
-              "padding_requests", "graph_forwards", "graph_columns")  # fmt: skip
+              "padding_requests", "graph_forwards", "graph_columns", "graph_replays", "graph_layers")  # fmt: skip
+_GRAPH_RUNNER = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
 
 
 def expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank):
@@ -70,10 +79,37 @@ class DecodeReadAudit:
         self.path = Path(audit_dir) / f"decode_read_audit.rank{rank}.json"
         self.counts = dict.fromkeys(COUNT_KEYS, 0)
         self.forward = None
+        # batch size -> [(selection, candidates, indices, cp_rank)] of the captured run, per layer
+        self.captured = {}
 
     def begin_forward(self, layout, page_table_1, seq_lens) -> None:
         self.forward = (layout, page_table_1, seq_lens)
         self.counts["forwards"] += 1
+
+    def keep_captured(self, selection, candidates, indices, cp_rank: int) -> None:
+        """During a capture: the layer's tensors, which every replay of this batch size rewrites. A
+        capture's first layer starts its list afresh (only the captured run's tensors are kept)."""
+        bs = indices.shape[0]
+        layers = self.captured.setdefault(bs, [])
+        if layers and layers[-1][0] == "done":
+            layers.clear()
+        layers.append((selection, candidates, indices, cp_rank))
+
+    def end_capture(self, bs: int) -> None:
+        if self.captured.get(bs):
+            self.captured[bs].append(("done",))
+
+    def check_replay(self, layout, page_table_1, seq_lens, bs: int) -> None:
+        """After a replay of the graph of ``bs``: every captured layer's per-owner top-k, as now rewritten."""
+        layers = [entry for entry in self.captured.get(bs, []) if entry[0] != "done"]
+        if not layers:
+            return
+        self.counts["graph_replays"] += 1
+        self.forward = (layout, page_table_1[:bs], seq_lens[:bs])
+        for selection, candidates, indices, cp_rank in layers:
+            self.counts["graph_layers"] += 1
+            self.check(selection, candidates, indices, cp_rank)
+        self.forward = None
 
     def check(self, selection, candidates, indices, cp_rank: int) -> None:
         if self.forward is None or capturing():
@@ -95,7 +131,15 @@ class DecodeReadAudit:
         c["wrong_rows"] += int(wrong_rows.sum())
         c["wrong_owner"] += int(wrong_owner.sum())
         c["missing"] += int(torch.where(padding, 0, (want - selected_per_request).clamp(min=0)).sum())
+        # A chosen candidate always has a position; one without is a token attended nowhere.
+        unplaced = mine & (candidates.positions < 0)
+        c["missing"] += int(unplaced.sum())
         c["padding_requests"] += int(padding.sum())
+        if bool(unplaced.any()):
+            logger.error(
+                "cp-shared-kv smoke decode read audit: rank %d chose %d candidates without a position "
+                "(their columns' positions were never computed for this batch)", cp_rank, int(unplaced.sum()),
+            )  # fmt: skip
         if bool(wrong_rows.any()):
             b, j = (int(x) for x in torch.nonzero(wrong_rows)[0])
             logger.error(
@@ -162,7 +206,22 @@ def register_hooks(registry, audit_dir: Path) -> None:
         return None
 
     def after_owned_attention_indices(indices, selection, candidates, cp_rank, *args, **kwargs):
-        audit().check(selection, candidates, indices, cp_rank)
+        if capturing():
+            audit().keep_captured(selection, candidates, indices, cp_rank)
+        else:
+            audit().check(selection, candidates, indices, cp_rank)
+        return None
+
+    def after_capture_one_batch_size(result, runner, bs, *args, **kwargs):
+        audit().end_capture(bs)
+        return None
+
+    def after_replay(result, runner, forward_batch, *args, **kwargs):
+        backend = runner.model_runner.attn_backend
+        state = getattr(backend, "_cp_per_owner_decode", None)
+        metadata = getattr(backend, "forward_metadata", None)
+        if state is not None and metadata is not None and forward_batch.forward_mode.is_decode():
+            audit().check_replay(state.runtime.layout, metadata.page_table_1, metadata.cache_seqlens_int32, runner.bs)
         return None
 
     def after_refresh(tables, buffers, layout, real_page_table, seq_lens, *args, **kwargs):
@@ -173,6 +232,8 @@ def register_hooks(registry, audit_dir: Path) -> None:
     registry.register(f"{_PER_OWNER}.PerOwnerDecode.begin_forward", after_begin_forward, HookType.AFTER)
     registry.register(f"{_PER_OWNER}.owned_attention_indices", after_owned_attention_indices, HookType.AFTER)
     registry.register(f"{_GRAPHS}.OwnerTableBuffers.refresh", after_refresh, HookType.AFTER)
+    registry.register(f"{_GRAPH_RUNNER}.capture_one_batch_size", after_capture_one_batch_size, HookType.AFTER)
+    registry.register(f"{_GRAPH_RUNNER}.replay", after_replay, HookType.AFTER)
 
 
 def totals(run_dir: Path) -> dict:
@@ -192,6 +253,8 @@ def failures(t: dict) -> list:
     found = []
     if not t.get("layers") and not t.get("graph_forwards"):
         found.append("decode read audit: no per-owner decode layer (or graph replay's tables) was checked")
+    if t.get("graph_forwards") and not t.get("graph_replays"):
+        found.append("decode read audit: graph replays ran but the replay audit checked none (no captured layer kept)")
     for key, what in (
         ("wrong_rows", "attention entries at a row other than the selected token's owner row"),
         ("wrong_owner", "selected tokens attributed to a rank that does not own them"),

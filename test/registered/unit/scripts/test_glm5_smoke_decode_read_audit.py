@@ -48,6 +48,9 @@ def _audit_counts(cp_size, seed=3, plant=None, topk=TOPK):
 
     with mock.patch.object(cases, "build_owner_decode_tables", build_with_plant):
         ranks = cases.per_owner_topk(batch, cases.emulated_local_logits(batch, logits), topk)
+    if plant == "stale-columns":  # columns' positions never computed for this batch (capture-time -1)
+        ranks = [replace(r, candidates=replace(r.candidates, positions=torch.full_like(r.candidates.positions, -1)))
+                 for r in ranks]  # fmt: skip
     if plant == "lost-candidates":  # rank 0's candidates never reach the merge
         scores = torch.stack([r.candidates.scores for r in ranks])
         scores[0] = float("-inf")
@@ -102,6 +105,43 @@ class TestDecodeReadAudit(CustomTestCase):
         t = _audit_counts(2, plant="wrong-owner")
         self.assertGreater(t["wrong_owner"], 0)
         self.assertTrue(decode_read_audit.failures(t))
+
+    def test_chosen_candidates_without_a_position_are_missing(self):
+        """What a replay read when the columns were cached across sglang's warm-ups (2026-12-03):
+        every position -1, so the expected rows were -1 too and only this count sees it (seen
+        failing without it: 0 counted)."""
+        t = _audit_counts(2, plant="stale-columns")
+        expected = sum(min(n, TOPK) for n, pad in zip(SEQ_LENS, PADDED) if not pad)
+        self.assertEqual(t["missing"], expected)
+        self.assertTrue(decode_read_audit.failures(t))
+
+    def test_replays_are_checked_on_the_captured_tensors(self):
+        """During a capture the layer's tensors are kept; after a replay of that batch size they are
+        checked as rewritten; a replay of another size, or none at all, checks nothing (and graph
+        runs whose replays were never checked fail)."""
+        g = torch.Generator().manual_seed(5)
+        batch = cases.random_batch(g, 2, PAGE, SEQ_LENS, PADDED)
+        logits = torch.randn(len(SEQ_LENS), batch.page_table.shape[1] * PAGE, generator=g)
+        ranks = cases.per_owner_topk(batch, cases.emulated_local_logits(batch, logits), TOPK)
+        bs = len(SEQ_LENS)
+        with tempfile.TemporaryDirectory() as tmp:
+            audit = decode_read_audit.DecodeReadAudit(Path(tmp), 0)
+            r = ranks[0]
+            with mock.patch.object(decode_read_audit, "capturing", return_value=True):
+                for _ in range(2):  # two layers captured
+                    audit.keep_captured(r.selection, r.candidates, r.attention_indices, 0)
+            audit.end_capture(bs)
+            args = (batch.layout(0), batch.token_locs(), batch.seq_lens.to(torch.int32))
+            audit.check_replay(*args, bs=bs + 1)
+            self.assertEqual(audit.counts["graph_replays"], 0)
+            audit.check_replay(*args, bs=bs)
+            self.assertEqual((audit.counts["graph_replays"], audit.counts["graph_layers"]), (1, 2))
+            self.assertEqual(audit.counts["wrong_rows"] + audit.counts["missing"], 0)
+            r.candidates.positions.fill_(-1)  # the replay rewrote them with stale columns
+            audit.check_replay(*args, bs=bs)
+            self.assertGreater(audit.counts["missing"], 0)
+        unchecked = {"ranks": 2, "graph_forwards": 5, "graph_replays": 0}
+        self.assertIn("replay audit checked none", " ".join(decode_read_audit.failures(unchecked)))
 
     def test_silent_without_per_owner_decode(self):
         with tempfile.TemporaryDirectory() as tmp:
