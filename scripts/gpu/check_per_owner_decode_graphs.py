@@ -166,6 +166,7 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
     from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
         same_selection_up_to_ties,
     )
+    from sglang_cp_shared_kv.testing import cpu_graph_recorder
     from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
 
     device = args.device
@@ -200,8 +201,15 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
             out = static_out.clone()
             mode = "graph replay"
         else:
-            out = layer.step()
-            mode = "static buffers re-run (cpu, no graph)"
+            # CUDA graph semantics on CPU: the captured run's ops replayed on the same tensors.
+            if graph is None:
+                layer.step()  # warm-up outside the capture, as on CUDA
+                graph = cpu_graph_recorder.RecordedRun()
+                with graph:
+                    static_out = layer.step()
+            graph.replay()
+            out = static_out.clone()
+            mode = "recorded run replayed (cpu)"
         fresh = layer.fresh_step()
         expected, positions_rep = layer.replicated(batch)
         real = torch.tensor([s > 0 for s in seq_lens], device=out.device)

@@ -37,7 +37,10 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables imp
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
-from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import SERVED_DECODE_IMPLS
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
+    SERVED_DECODE_IMPLS,
+    OwnerForward,
+)
 from sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs import OwnerTableBuffers
 from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
 from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
@@ -167,6 +170,10 @@ class EmulatedDecodeLayer:
         self.index_shards = [torch.zeros((physical_pages, PAGE * 132), dtype=torch.uint8, device=device)
                              for _ in range(cp_size)]
         self.buffers = [OwnerTableBuffers(bs, width_pages, PAGE, device) for _ in range(cp_size)]
+        # Each rank's per-owner forward state, made once at the first refresh, as sglang's capture
+        # metadata hook makes it once before its warm-ups and the capture: the captured step must
+        # derive its columns itself (``OwnerForward.begin_layer``), not reuse a warm-up's.
+        self.forwards: Optional[List[OwnerForward]] = None
         self.attention_metadata = None
         self.sm_scale = 576**-0.5
 
@@ -194,6 +201,8 @@ class EmulatedDecodeLayer:
             if rank in skip_ranks:
                 continue
             buffers.refresh(layout, self.page_table, self.seq_lens, self.kernels.schedule)
+        if self.forwards is None:
+            self.forwards = [OwnerForward(b.tables(self.bs), b.schedules.get(self.bs)) for b in self.buffers]
         metadata = self.attention.metadata(self._attention_lens())
         if self.attention_metadata is None or metadata is None:
             self.attention_metadata = metadata
@@ -209,7 +218,7 @@ class EmulatedDecodeLayer:
     def step(self) -> torch.Tensor:
         """Merged output [bs, H, 512] from static tensors only (capturable)."""
         return self._layer([b.tables(self.bs) for b in self.buffers],
-                           [b.schedules.get(self.bs) for b in self.buffers])[0]
+                           [b.schedules.get(self.bs) for b in self.buffers], forwards=self.forwards)[0]
 
     def fresh_step(self) -> torch.Tensor:
         """The same layer from tables built fresh from the static page table (not captured)."""
@@ -220,17 +229,23 @@ class EmulatedDecodeLayer:
 
     def selection(self) -> torch.Tensor:
         return self._layer([b.tables(self.bs) for b in self.buffers],
-                           [b.schedules.get(self.bs) for b in self.buffers])[1]
+                           [b.schedules.get(self.bs) for b in self.buffers], forwards=self.forwards)[1]
 
-    def _layer(self, tables: List[OwnerDecodeTables], schedules, metadata=None):
+    def _layer(self, tables: List[OwnerDecodeTables], schedules, metadata=None, forwards=None):
+        """``forwards``: the ranks' per-owner forward states, whose columns the runtime derives
+        (``OwnerForward.columns``, once per run); None derives them here (the fresh layer)."""
         metadata = self.attention_metadata if metadata is None else metadata
         width = self.width_pages * PAGE
         candidates = []
         for rank, t in enumerate(tables):
             logits = self.kernels.logits(self.q_index, self.weights, self.index_shards[rank],
                                          t.physical_page_table, t.owned_seq_lens, schedules[rank])
-            candidates.append(local_candidates(logits.float(), t.owned_seq_lens, t.local_positions(width),
-                                               t.local_physical_rows(width), self.topk))
+            if forwards is None:
+                positions, rows = t.local_positions(width), t.local_physical_rows(width)
+            else:
+                forwards[rank].begin_layer(0)  # one top-k layer per run
+                positions, rows = forwards[rank].columns(width)
+            candidates.append(local_candidates(logits.float(), t.owned_seq_lens, positions, rows, self.topk))
         selection = select_global(torch.stack([c.scores for c in candidates]), self.topk)  # the all-gather
         outs, lses = [], []
         for rank in range(self.cp_size):

@@ -1,5 +1,6 @@
-"""scripts/gpu/check_per_owner_decode_graphs.py on the CPU (torch references, no graph: a "replay"
-re-runs the layer over the static buffers), for every decode impl it captures (flashmla_kv over fp8
+"""scripts/gpu/check_per_owner_decode_graphs.py on the CPU (torch references; a "capture" records the
+layer's ops after a warm-up and a "replay" re-runs them on the same tensors, ``cpu_graph_recorder``,
+as a CUDA graph would), for every decode impl it captures (flashmla_kv over fp8
 KV; flashmla_sparse with its base-2 LSE and fa3 over the compacted owned indices, both over bf16
 KV): it passes on both batches, and its stale-buffer plant (rank 1's owner tables not refreshed
 before the second batch) fails the second batch only. Its summary counts skipped impls and a run
@@ -58,6 +59,15 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
         self.assertEqual(self._run("flashmla_kv", "stale-tables", padded_rows=3), [True, False])
         with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             self.check.parse_args(["--padded-rows", "-1"])
+
+    def test_columns_carried_from_the_warm_up_fail_the_second_batch(self):
+        """The served crash's cause (2026-12-03): the captured run reused the columns its warm-up
+        derived, so no replay recomputed them. The recorded replay sees it (a re-run of the Python
+        could not: it derives them again)."""
+        from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import OwnerForward
+
+        with mock.patch.object(OwnerForward, "begin_layer", lambda self, layer_id: None):
+            self.assertEqual(self._run("fa3"), [True, False])
 
     def test_stale_tables_fail_the_second_batch(self):
         for impl in ("flashmla_kv", "fa3"):
