@@ -91,8 +91,8 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--padded-rows", type=int, default=1,
-        help="padded requests in each batch (a served replay of batch 6 in the graph of 8 has 2, "
-        "and crashed served: run with CUDA_LAUNCH_BLOCKING=1 to name the kernel)",
+        help="padded requests in each batch (a served replay of batch 6 in the graph of 8 has 2; "
+        "with CUDA_LAUNCH_BLOCKING=1 a kernel faulting in the eager warm-up is named)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

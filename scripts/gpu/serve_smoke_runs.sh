@@ -171,7 +171,7 @@ GRAMMAR="--grammar-backend none"
 BF16_WT="$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
 FP8_WT="$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
 # per-owner decode graphs: capture every batch size a smoke sends (sglang keeps the multiples of the CP
-# size; per-owner graphs refuse a list that pads a replay by the CP size or more, which crashed served)
+# size; per-owner graphs refuse a list that pads a replay by the CP size or more, which have not served clean yet)
 GRAPHS="${SMOKE_GRAPH_ARGS:---cuda-graph-bs $(seq -s ' ' 1 16)}"
 # The runs the correctness, decode and onegpu-core modes share (each judged against its reference).
 ref_bf16() {

@@ -110,20 +110,20 @@ def graph_padding_problem(cuda_graph_bs, cp_size: int, flag: str) -> Optional[st
 
     sglang captures only batch sizes that are multiples of the attention CP size and replays a
     batch in the smallest captured size that holds it. Served at CP 2 (one-GPU test mode,
-    2026-12-02), replays padded by one row passed the KV audits while a batch of 6 replayed in the
-    graph of 8 (sglang's default list) crashed with an illegal memory access; stock sglang replays
-    such batches cleanly (2026-12-03), the per-owner layer alone is clean fed padded rows on one
-    GPU (2026-12-03), and the faulting kernel is not located. So the list must hold
-    every multiple of ``cp_size`` up to its largest size, and a CP size above 2 is refused: there
-    every batch that is not a multiple of it replays padded by up to ``cp_size - 1`` rows, which
-    has never been served. ``None`` list (sglang has not resolved it yet): judged again before
-    capture (``per_owner_decode.cuda_graphs``)."""
+    2026-12-02), a batch of 6 replayed in the graph of 8 (sglang's default list) crashed with an
+    illegal memory access; the cause (2026-12-03: the captured run reused columns derived in
+    sglang's warm-up runs, ``OwnerForward.begin_layer``) is fixed, and it also voids the one
+    served graph run that passed. Until graphs serve clean, the fence stays: the list must hold
+    every multiple of ``cp_size`` up to its largest size, and a CP size above 2 is refused (every
+    batch that is not a multiple of it replays padded by up to ``cp_size - 1`` rows). ``None``
+    list (sglang has not resolved it yet): judged again before capture
+    (``per_owner_decode.cuda_graphs``)."""
     if cp_size > MAX_SERVED_GRAPH_CP_SIZE:
         return (
-            f"{flag} with decode CUDA graphs per owner is served only up to CP size "
+            f"{flag} with decode CUDA graphs per owner is accepted only up to CP size "
             f"{MAX_SERVED_GRAPH_CP_SIZE}, not {cp_size}: sglang pads a replay to a multiple of the CP "
-            f"size (up to {cp_size - 1} rows here) and a replay padded by 2 rows crashed served at CP 2 "
-            f"(not located yet); use --disable-cuda-graph (per-owner decode then runs eagerly)"
+            f"size (up to {cp_size - 1} rows here), and padded replays have not served clean yet; use "
+            f"--disable-cuda-graph (per-owner decode then runs eagerly)"
         )
     if not cuda_graph_bs:
         return None
@@ -135,7 +135,7 @@ def graph_padding_problem(cuda_graph_bs, cp_size: int, flag: str) -> Optional[st
     wanted = " ".join(str(bs) for bs in range(step, largest + 1, step))
     return (
         f"{flag} with decode CUDA graphs per owner needs --cuda-graph-bs to hold every multiple of "
-        f"the CP size ({step}) up to {largest}, or --disable-cuda-graph: a replay padded by "
-        f"{step} rows or more crashed served (missing: {' '.join(map(str, missing[:8]))}"
+        f"the CP size ({step}) up to {largest}, or --disable-cuda-graph: replays padded by "
+        f"{step} rows or more have not served clean yet (missing: {' '.join(map(str, missing[:8]))}"
         f"{' ...' if len(missing) > 8 else ''}); e.g. --cuda-graph-bs {wanted}"
     )

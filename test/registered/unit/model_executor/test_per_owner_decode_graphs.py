@@ -395,7 +395,7 @@ class TestGraphDecodeStartupRule(CustomTestCase):
         for tp_size, listed in ((4, list(range(4, 17, 4))), (8, [8, 16]), (4, None)):
             with self.subTest(tp_size=tp_size, listed=listed):
                 problem, problems = self._problem(env, tp_size=tp_size, cuda_graph_bs=listed)
-                self.assertIn(f"served only up to CP size 2, not {tp_size}", problem)
+                self.assertIn(f"accepted only up to CP size 2, not {tp_size}", problem)
                 self.assertIn("--disable-cuda-graph", problem)
                 self.assertEqual(problems, [problem])
         self.assertEqual(self._problem(env, tp_size=8, disable_cuda_graph=True), (None, []))

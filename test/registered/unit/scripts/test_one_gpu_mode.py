@@ -142,7 +142,7 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
                         "torch.cuda.get_device_capability", return_value=(9, 0)
                     ):
                         if tp > 2:
-                            with self.assertRaisesRegex(ValueError, f"served only up to CP size 2, not {tp}"):
+                            with self.assertRaisesRegex(ValueError, f"accepted only up to CP size 2, not {tp}"):
                                 prepare_server_args(config.command()[2:] + ["--device", "cuda"])
                             os.environ.clear()
                             os.environ.update(saved)
