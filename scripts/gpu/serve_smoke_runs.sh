@@ -41,13 +41,14 @@
 #                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
 #                 13 rows. Whether a padded replay fails without shared KV too (per-owner graphs refuse
 #                 a list that pads by the CP size or more, and any CP size above 2: decode_path.py).
-#   padded-graphs diagnosis of the crash that fences per-owner decode graphs (CP 2 only): per-owner
-#                 graphs captured at batch 2 and 16 only (every burst batch of 3 to 15 replays padded),
-#                 the startup rule lifted (smoke --lift-graph-padding-rule), CUDA_LAUNCH_BLOCKING=1:
-#                 diag_padded_graphs replays real graphs (the crash, reproduced or not), and
-#                 diag_padded_eager_replay adds sglang's --debug-cuda-graph (each replay runs the
-#                 captured forward eagerly on the graph's static, padded buffers), so a fault names
-#                 its kernel in the log. Both against ref_bf16 (run here too).
+#   padded-graphs per-owner decode graphs replaying padded batches, the case that fences them (CP 2
+#                 only): captured at batch 2 and 16 only (every burst batch of 3 to 15 replays
+#                 padded), the startup rule lifted (smoke --lift-graph-padding-rule),
+#                 CUDA_LAUNCH_BLOCKING=1: on_bf16_owner_graphs_padded is judged (must PASS: the
+#                 evidence for lifting the fence), and diag_padded_eager_replay, reported only, adds
+#                 sglang's --debug-cuda-graph (each replay runs the captured forward eagerly on the
+#                 graph's static, padded buffers), so a fault names its kernel in the log. Both
+#                 against ref_bf16 (run here too).
 #   onegpu-core   the most per minute at one SMOKE_TP: the two references, shared KV in gather /
 #                 per-owner eager / per-owner graphs, bf16 and fp8 (prefetch on in one run of each
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
@@ -244,7 +245,7 @@ case "$MODE" in
   padded-graphs)
     if (( TP != 2 )); then echo "padded-graphs: CP 2 only (SMOKE_TP=2)"; exit 2; fi
     ref_bf16
-    for run in diag_padded_graphs diag_padded_eager_replay; do
+    for run in on_bf16_owner_graphs_padded diag_padded_eager_replay; do
       debug=""; [[ "$run" == diag_padded_eager_replay ]] && debug="--debug-cuda-graph"
       on_bf16 "$run" --decode per-owner-graphs --lift-graph-padding-rule --server-env CUDA_LAUNCH_BLOCKING=1 \
         --extra-server-args "$BF16_WT --cuda-graph-bs 2 16 $debug"

@@ -221,8 +221,8 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
     def test_padded_graphs_mode_lifts_the_rule_for_its_diagnosis_runs_only(self):
         """Mode padded-graphs: two shared-KV runs with per-owner graphs captured at 2 and 16 only
         (burst batches replay padded), the startup rule lifted by the smoke plugin, launches
-        blocking, and one with sglang's --debug-cuda-graph (replays run eagerly); the reference
-        without any of it; CP 2 only.
+        blocking: one judged, one (a diagnosis) with sglang's --debug-cuda-graph (replays run
+        eagerly); the reference without any of it; CP 2 only.
         Seen failing with the lift dropped from the runner (the env never reached the servers)."""
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
@@ -230,7 +230,7 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                    "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
             proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], env, tmp)
             lift = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_PADDING_RULE"
-            for name, debug in (("diag_padded_graphs", False), ("diag_padded_eager_replay", True)):
+            for name, debug in (("on_bf16_owner_graphs_padded", False), ("diag_padded_eager_replay", True)):
                 self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
                 servers = {mode: (env_vars, argv) for mode, _, env_vars, argv in
                            servers_in((tmp / "out" / f"{name}.log").read_text())}  # fmt: skip
