@@ -141,8 +141,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "failure from a shared-KV one")
     p.add_argument("--lift-graph-padding-rule", action="store_true",
                    help="diagnosis only, with --decode per-owner-graphs: the shared-KV server accepts a capture "
-                        "list whose replays are padded (the product refuses it: a padded replay crashed "
-                        "served); add sglang's --debug-cuda-graph to run each replay eagerly on the graph's "
+                        "list whose replays are padded (the product refuses it until padded replays have served "
+                        "clean); add sglang's --debug-cuda-graph to run each replay eagerly on the graph's "
                         "static buffers, so that CUDA_LAUNCH_BLOCKING=1 names a faulting kernel")
     p.add_argument("--prefetch-slot-tokens", default=None,
                    help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")

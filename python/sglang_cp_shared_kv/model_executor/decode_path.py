@@ -101,7 +101,8 @@ def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
     )
 
 
-# Per-owner decode graphs pad a replay by up to cp_size - 1 rows; served clean only where that is 1.
+# Per-owner decode graphs pad a replay by up to cp_size - 1 rows; accepted only where that is at most 1
+# until graphs have served clean (see graph_padding_problem).
 MAX_SERVED_GRAPH_CP_SIZE = 2
 
 

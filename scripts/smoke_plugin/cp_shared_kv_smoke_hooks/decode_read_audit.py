@@ -54,6 +54,7 @@ _GRAPHS = "sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs"
 COUNT_KEYS = ("forwards", "layers", "selected", "attended_rows", "wrong_rows", "wrong_owner", "missing",
               "padding_requests", "graph_forwards", "graph_columns", "graph_replays", "graph_layers")  # fmt: skip
 _GRAPH_RUNNER = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
+_CAPTURE_ENDED = object()  # closes a batch size's captured layers; a new capture of it starts afresh
 
 
 def expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank):
@@ -91,17 +92,17 @@ class DecodeReadAudit:
         capture's first layer starts its list afresh (only the captured run's tensors are kept)."""
         bs = indices.shape[0]
         layers = self.captured.setdefault(bs, [])
-        if layers and layers[-1][0] == "done":
+        if layers and layers[-1] is _CAPTURE_ENDED:
             layers.clear()
         layers.append((selection, candidates, indices, cp_rank))
 
     def end_capture(self, bs: int) -> None:
         if self.captured.get(bs):
-            self.captured[bs].append(("done",))
+            self.captured[bs].append(_CAPTURE_ENDED)
 
     def check_replay(self, layout, page_table_1, seq_lens, bs: int) -> None:
         """After a replay of the graph of ``bs``: every captured layer's per-owner top-k, as now rewritten."""
-        layers = [entry for entry in self.captured.get(bs, []) if entry[0] != "done"]
+        layers = [entry for entry in self.captured.get(bs, []) if entry is not _CAPTURE_ENDED]
         if not layers:
             return
         self.counts["graph_replays"] += 1

@@ -133,20 +133,27 @@ class TestDraftRowsInTheDumps(CustomTestCase):
         self.assertEqual(len(kv_audit_compare.copy_failures(missing, "transfer", with_draft=True)), 1)
 
 
+def _three_requests(test, shared_tokens: int) -> None:
+    """A first request with a 3-page prefix; a second sharing its first ``shared_tokens`` tokens
+    and served its first 2 pages from the cache; a replay of the first with all 3 pages cached."""
+    test.tmp = tempfile.TemporaryDirectory()
+    test.addCleanup(test.tmp.cleanup)
+    test.run_dir = Path(test.tmp.name) / "run"
+    prefix = tokens(0, 3 * PAGE)
+    test.first = Request(prefix + tokens(1, 20), 1)
+    test.second = Request(prefix[:shared_tokens] + tokens(2, 3 * PAGE - shared_tokens + 20), 2,
+                          cached_tokens=2 * PAGE)  # fmt: skip
+    test.second.reuse(test.first, slice(0, 2 * PAGE))
+    test.replay = Request(list(test.first.tokens), 3, cached_tokens=3 * PAGE)
+    test.replay.reuse(test.first, slice(0, 3 * PAGE))
+
+
 class TestCachedRowLedger(CustomTestCase):
     """Request 0 computes a 3-page prefix; request 1 (another suffix) gets its first 2 pages from the
     cache; request 2 replays request 0 with all 3 pages cached."""
 
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(self.tmp.cleanup)
-        self.run_dir = Path(self.tmp.name) / "run"
-        prefix = tokens(0, 3 * PAGE)
-        self.first = Request(prefix + tokens(1, 20), 1)
-        self.second = Request(prefix[: 2 * PAGE] + tokens(2, PAGE + 20), 2, cached_tokens=2 * PAGE)
-        self.second.reuse(self.first, slice(0, 2 * PAGE))
-        self.replay = Request(list(self.first.tokens), 3, cached_tokens=3 * PAGE)
-        self.replay.reuse(self.first, slice(0, 3 * PAGE))
+        _three_requests(self, shared_tokens=2 * PAGE)
 
     def write(self):
         self.first.write(self.run_dir, "smoke-0-first")
@@ -211,15 +218,7 @@ class TestCachedRowLedgerWithBigramKeys(CustomTestCase):
     copy (a wrong tree branch) must still fail."""
 
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(self.tmp.cleanup)
-        self.run_dir = Path(self.tmp.name) / "run"
-        prefix = tokens(0, 3 * PAGE)
-        self.first = Request(prefix + tokens(1, 20), 1)
-        self.second = Request(prefix + tokens(2, 20), 2, cached_tokens=2 * PAGE)
-        self.second.reuse(self.first, slice(0, 2 * PAGE))
-        self.replay = Request(list(self.first.tokens), 3, cached_tokens=3 * PAGE)
-        self.replay.reuse(self.first, slice(0, 3 * PAGE))
+        _three_requests(self, shared_tokens=3 * PAGE)
 
     def ledger(self, bigram_keys=True):
         self.first.write(self.run_dir, "smoke-0-first")
