@@ -40,7 +40,7 @@ SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_AUDIT_LAYERS_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
 from cp_shared_kv_smoke_hooks import (  # noqa: E402
-    SMOKE_LIFT_GRAPH_PADDING_RULE_ENV,
+    SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV,
     SMOKE_LIFT_TP_RULE_ENV,
     SMOKE_PLANT_ENV,
 )
@@ -139,11 +139,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="stock server only: decode CUDA graphs (no --disable-cuda-graph) with sglang's own "
                         "capture list unless --extra-server-args names one; tells a stock padded-replay "
                         "failure from a shared-KV one")
-    p.add_argument("--lift-graph-padding-rule", action="store_true",
-                   help="diagnosis only, with --decode per-owner-graphs: the shared-KV server accepts a capture "
-                        "list whose replays are padded (the product refuses it until padded replays have served "
-                        "clean); add sglang's --debug-cuda-graph to run each replay eagerly on the graph's "
-                        "static buffers, so that CUDA_LAUNCH_BLOCKING=1 names a faulting kernel")
+    p.add_argument("--lift-graph-cp-size-rule", action="store_true",
+                   help="test only, with --decode per-owner-graphs: the shared-KV server accepts per-owner decode "
+                        "graphs above the CP size they have served at (the product refuses them there); add "
+                        "sglang's --debug-cuda-graph to run each replay eagerly on the graph's static buffers, "
+                        "so that CUDA_LAUNCH_BLOCKING=1 names a faulting kernel")
     p.add_argument("--prefetch-slot-tokens", default=None,
                    help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")
     p.add_argument("--server-env", action="append", default=[], type=env_assignment, metavar="KEY=VALUE",
@@ -169,8 +169,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--audit-layers must be 0 (all) or more")
     if args.stock_cuda_graphs and args.shared_kv != "off":
         p.error("--stock-cuda-graphs needs --shared-kv off (the shared-KV server's graphs: --decode per-owner-graphs)")
-    if args.lift_graph_padding_rule and args.decode != "per-owner-graphs":
-        p.error("--lift-graph-padding-rule needs --decode per-owner-graphs (the rule it lifts is theirs)")
+    if args.lift_graph_cp_size_rule and args.decode != "per-owner-graphs":
+        p.error("--lift-graph-cp-size-rule needs --decode per-owner-graphs (the rule it lifts is theirs)")
     if args.decode != "gather" and args.shared_kv == "off":
         p.error(f"--decode {args.decode} needs --shared-kv on or both (it sets the shared-KV server's decode)")
     try:
@@ -266,8 +266,8 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[DECODE_PATH_ENV] = PER_OWNER
         if args.decode == "per-owner-graphs":
             extra[GRAPH_DECODE_ENV] = "1"
-        if args.lift_graph_padding_rule:
-            extra[SMOKE_LIFT_GRAPH_PADDING_RULE_ENV] = "1"
+        if args.lift_graph_cp_size_rule:
+            extra[SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV] = "1"
     if shared_kv and args.prefetch_slot_tokens is not None:
         extra[PREFETCH_SLOT_TOKENS_ENV] = args.prefetch_slot_tokens
     if args.one_gpu:

@@ -39,23 +39,21 @@
 #                 and under graphs (bf16); each plant must FAIL. (MTP is refused with per-owner decode.)
 #   stock-graphs  stock (shared KV off) with decode CUDA graphs captured only at batch SMOKE_TP and 16,
 #                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
-#                 13 rows. Whether a padded replay fails without shared KV too (per-owner graphs refuse
-#                 a list that pads by the CP size or more, and any CP size above 2: decode_path.py).
-#   padded-graphs per-owner decode graphs replaying padded batches, the case that fences them (CP 2
-#                 only): captured at batch 2 and 16 only (every burst batch of 3 to 15 replays
-#                 padded), the startup rule lifted (smoke --lift-graph-padding-rule),
-#                 CUDA_LAUNCH_BLOCKING=1: on_bf16_owner_graphs_padded is judged (must PASS: the
-#                 evidence for lifting the fence), and diag_padded_eager_replay, reported only, adds
-#                 sglang's --debug-cuda-graph (each replay runs the captured forward eagerly on the
-#                 graph's static, padded buffers), so a fault names its kernel in the log. Both
+#                 13 rows. Whether a padded replay fails without shared KV too.
+#   padded-graphs per-owner decode graphs replaying padded batches: captured at batch SMOKE_TP and 16
+#                 only (every burst batch of 3 to 15 replays padded), CUDA_LAUNCH_BLOCKING=1:
+#                 on_bf16_owner_graphs_padded is judged, and diag_padded_eager_replay, reported only,
+#                 adds sglang's --debug-cuda-graph (each replay runs the captured forward eagerly on
+#                 the graph's static, padded buffers), so a fault names its kernel in the log. Both
 #                 against ref_bf16 (run here too).
 #   onegpu-core   the most per minute at one SMOKE_TP: the two references, shared KV in gather /
 #                 per-owner eager / per-owner graphs, bf16 and fp8 (prefetch on in one run of each
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
 #                 eager and under graphs); 12 servers. Meant for SMOKE_ONE_GPU=1 (docs/gpu.md, "One-GPU
 #                 test mode", gives the expected wall time per SMOKE_TP); SMOKE_ONLY splits it.
-#   (Above SMOKE_TP 2 the per-owner graph runs of decode and onegpu-core are not started and say so:
-#   the server refuses per-owner decode graphs above CP 2.)
+#   (Above the CP size where the server accepts per-owner decode graphs (decode_path.py,
+#   MAX_SERVED_GRAPH_CP_SIZE: 4), the per-owner graph runs are not started and say so, unless
+#   SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1 has the smoke plugin lift that rule: how graphs get served there.)
 #
 # Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs|padded-graphs   (results under $OUT)
 #
@@ -74,6 +72,8 @@
 #                           audit's per-forward all-gather of each audited layer's pool over sockets dominated
 #                           the shared-KV servers' time; layers 0 and 1 cover both prefetch slots)
 #   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-bs 1 2 .. 16)
+#   SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1   test only: the per-owner graph runs start at SMOKE_TP 8 too,
+#                           their servers accepting graphs there (smoke --lift-graph-cp-size-rule)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
 #   SMOKE_NEXTN_MODEL_DIR   the mtp modes' model (default /tmp/tiny-glm5-nextn; tiny model only)
@@ -96,6 +96,8 @@ TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
 [[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
+LIFT_GRAPH_RULE="${SMOKE_LIFT_GRAPH_CP_SIZE_RULE:-}"
+[[ -z "$LIFT_GRAPH_RULE" || "$LIFT_GRAPH_RULE" == 1 ]] || { echo "SMOKE_LIFT_GRAPH_CP_SIZE_RULE must be 1 or unset" >&2; exit 2; }
 PARALLEL="${SMOKE_PARALLEL:-$([[ -n "$ONE_GPU" ]] && echo $(( TP >= 12 ? 1 : 12 / TP )) || echo 0)}"
 BUDGET_S="${SMOKE_BUDGET_S:-$([[ -n "$ONE_GPU" ]] && echo 540)}"
 AUDIT_LAYERS="${SMOKE_AUDIT_LAYERS:-$([[ -n "$ONE_GPU" ]] && echo 2)}"
@@ -150,17 +152,22 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   echo "$rc $took" > "$RUNS/$name/runner_exit"
   echo "$name: exit $rc (${took} s)"
 }
-graph_run_refused() {  # NAME ARGS...: a per-owner graph run above CP 2, which the server refuses at startup
-  [[ " ${*:2} " == *" per-owner-graphs "* ]] && (( TP > 2 ))
+MAX_GRAPH_CP="$(PYTHONPATH=python python3 -c \
+  'from sglang_cp_shared_kv.model_executor.decode_path import MAX_SERVED_GRAPH_CP_SIZE as m; print(m)')" || exit 1
+above_graph_cp_size() {  # ARGS...: a per-owner graph run above the CP size the server accepts graphs at
+  [[ " $* " == *" per-owner-graphs "* ]] && (( TP > MAX_GRAPH_CP ))
 }
 spawn() {  # spawn smoke NAME ARGS...: in the background (at most PARALLEL at once), or in turn with SMOKE_SERIAL
   if [[ "$1" == smoke ]]; then
     selected "$2" || return 0
-    # Not started (nor judged): its refusal at startup would read as a failed clean run, or as a
-    # caught plant.
-    if graph_run_refused "${@:2}"; then
-      echo "$2: not run (per-owner decode graphs are refused above CP 2: decode_path.MAX_SERVED_GRAPH_CP_SIZE)"
-      return 0
+    if above_graph_cp_size "${@:3}"; then
+      # Not started (nor judged) unless lifted: its refusal at startup would read as a failed
+      # clean run, or as a caught plant.
+      if [[ -z "$LIFT_GRAPH_RULE" ]]; then
+        echo "$2: not run (per-owner decode graphs are refused above CP $MAX_GRAPH_CP: decode_path.MAX_SERVED_GRAPH_CP_SIZE)"
+        return 0
+      fi
+      set -- "$@" --lift-graph-cp-size-rule
     fi
     STARTED+=("$2")
   fi
@@ -172,7 +179,7 @@ GRAMMAR="--grammar-backend none"
 BF16_WT="$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size 2048"
 FP8_WT="$GRAMMAR --kv-cache-dtype fp8_e4m3 --hicache-write-policy write_through"
 # per-owner decode graphs: capture every batch size a smoke sends (sglang keeps the multiples of the CP
-# size; per-owner graphs refuse a list that pads a replay by the CP size or more, which have not served clean yet)
+# size); padded-graphs captures two sizes only
 GRAPHS="${SMOKE_GRAPH_ARGS:---cuda-graph-bs $(seq -s ' ' 1 16)}"
 # The runs the correctness, decode and onegpu-core modes share (each judged against its reference).
 ref_bf16() {
@@ -243,12 +250,11 @@ case "$MODE" in
       --extra-server-args "$BF16_WT --cuda-graph-bs $TP 16"
     wait ;;
   padded-graphs)
-    if (( TP != 2 )); then echo "padded-graphs: CP 2 only (SMOKE_TP=2)"; exit 2; fi
     ref_bf16
     for run in on_bf16_owner_graphs_padded diag_padded_eager_replay; do
       debug=""; [[ "$run" == diag_padded_eager_replay ]] && debug="--debug-cuda-graph"
-      on_bf16 "$run" --decode per-owner-graphs --lift-graph-padding-rule --server-env CUDA_LAUNCH_BLOCKING=1 \
-        --extra-server-args "$BF16_WT --cuda-graph-bs 2 16 $debug"
+      on_bf16 "$run" --decode per-owner-graphs --server-env CUDA_LAUNCH_BLOCKING=1 \
+        --extra-server-args "$BF16_WT --cuda-graph-bs $TP 16 $debug"
     done
     wait ;;
   confirm)  # the bf16 and fp8 shared-KV runs and their references, in one short call

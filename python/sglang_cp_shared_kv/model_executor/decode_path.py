@@ -4,10 +4,11 @@ By default every decode forward gathers the pages it reads into the gather scrat
 hold one layer of the whole logical capacity. With ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` decode
 runs per owner (``per_owner_decode``: each rank scores and attends over its own pool, no page
 gather) unless something rules it out, and the scratch only has to hold a prefill forward. The
-default is still the gather because per-owner decode has not been served in a running server yet
-(that needs two GPUs); measured on one H200 at GLM-5 widths it costs a fixed 44-82 us per layer
-at batch 1 as a CUDA graph and 370-770 us eagerly, whatever the context, against a gather whose
-on-GPU work alone grows with the batch's pages (docs/runtime.md, section 4).
+default is still the gather: per-owner decode has served clean (audited against stock, one-GPU test
+mode) at CP 2 and 4 with bf16 KV, not yet at CP 8, nor with fp8 KV, nor with MTP. Measured on one
+H200 at GLM-5 widths it costs a fixed 44-82 us per layer at batch 1 as a CUDA graph and 370-770
+us eagerly, whatever the context, against a gather whose on-GPU work alone grows with the batch's
+pages (docs/runtime.md, section 4).
 
 The decision is needed before the model runner exists (the scratch is reserved before sglang sizes
 the pool, and the CUDA-graph rule is judged on ``ServerArgs``), so it is taken here from the same
@@ -88,7 +89,7 @@ def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
     if not graph_decode_opted_in():
         return (
             f"{flag} requires --disable-cuda-graph (decode CUDA graphs per owner are opt-in with "
-            f"{GRAPH_DECODE_ENV}=1 until checked on GPUs)"
+            f"{GRAPH_DECODE_ENV}=1 until served at every CP size)"
         )
     reason = decode_gather_reason(server_args)
     if reason is not None:
@@ -96,47 +97,25 @@ def cuda_graph_problem(server_args, flag: str) -> Optional[str]:
             f"{flag} requires --disable-cuda-graph while decode gathers pages ({reason}): graphs "
             f"cannot replay the per-forward, variable-size page gather"
         )
-    return graph_padding_problem(
-        getattr(server_args, "cuda_graph_bs", None), getattr(server_args, "tp_size", 1), flag
-    )
+    return graph_cp_size_problem(getattr(server_args, "tp_size", 1), flag)
 
 
-# Per-owner decode graphs pad a replay by up to cp_size - 1 rows; accepted only where that is at most 1
-# until graphs have served clean (see graph_padding_problem).
-MAX_SERVED_GRAPH_CP_SIZE = 2
+# The largest CP size at which per-owner decode graphs have served clean (see graph_cp_size_problem).
+MAX_SERVED_GRAPH_CP_SIZE = 4
 
 
-def graph_padding_problem(cuda_graph_bs, cp_size: int, flag: str) -> Optional[str]:
-    """Why per-owner decode graphs are refused at this CP size with this capture list, or None.
+def graph_cp_size_problem(cp_size: int, flag: str) -> Optional[str]:
+    """Why per-owner decode graphs are refused at this CP size, or None.
 
-    sglang captures only batch sizes that are multiples of the attention CP size and replays a
-    batch in the smallest captured size that holds it. Served at CP 2 (one-GPU test mode,
-    2026-12-02), a batch of 6 replayed in the graph of 8 (sglang's default list) crashed with an
-    illegal memory access; the cause (2026-12-03: the captured run reused columns derived in
-    sglang's warm-up runs, ``OwnerForward.begin_layer``) is fixed, and it also voids the one
-    served graph run that passed. Until graphs serve clean, the fence stays: the list must hold
-    every multiple of ``cp_size`` up to its largest size, and a CP size above 2 is refused (every
-    batch that is not a multiple of it replays padded by up to ``cp_size - 1`` rows). ``None``
-    list (sglang has not resolved it yet): judged again before capture
+    Served clean (one-GPU test mode, 2026-12-03; the decode audit checking every replay's selection
+    and attention indices) at CP 2, with every batch size captured and with only 2 and 16 captured
+    (batches of 3-15 replayed padded in the graph of 16), and at CP 4 (captured at 4 8 12 16, so
+    most batches replayed padded). CP 8 has not been served: refused there, naming the way out. Asked at startup (``ServerArgs``) and again before capture
     (``per_owner_decode.cuda_graphs``)."""
-    if cp_size > MAX_SERVED_GRAPH_CP_SIZE:
-        return (
-            f"{flag} with decode CUDA graphs per owner is accepted only up to CP size "
-            f"{MAX_SERVED_GRAPH_CP_SIZE}, not {cp_size}: sglang pads a replay to a multiple of the CP "
-            f"size (up to {cp_size - 1} rows here), and padded replays have not served clean yet; use "
-            f"--disable-cuda-graph (per-owner decode then runs eagerly)"
-        )
-    if not cuda_graph_bs:
+    if cp_size <= MAX_SERVED_GRAPH_CP_SIZE:
         return None
-    step = max(1, cp_size)
-    largest = max(cuda_graph_bs)
-    missing = sorted(set(range(step, largest + 1, step)) - set(cuda_graph_bs))
-    if not missing:
-        return None
-    wanted = " ".join(str(bs) for bs in range(step, largest + 1, step))
     return (
-        f"{flag} with decode CUDA graphs per owner needs --cuda-graph-bs to hold every multiple of "
-        f"the CP size ({step}) up to {largest}, or --disable-cuda-graph: replays padded by "
-        f"{step} rows or more have not served clean yet (missing: {' '.join(map(str, missing[:8]))}"
-        f"{' ...' if len(missing) > 8 else ''}); e.g. --cuda-graph-bs {wanted}"
+        f"{flag} with decode CUDA graphs per owner is accepted only up to CP size "
+        f"{MAX_SERVED_GRAPH_CP_SIZE}, not {cp_size}: they have not been served above it yet; use "
+        f"--disable-cuda-graph (per-owner decode then runs eagerly)"
     )

@@ -97,10 +97,6 @@ class ServeConfig:
             cmd += ["--load-format", self.load_format]
         if self.mtp:
             cmd += list(MTP_SERVER_ARGS)
-        if self.cuda_graphs and self.shared_kv and "--cuda-graph-bs" not in self.extra_args:
-            # Per-owner decode graphs refuse a capture list that pads a replay by the CP size or
-            # more (decode_path.graph_padding_problem): every multiple of it up to 32.
-            cmd += ["--cuda-graph-bs", *(str(bs) for bs in range(self.tp_size, 33, self.tp_size))]
         return cmd + list(self.extra_args)
 
 

@@ -286,10 +286,10 @@ class TestCollectivesAndBinding(CustomTestCase):
         self.assertTrue(torch.equal(x, torch.ones(3)))  # the input is not reduced in place
         self.assertEqual(calls, ["all_gather_into_tensor", "all_reduce"])
 
-    def _runner(self, disable_cuda_graph=False):
+    def _runner(self, disable_cuda_graph=False, cp_size=2):
         pool = SimpleNamespace()
         state = SimpleNamespace(all_gather=None, all_reduce_sum=None)
-        runtime = SimpleNamespace(pool=pool, layout=CpSharedKVLayout(2, 0, PAGE))
+        runtime = SimpleNamespace(pool=pool, layout=CpSharedKVLayout(cp_size, 0, PAGE))
         runner = SimpleNamespace(
             server_args=SimpleNamespace(disable_cuda_graph=disable_cuda_graph),
             token_to_kv_pool=pool,
@@ -311,16 +311,25 @@ class TestCollectivesAndBinding(CustomTestCase):
         self.assertIs(getattr(runner.attn_backend, _STATE_ATTR), state)
         self.assertIsNotNone(state.all_gather)
 
-    def test_binding_refuses_a_capture_list_that_pads_by_the_cp_size(self):
-        """What sglang resolved (its default list at CP 2 keeps 2 4 8 12 16) is judged before
-        capture, where ServerArgs could not see it."""
-        runner, runtime, state = self._runner()
-        runner.server_args.cuda_graph_bs = [2, 4, 8, 12, 16]
-        with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
-             mock.patch.object(graphs, "per_owner_of", return_value=state):
-            with self.assertRaisesRegex(ValueError, "--cuda-graph-bs .*missing: 6 10 14"):
-                graphs.bind_graph_decode(runner)
-        self.assertFalse(hasattr(runner.attn_backend, _STATE_ATTR))
+    def test_binding_refuses_cp_sizes_graphs_have_not_served_at(self):
+        """Judged again before capture, on the runtime's CP size: a padded capture list (sglang's
+        default keeps 2 4 8 12 16 at CP 2) binds at CP 2 and 4, CP 8 is refused with nothing bound.
+        Planted: the check before capture dropped (CP 8 bound)."""
+        tp = object()
+        for cp_size, binds in ((2, True), (4, True), (8, False)):
+            with self.subTest(cp_size=cp_size):
+                runner, runtime, state = self._runner(cp_size=cp_size)
+                runner.server_args.cuda_graph_bs = [2, 4, 8, 12, 16]
+                with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
+                     mock.patch.object(graphs, "per_owner_of", return_value=state), \
+                     mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp), \
+                     mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=tp):
+                    if binds:
+                        self.assertTrue(graphs.bind_graph_decode(runner))
+                    else:
+                        with self.assertRaisesRegex(ValueError, "accepted only up to CP size 4, not 8"):
+                            graphs.bind_graph_decode(runner)
+                self.assertEqual(hasattr(runner.attn_backend, _STATE_ATTR), binds)
 
     def test_nothing_bound_without_graphs(self):
         runner, runtime, state = self._runner(disable_cuda_graph=True)
@@ -370,32 +379,27 @@ class TestGraphDecodeStartupRule(CustomTestCase):
                 self.assertIn(named.split(" (")[0], problem)
                 self.assertEqual(problems, [problem])
 
-    def test_capture_lists_that_pad_by_the_cp_size_are_refused(self):
-        """sglang's default list (1 2 4 8 12 16) replays a batch of 6 in the graph of 8: that served
-        run crashed (illegal memory access); every even size up to 16 served clean at CP 2.
-        Planted: the rule judging gaps of the whole list instead of multiples of the CP size
-        (1..16 with odd sizes missing at CP 2 refused) failed the accepted case."""
+    def test_any_capture_list_is_accepted_at_cp_2_and_4(self):
+        """Served clean at CP 2 with batches replayed padded (captured at 2 and 16 only, batches of
+        3-15 in the graph of 16) and with every size captured, and at CP 4 (captured at 4 8 12 16):
+        no capture list is refused there, sglang's default (1 2 4 8 12 16) included. Planted: the
+        former list rule (every multiple of the CP size) refused the default list; the former CP
+        cap (2) refused CP 4."""
         env = {GRAPH_DECODE_ENV: "1"}
-        problem, problems = self._problem(env, tp_size=2, cuda_graph_bs=[1, 2, 4, 8, 12, 16])
-        self.assertIn("--cuda-graph-bs", problem)
-        self.assertIn("missing: 6 10 14", problem)
-        self.assertIn("--cuda-graph-bs 2 4 6 8 10 12 14 16", problem)
-        self.assertEqual(problems, [problem])
-        self.assertEqual(self._problem(env, tp_size=2, cuda_graph_bs=list(range(2, 17, 2))), (None, []))
-        self.assertEqual(self._problem(env, tp_size=2, cuda_graph_bs=list(range(1, 17))), (None, []))
-        # Not resolved by sglang yet: judged again before capture.
-        self.assertEqual(self._problem(env, tp_size=2, cuda_graph_bs=None), (None, []))
+        for tp_size in (2, 4):
+            for listed in ([1, 2, 4, 8, 12, 16], [tp_size, 16], list(range(1, 17)), None):
+                with self.subTest(tp_size=tp_size, listed=listed):
+                    self.assertEqual(self._problem(env, tp_size=tp_size, cuda_graph_bs=listed), (None, []))
 
-    def test_cp_sizes_above_two_are_refused_whatever_the_capture_list(self):
-        """Above CP 2 every batch that is not a multiple of the CP size replays padded by up to
-        cp - 1 rows, never served (a replay padded by 2 rows crashed at CP 2): refused at startup,
-        naming the CP size and --disable-cuda-graph; eager per-owner decode stays accepted.
-        Planted: the old rule (multiples of the CP size only) accepted 4 8 12 16 at CP 4."""
+    def test_cp_sizes_above_four_are_refused_whatever_the_capture_list(self):
+        """Per-owner decode graphs have not been served above CP 4: refused at startup, naming the
+        CP size and --disable-cuda-graph; eager per-owner decode stays accepted.
+        Planted: the CP size check dropped from graph_cp_size_problem (CP 8 accepted)."""
         env = {GRAPH_DECODE_ENV: "1"}
-        for tp_size, listed in ((4, list(range(4, 17, 4))), (8, [8, 16]), (4, None)):
+        for tp_size, listed in ((8, list(range(8, 33, 8))), (8, [8, 16]), (8, None)):
             with self.subTest(tp_size=tp_size, listed=listed):
                 problem, problems = self._problem(env, tp_size=tp_size, cuda_graph_bs=listed)
-                self.assertIn(f"accepted only up to CP size 2, not {tp_size}", problem)
+                self.assertIn(f"accepted only up to CP size 4, not {tp_size}", problem)
                 self.assertIn("--disable-cuda-graph", problem)
                 self.assertEqual(problems, [problem])
         self.assertEqual(self._problem(env, tp_size=8, disable_cuda_graph=True), (None, []))

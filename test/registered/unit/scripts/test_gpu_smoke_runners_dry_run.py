@@ -180,19 +180,19 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                     if name.startswith("plant_"):
                         self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT"), "decode-wrong-page")
 
-    def test_per_owner_graph_runs_are_not_started_above_cp_2(self):
-        """The server refuses per-owner decode graphs above CP 2 (decode_path): the runner neither
+    def test_per_owner_graph_runs_are_not_started_above_cp_4(self):
+        """The server refuses per-owner decode graphs above CP 4 (decode_path): the runner neither
         starts those runs nor judges them (a refused plant would otherwise count as caught), and
         says so; the eager runs of the same call still start. Seen failing with the check removed
         (the graph runs started and printed their servers)."""
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             only = "on_bf16_owner_graphs plant_decode-wrong-page_graphs on_fp8_owner"
-            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_TP": "4", "SMOKE_ONLY": only,
+            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_TP": "8", "SMOKE_ONLY": only,
                    "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
             proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["onegpu-core"], env, tmp)
             for name in ("on_bf16_owner_graphs", "plant_decode-wrong-page_graphs"):
-                self.assertIn(f"{name}: not run (per-owner decode graphs are refused above CP 2", proc.stdout)
+                self.assertIn(f"{name}: not run (per-owner decode graphs are refused above CP 4", proc.stdout)
                 self.assertFalse((tmp / "out" / f"{name}.log").exists(), name)
             self.assertIn("on_fp8_owner: exit 0", proc.stdout, proc.stderr[-2000:])
 
@@ -218,44 +218,55 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             self.assertNotIn("--enable-nsa-prefill-cp-shared-kv", argv)
             self.assertIn("max_new_tokens=4", text)
 
-    def test_padded_graphs_mode_lifts_the_rule_for_its_diagnosis_runs_only(self):
-        """Mode padded-graphs: two shared-KV runs with per-owner graphs captured at 2 and 16 only
-        (burst batches replay padded), the startup rule lifted by the smoke plugin, launches
-        blocking: one judged, one (a diagnosis) with sglang's --debug-cuda-graph (replays run
-        eagerly); the reference without any of it; CP 2 only.
-        Seen failing with the lift dropped from the runner (the env never reached the servers)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            tmp = Path(tmp)
-            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_RUNS_DIR": str(tmp / "runs"),
-                   "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
-            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], env, tmp)
-            lift = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_PADDING_RULE"
-            for name, debug in (("on_bf16_owner_graphs_padded", False), ("diag_padded_eager_replay", True)):
-                self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
-                servers = {mode: (env_vars, argv) for mode, _, env_vars, argv in
-                           servers_in((tmp / "out" / f"{name}.log").read_text())}  # fmt: skip
-                env_vars, argv = servers["shared-kv-on"]
-                self.assertEqual((env_vars.get(lift), env_vars.get("CUDA_LAUNCH_BLOCKING")), ("1", "1"), name)
-                self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"), "1", name)
-                self.assertNotIn("--disable-cuda-graph", argv)
-                start = argv.index("--cuda-graph-bs")
-                self.assertEqual(argv[start + 1 : start + 3], ["2", "16"], name)
-                self.assertEqual("--debug-cuda-graph" in argv, debug, name)
-            ((_, _, ref_env, _),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
-            self.assertNotIn(lift, ref_env)
-            refused = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], {**env, "SMOKE_TP": "4"}, tmp)
-            self.assertEqual(refused.returncode, 2)
-            self.assertIn("CP 2 only", refused.stdout)
+    def test_padded_graphs_mode_and_the_cp_size_lift(self):
+        """Mode padded-graphs: two shared-KV runs with per-owner graphs captured at SMOKE_TP and 16
+        only (burst batches replay padded), launches blocking: one judged, one (a diagnosis) with
+        sglang's --debug-cuda-graph (replays run eagerly); the reference without any of it. At CP 2
+        and 4 the product's own rule accepts them (no lift); at CP 8 they are not started unless
+        SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1, which lifts the rule in their servers only.
+        Seen failing with the lift passed at every CP size, and with the knob ignored."""
+        lift = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_CP_SIZE_RULE"
+        for tp, knob in (("2", None), ("4", None), ("8", None), ("8", "1")):
+            with self.subTest(tp=tp, knob=knob), tempfile.TemporaryDirectory() as tmp:
+                tmp = Path(tmp)
+                env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_RUNS_DIR": str(tmp / "runs"),
+                       "SMOKE_MODEL_DIR": str(tmp / "model"), "SMOKE_TP": tp}  # fmt: skip
+                if knob:
+                    env["SMOKE_LIFT_GRAPH_CP_SIZE_RULE"] = knob
+                proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], env, tmp)
+                self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+                for name, debug in (("on_bf16_owner_graphs_padded", False), ("diag_padded_eager_replay", True)):
+                    if tp == "8" and not knob:
+                        self.assertIn(f"{name}: not run (per-owner decode graphs are refused above CP 4", proc.stdout)
+                        self.assertFalse((tmp / "out" / f"{name}.log").exists())
+                        continue
+                    self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                    servers = {mode: (env_vars, argv) for mode, _, env_vars, argv in
+                               servers_in((tmp / "out" / f"{name}.log").read_text())}  # fmt: skip
+                    env_vars, argv = servers["shared-kv-on"]
+                    self.assertEqual(env_vars.get(lift), "1" if tp == "8" else None, name)
+                    self.assertEqual(env_vars.get("CUDA_LAUNCH_BLOCKING"), "1", name)
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"), "1", name)
+                    self.assertNotIn("--disable-cuda-graph", argv)
+                    start = argv.index("--cuda-graph-bs")
+                    self.assertEqual(argv[start + 1 : start + 3], [tp, "16"], name)
+                    self.assertEqual("--debug-cuda-graph" in argv, debug, name)
+                ((_, _, ref_env, _),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
+                self.assertNotIn(lift, ref_env)
+        bad = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"],
+                         {"SMOKE_DRY_RUN": "1", "SMOKE_LIFT_GRAPH_CP_SIZE_RULE": "yes"}, Path(tempfile.gettempdir()))  # fmt: skip
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("SMOKE_LIFT_GRAPH_CP_SIZE_RULE must be 1 or unset", bad.stderr)
 
-    def test_lifting_the_graph_padding_rule_needs_per_owner_graphs(self):
+    def test_lifting_the_graph_cp_size_rule_needs_per_owner_graphs(self):
         proc = subprocess.run(
             ["python3", "scripts/glm5_cp_hicache_smoke.py", "--model-path", "/nonexistent", "--tp", "2",
-             "--shared-kv", "both", "--decode", "per-owner", "--lift-graph-padding-rule", "--dry-run"],
+             "--shared-kv", "both", "--decode", "per-owner", "--lift-graph-cp-size-rule", "--dry-run"],
             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
-        self.assertIn("--lift-graph-padding-rule needs --decode per-owner-graphs", proc.stderr)
+        self.assertIn("--lift-graph-cp-size-rule needs --decode per-owner-graphs", proc.stderr)
 
     def test_stock_cuda_graphs_needs_shared_kv_off(self):
         proc = subprocess.run(

@@ -118,8 +118,8 @@ class TestOneGpuHook(CustomTestCase):
 class TestSglangAcceptsOneGpuServers(CustomTestCase):
     def test_per_owner_graph_servers_with_prefetch(self):
         """sglang's own ServerArgs with the plugin's hooks accepts the smoke's one-GPU per-owner
-        graph servers at CP 2 (both dtypes) and refuses them at CP 4, naming the CP size (per-owner
-        graphs are served only up to CP 2)."""
+        graph servers at CP 2 (both dtypes) and CP 4 and refuses them at CP 8, naming the CP size
+        (per-owner graphs are served only up to CP 4)."""
         from sglang.srt.server_args import prepare_server_args
 
         from sglang_cp_shared_kv.server_args import register_server_args_hooks
@@ -132,7 +132,8 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
         with tempfile.TemporaryDirectory() as tmp:
             model = str(write_tiny_glm5_model(Path(tmp) / "tiny"))
             try:
-                for tp, dtype, impl in ((2, "bfloat16", "fa3"), (2, "fp8_e4m3", "flashmla_kv"), (4, "bfloat16", "fa3")):
+                for tp, dtype, impl in ((2, "bfloat16", "fa3"), (2, "fp8_e4m3", "flashmla_kv"), (4, "bfloat16", "fa3"),
+                                       (8, "bfloat16", "fa3")):
                     args = smoke.parse_args(["--model-path", model, "--tp", str(tp), "--load-format", "dummy", "--one-gpu",
                                              "--decode", "per-owner-graphs", "--prefetch-slot-tokens", "auto",
                                              "--extra-server-args", f"--kv-cache-dtype {dtype} --cuda-graph-bs {' '.join(map(str, range(1, 17)))}"])  # fmt: skip
@@ -141,8 +142,8 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
                     with applied_hooks(register_server_args_hooks), mock.patch(
                         "torch.cuda.get_device_capability", return_value=(9, 0)
                     ):
-                        if tp > 2:
-                            with self.assertRaisesRegex(ValueError, f"accepted only up to CP size 2, not {tp}"):
+                        if tp > 4:
+                            with self.assertRaisesRegex(ValueError, f"accepted only up to CP size 4, not {tp}"):
                                 prepare_server_args(config.command()[2:] + ["--device", "cuda"])
                             os.environ.clear()
                             os.environ.update(saved)
@@ -266,24 +267,24 @@ class TestVerdicts(CustomTestCase):
         self.assertIn("illegal memory access", line)
 
 
-class TestGraphPaddingRuleLift(CustomTestCase):
+class TestGraphCpSizeRuleLift(CustomTestCase):
     def test_the_lift_reaches_both_checks_and_only_when_asked(self):
-        """The smoke plugin's diagnosis lift: both places the product asks the rule accept a padded
-        capture list at CP 4 once lifted (seen failing with only decode_path patched: the check
+        """The smoke plugin's test-only lift: both places the product asks the rule accept per-owner
+        graphs at CP 8 once lifted (seen failing with only decode_path patched: the check
         before capture kept refusing)."""
-        from cp_shared_kv_smoke_hooks import lift_graph_padding_rule
+        from cp_shared_kv_smoke_hooks import lift_graph_cp_size_rule
         from sglang_cp_shared_kv.model_executor import decode_path
         from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs
 
-        originals = (decode_path.graph_padding_problem, cuda_graphs.graph_padding_problem)
-        self.assertIsNotNone(decode_path.graph_padding_problem([2, 4, 8], 2, "flag"))
-        self.assertIsNotNone(cuda_graphs.graph_padding_problem([4, 8], 4, "flag"))
+        originals = (decode_path.graph_cp_size_problem, cuda_graphs.graph_cp_size_problem)
+        self.assertIsNotNone(decode_path.graph_cp_size_problem(8, "flag"))
+        self.assertIsNotNone(cuda_graphs.graph_cp_size_problem(8, "flag"))
         try:
-            lift_graph_padding_rule()
-            self.assertIsNone(decode_path.graph_padding_problem([2, 4, 8], 2, "flag"))
-            self.assertIsNone(cuda_graphs.graph_padding_problem([4, 8], 4, "flag"))
+            lift_graph_cp_size_rule()
+            self.assertIsNone(decode_path.graph_cp_size_problem(8, "flag"))
+            self.assertIsNone(cuda_graphs.graph_cp_size_problem(8, "flag"))
         finally:
-            decode_path.graph_padding_problem, cuda_graphs.graph_padding_problem = originals
+            decode_path.graph_cp_size_problem, cuda_graphs.graph_cp_size_problem = originals
 
 
 if __name__ == "__main__":
