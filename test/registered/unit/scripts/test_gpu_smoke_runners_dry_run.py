@@ -226,16 +226,21 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
         SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1, which lifts the rule in their servers only.
         Seen failing with the lift passed at every CP size, and with the knob ignored."""
         lift = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_CP_SIZE_RULE"
-        for tp, knob in (("2", None), ("4", None), ("8", None), ("8", "1")):
+        judged, diagnosis = "on_bf16_owner_graphs_padded", "diag_padded_eager_replay"
+        # (SMOKE_TP, the knob, SMOKE_ONLY): the whole mode at CP 2, one graph run each elsewhere.
+        cases = (("2", None, None), ("4", None, judged), ("8", None, f"{judged} {diagnosis}"), ("8", "1", diagnosis))
+        for tp, knob, only in cases:
             with self.subTest(tp=tp, knob=knob), tempfile.TemporaryDirectory() as tmp:
                 tmp = Path(tmp)
                 env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_RUNS_DIR": str(tmp / "runs"),
                        "SMOKE_MODEL_DIR": str(tmp / "model"), "SMOKE_TP": tp}  # fmt: skip
                 if knob:
                     env["SMOKE_LIFT_GRAPH_CP_SIZE_RULE"] = knob
+                if only:
+                    env["SMOKE_ONLY"] = only
                 proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], env, tmp)
                 self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
-                for name, debug in (("on_bf16_owner_graphs_padded", False), ("diag_padded_eager_replay", True)):
+                for name in (only or f"{judged} {diagnosis}").split():
                     if tp == "8" and not knob:
                         self.assertIn(f"{name}: not run (per-owner decode graphs are refused above CP 4", proc.stdout)
                         self.assertFalse((tmp / "out" / f"{name}.log").exists())
@@ -250,9 +255,10 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                     self.assertNotIn("--disable-cuda-graph", argv)
                     start = argv.index("--cuda-graph-bs")
                     self.assertEqual(argv[start + 1 : start + 3], [tp, "16"], name)
-                    self.assertEqual("--debug-cuda-graph" in argv, debug, name)
-                ((_, _, ref_env, _),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
-                self.assertNotIn(lift, ref_env)
+                    self.assertEqual("--debug-cuda-graph" in argv, name == diagnosis, name)
+                if only is None:
+                    ((_, _, ref_env, _),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
+                    self.assertNotIn(lift, ref_env)
         bad = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"],
                          {"SMOKE_DRY_RUN": "1", "SMOKE_LIFT_GRAPH_CP_SIZE_RULE": "yes"}, Path(tempfile.gettempdir()))  # fmt: skip
         self.assertEqual(bad.returncode, 2)
