@@ -27,8 +27,8 @@ def audit_text(figures: dict) -> str:
     if dec:
         parts.append(f"decode {dec.get('wrong_rows', 0)} wrong rows, {dec.get('wrong_owner', 0)} wrong owner, "
                      f"{dec.get('missing', 0)} missing / {dec.get('layers', 0)} layers + "
-                     f"{dec.get('graph_forwards', 0)} graph replays ({dec.get('graph_layers', 0)} replayed layers "
-                     f"checked)")  # fmt: skip
+                     f"{dec.get('graph_forwards', 0)} graph forwards' tables, {dec.get('graph_replays', 0)} replays "
+                     f"({dec.get('graph_layers', 0)} layers) checked")  # fmt: skip
     for key in ("draft_write_audit", "draft_read_audit"):
         if figures.get(key):
             d = figures[key]

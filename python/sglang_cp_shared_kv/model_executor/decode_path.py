@@ -110,8 +110,8 @@ def graph_cp_size_problem(cp_size: int, flag: str) -> Optional[str]:
     Served clean (one-GPU test mode, 2026-12-03; the decode audit checking every replay's selection
     and attention indices) at CP 2, with every batch size captured and with only 2 and 16 captured
     (batches of 3-15 replayed padded in the graph of 16), and at CP 4 (captured at 4 8 12 16, so
-    most batches replayed padded). CP 8 has not been served: refused there, naming the way out. Asked at startup (``ServerArgs``) and again before capture
-    (``per_owner_decode.cuda_graphs``)."""
+    most batches replayed padded). CP 8 has not been served: refused there, naming the way out.
+    Asked at startup (``ServerArgs``) and again before capture (``per_owner_decode.cuda_graphs``)."""
     if cp_size <= MAX_SERVED_GRAPH_CP_SIZE:
         return None
     return (

@@ -247,6 +247,16 @@ class TestVerdicts(CustomTestCase):
         self.assertIn("PLANT NOT CAUGHT", lines[2][0])
         self.assertIn("no report (exit 124", lines[4][0])
 
+    def test_a_graph_run_line_tells_table_checks_from_replay_checks(self):
+        """The table audit counts graph forwards, the replay audit replays and layers: the verdict
+        line shows both, so a run whose replays went unchecked reads as such (the withdrawn run of
+        2026-12-02 showed only the first). Seen failing with the replay counts left out."""
+        import smoke_verdicts
+
+        text = smoke_verdicts.audit_text({"decode_read_audit": {
+            "layers": 8, "graph_forwards": 434, "graph_replays": 420, "graph_layers": 1672}})  # fmt: skip
+        self.assertIn("434 graph forwards' tables, 420 replays (1672 layers) checked", text)
+
     def test_a_diagnosis_is_reported_with_its_cuda_error_never_judged(self):
         import smoke_verdicts
 
