@@ -68,6 +68,9 @@
 #   SMOKE_ONLY="a b"        run only the smokes with these names (e.g. to split a set over calls)
 #   SMOKE_MAX_NEW_TOKENS=N  tokens generated per request (default 16): fewer decode steps where one-GPU
 #                           ranks are slow (CP 4 and 8); every run of the call gets the same
+#   SMOKE_PHYSICAL_TOKENS_PER_RANK=N   device pool rows per rank (--max-total-tokens, default 16384): the
+#                           plan sends about 2 x cp_size x N / 8064 requests, so CP 8 on one GPU runs with
+#                           8192; a reference and the runs judged against it must get the same N
 #   SMOKE_AUDIT_LAYERS=N    leading layers the audits cover (default: all; 2 with SMOKE_ONE_GPU, where the read
 #                           audit's per-forward all-gather of each audited layer's pool over sockets dominated
 #                           the shared-KV servers' time; layers 0 and 1 cover both prefetch slots)
@@ -147,6 +150,7 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
     --mem-fraction-static 0.85 --startup-timeout 500 --out-dir "$RUNS/$name" \
     --ignore-log-pattern "Can not initialize OpenAIServingResponses" ${SMOKE_DRY_RUN:+--dry-run} \
     ${ONE_GPU:+--one-gpu} ${SMOKE_MAX_NEW_TOKENS:+--max-new-tokens "$SMOKE_MAX_NEW_TOKENS"} \
+    ${SMOKE_PHYSICAL_TOKENS_PER_RANK:+--physical-tokens-per-rank "$SMOKE_PHYSICAL_TOKENS_PER_RANK"} \
     ${AUDIT_LAYERS:+--audit-layers "$AUDIT_LAYERS"} "${extra_env[@]}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$? took=$(( $(date +%s) - t0 ))
   echo "$rc $took" > "$RUNS/$name/runner_exit"

@@ -199,11 +199,14 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
     def test_stock_graphs_mode_runs_stock_graphs_with_padded_batches(self):
         """Mode stock-graphs: the stock server runs decode CUDA graphs (no --disable-cuda-graph)
         captured at batch 2 and 16 only (a burst batch replays padded by several rows), shared KV
-        off; SMOKE_MAX_NEW_TOKENS reaches the plan.
-        Seen failing with --stock-cuda-graphs dropped from the runner (the server ran eagerly)."""
+        off; SMOKE_MAX_NEW_TOKENS and SMOKE_PHYSICAL_TOKENS_PER_RANK (how CP 8 fits a call) reach the
+        plan and the pool cap.
+        Seen failing with --stock-cuda-graphs dropped from the runner (the server ran eagerly), and
+        with the pool knob not passed on (--max-total-tokens stayed 16384)."""
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_MAX_NEW_TOKENS": "4",
+                   "SMOKE_PHYSICAL_TOKENS_PER_RANK": "8192",
                    "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
             proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["stock-graphs"], env, tmp)
             self.assertIn("ref_bf16_stock_graphs: exit 0", proc.stdout, proc.stderr[-2000:])
@@ -217,6 +220,8 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             self.assertEqual(argv[start + 1 : start + 3], ["2", "16"])
             self.assertNotIn("--enable-nsa-prefill-cp-shared-kv", argv)
             self.assertIn("max_new_tokens=4", text)
+            self.assertEqual(flag(argv, "--max-total-tokens"), "8192")
+            self.assertIn("device D=8192 ", text)
 
     def test_padded_graphs_mode_and_the_cp_size_lift(self):
         """Mode padded-graphs: two shared-KV runs with per-owner graphs captured at SMOKE_TP and 16
