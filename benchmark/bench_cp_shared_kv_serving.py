@@ -16,8 +16,9 @@ Reported, off vs on:
   pool says so).
   With ``--stock-cuda-graphs`` a stock server with CUDA graphs joins them (the baseline users
   run); with ``--per-owner-decode`` two shared-KV servers whose decode runs per owner, eagerly and
-  under CUDA graphs (the opt-ins ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` and
-  ``SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1``).
+  under CUDA graphs (``SGLANG_CP_SHARED_KV_DECODE=per_owner``, ``SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH``
+  0 or 1). Every shared-KV server names its decode path; the headline ``on`` server gathers
+  (``SGLANG_CP_SHARED_KV_DECODE=gather``), whatever the server's default.
 * ``pd``: TTFT / TPOT of fresh prompts through a PD pair: the shared-KV prefill server with a
   stock decode server, against the stock pair with all-CP-ranks transfer on both.
 * ``capacity``: each server with its pool sized by the memory budget alone (no ``--max-total-tokens``
@@ -56,7 +57,6 @@ SMOKE_PLUGIN_DIR = REPO_ROOT / "scripts" / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 
-from sglang_cp_shared_kv.model_executor.decode_path import MAX_SERVED_GRAPH_CP_SIZE
 from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
@@ -100,8 +100,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also a stock server with CUDA graphs (single-request costs only): the baseline users run")
     p.add_argument("--per-owner-decode", action="store_true",
                    help="also shared-KV servers with decode per owner, eagerly and under CUDA graphs "
-                        "(single-request costs only; the opt-in SGLANG_CP_SHARED_KV_DECODE=per_owner and "
-                        "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1)")
+                        "(single-request costs only; SGLANG_CP_SHARED_KV_DECODE=per_owner, "
+                        "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH 0 and 1)")
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (both servers)")
     p.add_argument("--capacity-decode", choices=["gather", "per_owner"], default="gather",
                    help="capacity part: the shared-KV server's decode path (per_owner: the gather scratch "
@@ -756,11 +756,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.stock_cuda_graphs and single:
             results["servers"]["off-graphs"] = run_server(args, "off", False, single, [], cuda_graphs=True)
         if args.per_owner_decode and single:
-            graph_modes = (False, True) if args.tp <= MAX_SERVED_GRAPH_CP_SIZE else (False,)
-            if len(graph_modes) == 1:
-                print(f"on-per-owner-graphs: not run (per-owner decode graphs are refused above CP "
-                      f"{MAX_SERVED_GRAPH_CP_SIZE}; --tp {args.tp})")
-            for graphs in graph_modes:
+            for graphs in (False, True):
                 server = run_server(args, "on", True, single, [], cuda_graphs=graphs, decode_path="per_owner")
                 results["servers"][server["mode"]] = server
     if "pd" in args.parts:

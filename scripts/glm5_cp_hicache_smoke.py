@@ -40,7 +40,6 @@ SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_AUDIT_LAYERS_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
 from cp_shared_kv_smoke_hooks import (  # noqa: E402
-    SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV,
     SMOKE_LIFT_TP_RULE_ENV,
     SMOKE_PLANT_ENV,
 )
@@ -77,7 +76,7 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     scratch_share_failures,
     ttft_summary,
 )
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV
 from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
@@ -132,18 +131,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="MTP on both servers (EAGLE, NextN layer, 3/1/4) with the shared-KV opt-in; the audits "
                         "cover the draft pool; the model needs a NextN layer (make_tiny_glm5_config.py --nextn)")
     p.add_argument("--decode", choices=DECODE_CHOICES, default="gather",
-                   help="shared-KV server only: decode through the page gather (default), per owner "
-                        f"({DECODE_PATH_ENV}={PER_OWNER}), or per owner under CUDA graphs ({GRAPH_DECODE_ENV}=1, "
+                   help=f"shared-KV server only, always named in its environment: decode through the page "
+                        f"gather (default here; {DECODE_PATH_ENV}={GATHER}), per owner ({DECODE_PATH_ENV}={PER_OWNER}, "
+                        f"{GRAPH_DECODE_ENV}=0), or per owner under CUDA graphs ({GRAPH_DECODE_ENV}=1, "
                         "no --disable-cuda-graph)")
     p.add_argument("--stock-cuda-graphs", action="store_true",
                    help="stock server only: decode CUDA graphs (no --disable-cuda-graph) with sglang's own "
                         "capture list unless --extra-server-args names one; tells a stock padded-replay "
                         "failure from a shared-KV one")
-    p.add_argument("--lift-graph-cp-size-rule", action="store_true",
-                   help="test only, with --decode per-owner-graphs: the shared-KV server accepts per-owner decode "
-                        "graphs above the CP size they have served at (the product refuses them there); add "
-                        "sglang's --debug-cuda-graph to run each replay eagerly on the graph's static buffers, "
-                        "so that CUDA_LAUNCH_BLOCKING=1 names a faulting kernel")
     p.add_argument("--prefetch-slot-tokens", default=None,
                    help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")
     p.add_argument("--server-env", action="append", default=[], type=env_assignment, metavar="KEY=VALUE",
@@ -169,8 +164,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--audit-layers must be 0 (all) or more")
     if args.stock_cuda_graphs and args.shared_kv != "off":
         p.error("--stock-cuda-graphs needs --shared-kv off (the shared-KV server's graphs: --decode per-owner-graphs)")
-    if args.lift_graph_cp_size_rule and args.decode != "per-owner-graphs":
-        p.error("--lift-graph-cp-size-rule needs --decode per-owner-graphs (the rule it lifts is theirs)")
     if args.decode != "gather" and args.shared_kv == "off":
         p.error(f"--decode {args.decode} needs --shared-kv on or both (it sets the shared-KV server's decode)")
     try:
@@ -262,12 +255,9 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[SMOKE_PLANT_ENV] = args.plant
     if args.mtp:  # the shared-KV server's opt-in; the stock reference runs MTP without it
         extra[MTP_OPT_IN_ENV] = "1"
-    if shared_kv and args.decode != "gather":
-        extra[DECODE_PATH_ENV] = PER_OWNER
-        if args.decode == "per-owner-graphs":
-            extra[GRAPH_DECODE_ENV] = "1"
-        if args.lift_graph_cp_size_rule:
-            extra[SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV] = "1"
+    if shared_kv:  # named either way: the server's default (auto) picks by decode impl
+        extra[DECODE_PATH_ENV] = GATHER if args.decode == "gather" else PER_OWNER
+        extra[GRAPH_DECODE_ENV] = "1" if args.decode == "per-owner-graphs" else "0"
     if shared_kv and args.prefetch_slot_tokens is not None:
         extra[PREFETCH_SLOT_TOKENS_ENV] = args.prefetch_slot_tokens
     if args.one_gpu:

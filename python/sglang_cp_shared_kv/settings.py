@@ -55,12 +55,14 @@ SETTINGS_ENVS = (
 
 PER_OWNER = "per_owner"
 GATHER = "gather"
-DECODE_PATHS = (GATHER, PER_OWNER)
+# per owner where it has served clean at every CP size with this server's NSA decode impl, else gather
+AUTO = "auto"
+DECODE_PATHS = (AUTO, GATHER, PER_OWNER)
 PREFETCH_SLOT_AUTO = "auto"
 
 # ---- defaults (one constant each) ----
-DEFAULT_DECODE_PATH = GATHER
-DEFAULT_DECODE_CUDA_GRAPH = False
+DEFAULT_DECODE_PATH = AUTO
+DEFAULT_DECODE_CUDA_GRAPH = True  # graphs where decode runs per owner (decode_path.cuda_graph_problem)
 DEFAULT_MTP = False
 DEFAULT_PREFETCH_SLOT_TOKENS = 0  # 0: no slot 1, no layer-ahead prefetch
 DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (scratch_sizing)
@@ -138,7 +140,7 @@ def _parse_decode_path(raw: Optional[str]) -> str:
         return DEFAULT_DECODE_PATH
     value = raw.strip().lower()
     if value not in DECODE_PATHS:
-        raise ValueError(f"{DECODE_PATH_ENV} must be {PER_OWNER!r} or {GATHER!r}, got {raw!r}")
+        raise ValueError(f"{DECODE_PATH_ENV} must be {AUTO!r}, {PER_OWNER!r} or {GATHER!r}, got {raw!r}")
     return value
 
 

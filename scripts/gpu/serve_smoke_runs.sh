@@ -30,7 +30,7 @@
 #                 yet); each must FAIL.
 #
 #   decode        the decode paths beside the gather, with the KV audits: per-owner decode eager
-#                 (SGLANG_CP_SHARED_KV_DECODE=per_owner) and under CUDA graphs
+#                 (SGLANG_CP_SHARED_KV_DECODE=per_owner, ..._CUDA_GRAPH=0) and under CUDA graphs
 #                 (SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1, no --disable-cuda-graph, graphs up to
 #                 batch 16), bf16 (fa3 per owner) and fp8 (flashmla_kv per owner), the layer-ahead
 #                 prefetch on (SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS=auto) in one bf16 gather run, one
@@ -51,9 +51,8 @@
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
 #                 eager and under graphs); 12 servers. Meant for SMOKE_ONE_GPU=1 (docs/gpu.md, "One-GPU
 #                 test mode", gives the expected wall time per SMOKE_TP); SMOKE_ONLY splits it.
-#   (Above the CP size where the server accepts per-owner decode graphs (decode_path.py,
-#   MAX_SERVED_GRAPH_CP_SIZE: 4), the per-owner graph runs are not started and say so, unless
-#   SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1 has the smoke plugin lift that rule: how graphs get served there.)
+#   Every shared-KV run names its decode path (SGLANG_CP_SHARED_KV_DECODE gather or per_owner), so
+#   none depends on the server's default (auto).
 #
 # Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs|padded-graphs   (results under $OUT)
 #
@@ -75,8 +74,6 @@
 #                           audit's per-forward all-gather of each audited layer's pool over sockets dominated
 #                           the shared-KV servers' time; layers 0 and 1 cover both prefetch slots)
 #   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-bs 1 2 .. 16)
-#   SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1   test only: the per-owner graph runs start at SMOKE_TP 8 too,
-#                           their servers accepting graphs there (smoke --lift-graph-cp-size-rule)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
 #   SMOKE_NEXTN_MODEL_DIR   the mtp modes' model (default /tmp/tiny-glm5-nextn; tiny model only)
@@ -99,8 +96,6 @@ TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
 [[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
-LIFT_GRAPH_RULE="${SMOKE_LIFT_GRAPH_CP_SIZE_RULE:-}"
-[[ -z "$LIFT_GRAPH_RULE" || "$LIFT_GRAPH_RULE" == 1 ]] || { echo "SMOKE_LIFT_GRAPH_CP_SIZE_RULE must be 1 or unset" >&2; exit 2; }
 PARALLEL="${SMOKE_PARALLEL:-$([[ -n "$ONE_GPU" ]] && echo $(( TP >= 12 ? 1 : 12 / TP )) || echo 0)}"
 BUDGET_S="${SMOKE_BUDGET_S:-$([[ -n "$ONE_GPU" ]] && echo 540)}"
 AUDIT_LAYERS="${SMOKE_AUDIT_LAYERS:-$([[ -n "$ONE_GPU" ]] && echo 2)}"
@@ -156,23 +151,9 @@ smoke() {  # smoke NAME ARGS...: one smoke process, log under $OUT
   echo "$rc $took" > "$RUNS/$name/runner_exit"
   echo "$name: exit $rc (${took} s)"
 }
-MAX_GRAPH_CP="$(PYTHONPATH=python python3 -c \
-  'from sglang_cp_shared_kv.model_executor.decode_path import MAX_SERVED_GRAPH_CP_SIZE as m; print(m)')" || exit 1
-above_graph_cp_size() {  # ARGS...: a per-owner graph run above the CP size the server accepts graphs at
-  [[ " $* " == *" per-owner-graphs "* ]] && (( TP > MAX_GRAPH_CP ))
-}
 spawn() {  # spawn smoke NAME ARGS...: in the background (at most PARALLEL at once), or in turn with SMOKE_SERIAL
   if [[ "$1" == smoke ]]; then
     selected "$2" || return 0
-    if above_graph_cp_size "${@:3}"; then
-      # Not started (nor judged) unless lifted: its refusal at startup would read as a failed
-      # clean run, or as a caught plant.
-      if [[ -z "$LIFT_GRAPH_RULE" ]]; then
-        echo "$2: not run (per-owner decode graphs are refused above CP $MAX_GRAPH_CP: decode_path.MAX_SERVED_GRAPH_CP_SIZE)"
-        return 0
-      fi
-      set -- "$@" --lift-graph-cp-size-rule
-    fi
     STARTED+=("$2")
   fi
   if [[ -n "$SERIAL" ]]; then "$@"; return; fi

@@ -139,7 +139,9 @@ def decide_scratch(server_args, context_len: int) -> ScratchDecision:
         prefetch_slot_requested_tokens=configured_prefetch_slot_tokens(
             context_len, server_args.chunked_prefill_size
         ),
-        decode_gather_reason=impl_gather_reason(server_args.nsa_decode_backend),
+        decode_gather_reason=impl_gather_reason(
+            server_args.nsa_decode_backend, server_args.speculative_algorithm
+        ),
     )
 
 

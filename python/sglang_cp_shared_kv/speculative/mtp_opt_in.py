@@ -1,8 +1,8 @@
 """MTP (EAGLE / NEXTN with the built-in NextN layer, top-k 1) with shared KV: an explicit opt-in.
 
-Every forward mode MTP runs is planned and checked on one GPU through sglang's own classes, but MTP
-has not been served with shared KV yet, so the server refuses it unless ``SGLANG_CP_SHARED_KV_MTP=1``
-opts in. The opt-in lifts only that rule (``server_args.speculative_problems``); the settings MTP
+Every forward mode MTP runs is planned and checked on one GPU through sglang's own classes, and MTP
+has served clean with shared KV at CP 2 (one-GPU test mode, 2026-12-03), not yet at CP 4 or 8 nor
+on a PD prefill server, so the server refuses it unless ``SGLANG_CP_SHARED_KV_MTP=1`` opts in. The opt-in lifts only that rule (``server_args.speculative_problems``); the settings MTP
 cannot be combined with stay refused whatever it says (``mtp_combination_problems``). Read from the
 launching process's environment, which every scheduler inherits: every rank decides the same.
 """
@@ -45,6 +45,7 @@ def mtp_combination_problems(server_args, flag: str) -> List[str]:
         problems.append(
             f"--speculative-algorithm {algorithm} with {DECODE_PATH_ENV}={PER_OWNER}: the draft's "
             "decode steps gather the pages of every request, but per-owner decode sizes the gather "
-            f"scratch for prefill batches only; use {DECODE_PATH_ENV}={GATHER} (the default) with MTP"
+            f"scratch for prefill batches only; use {DECODE_PATH_ENV}={GATHER} or auto (the default, "
+            "which gathers under MTP) with MTP"
         )
     return problems

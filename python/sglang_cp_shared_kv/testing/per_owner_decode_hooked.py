@@ -331,6 +331,7 @@ def init_attention_backend(pool, backend) -> None:
         enable_two_batch_overlap=False,
         # What the startup's scratch decision reads (scratch_sizing.decide_scratch).
         nsa_decode_backend=backend.nsa_decode_impl,
+        speculative_algorithm=None,
         disaggregation_mode="null",
         enable_mixed_chunk=False,
         chunked_prefill_size=8192,

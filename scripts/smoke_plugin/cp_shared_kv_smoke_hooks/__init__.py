@@ -19,11 +19,6 @@ sets for those servers alone:
 * ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
 * ``SMOKE_ONE_GPU_ENV=1``: every rank of the server on device 0, each its own NCCL host
   (``one_gpu``; the launcher's side: ``sglang_cp_shared_kv.testing.e2e.one_gpu``).
-* ``SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV=1``: test only: the product's startup rule against per-owner
-  decode graphs above the CP size they have served at (``decode_path.graph_cp_size_problem``) is
-  lifted, so that a served run can show whether they serve clean there; with sglang's
-  ``--debug-cuda-graph`` (every replay runs the captured forward eagerly on the graph's static,
-  padded buffers) and ``CUDA_LAUNCH_BLOCKING=1`` a fault is located at its kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +40,6 @@ SMOKE_PLANT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_PLANT"
 # this regex (the soak samples: all of its requests would fill the disk). The read audits stay on.
 SMOKE_AUDIT_POOL_ENV = "SGLANG_CP_SHARED_KV_SMOKE_AUDIT_POOL"
 SMOKE_ONE_GPU_ENV = ONE_GPU_PLUGIN_ENV
-SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_CP_SIZE_RULE"
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +73,6 @@ def register() -> None:
         from cp_shared_kv_smoke_hooks import planted_bugs
 
         planted_bugs.register_hooks(HookRegistry, os.environ[SMOKE_PLANT_ENV])
-    if os.environ.get(SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV) == "1":
-        lift_graph_cp_size_rule()
     logger.warning("cp-shared-kv smoke hooks loaded (test-only plugin)")
 
 
@@ -96,17 +88,3 @@ def _lift_tp_rule_for_the_reference(original, server_args, *args, **kwargs):
         return original(server_args, *args, **kwargs)
     return lift_single_node_cp_tp_rule(original, server_args, *args, **kwargs)
 
-
-def lift_graph_cp_size_rule() -> None:
-    """Test only (``SMOKE_LIFT_GRAPH_CP_SIZE_RULE_ENV``): both places the product asks the rule
-    (the ServerArgs check and the check before capture) look it up at call time, so replacing it in
-    both modules lifts it in this process."""
-    from sglang_cp_shared_kv.model_executor import decode_path
-    from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs
-
-    def no_cp_size_problem(cp_size, flag):
-        return None
-
-    decode_path.graph_cp_size_problem = no_cp_size_problem
-    cuda_graphs.graph_cp_size_problem = no_cp_size_problem
-    logger.warning("smoke test: per-owner decode graphs accepted at any CP size (rule lifted)")

@@ -17,7 +17,13 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.check_launch import ACCEPTED, REFUSED, check_launch
-from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV, CP_SHARED_KV_ENV, PREFETCH_SLOT_TOKENS_ENV
+from sglang_cp_shared_kv.settings import (
+    ALL_CP_RANKS_ENV,
+    CP_SHARED_KV_ENV,
+    DECODE_PATH_ENV,
+    GRAPH_DECODE_ENV,
+    PREFETCH_SLOT_TOKENS_ENV,
+)
 from sglang_cp_shared_kv.testing.server_args_cases import Glm5LikeModelDir, ServerArgsHooksApplied
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
@@ -25,9 +31,10 @@ register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 # README's GLM-5 CP 8 launch line (the model path is a directory holding GLM-5's config only).
 README_LINE = (
     "sglang serve --model-path {model} --tp 8 --enable-nsa-prefill-context-parallel "
-    "--enable-nsa-prefill-cp-shared-kv --disable-cuda-graph --disable-piecewise-cuda-graph "
+    "--enable-nsa-prefill-cp-shared-kv --disable-piecewise-cuda-graph "
     "--enable-hierarchical-cache --hicache-ratio 2"
 )
+FP8_KV = " --kv-cache-dtype fp8_e4m3"
 
 
 class TestCheckLaunch(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
@@ -46,9 +53,17 @@ class TestCheckLaunch(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
         self.assertEqual(code, ACCEPTED, report)
         self.assertIn("CP size: 8", report)
         self.assertIn("page size: 64", report)
-        self.assertIn("decode: page gather", report)
+        # the defaults (bf16 KV, fa3): decode per owner under CUDA graphs
+        self.assertIn("decode: per owner", report)
+        self.assertIn("decode CUDA graphs: on", report)
         self.assertIn("HiCache: on (--hicache-ratio 2.0", report)
         self.assertIn("L3 storage: off", report)
+
+    def test_fp8_kv_line_with_graphs_disabled_gathers(self):
+        code, report = self.run_check(README_LINE + FP8_KV + " --disable-cuda-graph")
+        self.assertEqual(code, ACCEPTED, report)
+        self.assertIn("decode: page gather", report)
+        self.assertIn("flashmla_kv", report)
 
     def test_l3_storage_is_reported(self):
         with tempfile.TemporaryDirectory() as storage:
@@ -67,11 +82,17 @@ class TestCheckLaunch(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
 
     def test_refused_launches_name_every_problem(self):
         cases = {
-            "cuda graphs": (
-                README_LINE.replace(" --disable-cuda-graph", ""),
+            "cuda graphs with fp8 KV (decode gathers by default)": (
+                README_LINE + FP8_KV,
                 {},
-                ["requires --disable-cuda-graph"],
+                ["requires --disable-cuda-graph while decode gathers pages", "flashmla_kv", DECODE_PATH_ENV],
             ),
+            "cuda graphs with the gather asked for": (
+                README_LINE,
+                {DECODE_PATH_ENV: "gather"},
+                ["requires --disable-cuda-graph while decode gathers pages", f"{DECODE_PATH_ENV}=gather"],
+            ),
+            "cuda graphs turned off": (README_LINE, {GRAPH_DECODE_ENV: "0"}, [f"{GRAPH_DECODE_ENV}=0"]),
             "tp 3": (README_LINE.replace("--tp 8", "--tp 3"), {}, ["--tp 3"]),
             "storage and prefetch": (
                 README_LINE + " --hicache-storage-backend nixl",

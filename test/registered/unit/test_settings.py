@@ -30,17 +30,20 @@ FIELDS = {
 
 class TestParse(CustomTestCase):
     def test_defaults(self):
-        """Unset means today's behaviour: gather decode, no graphs, no MTP, no prefetch slot."""
+        """Unset means what served clean sets: the decode path picked by impl (auto) under CUDA
+        graphs; MTP and the prefetch slot stay opt-in."""
         settings, problems = s.parse_settings({})
         self.assertEqual(problems, [])
         self.assertEqual(settings, s.CpSharedKVSettings())
-        self.assertEqual(settings.decode_path, "gather")
-        self.assertFalse(settings.decode_cuda_graph or settings.mtp or settings.prefetch_slot_auto)
+        self.assertEqual(settings.decode_path, "auto")
+        self.assertTrue(settings.decode_cuda_graph)
+        self.assertFalse(settings.mtp or settings.prefetch_slot_auto)
         self.assertEqual((settings.prefetch_slot_tokens, settings.prefill_scratch_tokens), (0, None))
 
     def test_one_boolean_rule_for_every_boolean(self):
         for name in BOOLEANS:
-            for raw, expected in (("1", True), (" TRUE ", True), ("y", True), ("no", False), ("", False)):
+            default = getattr(s.CpSharedKVSettings(), FIELDS[name])
+            for raw, expected in (("1", True), (" TRUE ", True), ("y", True), ("no", False), ("", default)):
                 with self.subTest(name=name, raw=raw):
                     settings, problems = s.parse_settings({name: raw})
                     self.assertEqual(problems, [])

@@ -1,4 +1,4 @@
-"""Per-owner NSA decode (opt-in, ``SGLANG_CP_SHARED_KV_DECODE=per_owner``): each CP rank scores and
+"""Per-owner NSA decode (the default with ``fa3``; ``SGLANG_CP_SHARED_KV_DECODE``): each CP rank scores and
 attends over its own pages only, and a fixed exchange per layer replaces the page gather.
 
 * ``decode_forward``: the per-forward state and the hooks a decode forward runs through (indexer
@@ -8,7 +8,7 @@ attends over its own pages only, and a fixed exchange per layer replaces the pag
 * ``attention_lse_merge``: the merge of the ranks' partial attention outputs by log-sum-exp;
 * ``fused_kernels``: Triton forms of the two merges' arithmetic (CUDA; the torch forms are the
   reference);
-* ``cuda_graphs``: static owner tables refreshed before each decode graph replay (opt-in).
+* ``cuda_graphs``: static owner tables refreshed before each decode graph replay.
 
 Which decode path a server takes is decided outside, in ``model_executor.decode_path``, so that the
 startup rules need not import this package.

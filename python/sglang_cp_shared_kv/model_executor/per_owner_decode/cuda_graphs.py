@@ -48,7 +48,6 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
-from sglang_cp_shared_kv.model_executor.decode_path import graph_cp_size_problem
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
@@ -177,9 +176,6 @@ def bind_graph_decode(model_runner) -> bool:
     state = None if runtime is None else per_owner_of(runtime.pool)
     if state is None:
         return False
-    problem = graph_cp_size_problem(runtime.layout.cp_size, FLAG)
-    if problem is not None:
-        raise ValueError(problem)
     coordinator = get_attention_cp_group()
     if coordinator is not get_tp_group():
         raise ValueError(

@@ -27,11 +27,11 @@ In a decode forward each rank scores and attends over its own physical pool only
      ``cache_seqlens``; ``return_softmax_lse`` gives the natural-log LSE ([H, T] varlen).
 
 Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_IMPLS`` and fused
-top-k, once opted in with ``SGLANG_CP_SHARED_KV_DECODE=per_owner`` (the default is the gather:
-``decode_path``). Whether it attaches is decided once per server at startup
+top-k, where ``decode_path`` says decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE``: by
+default with ``fa3``). Whether it attaches is decided once per server at startup
 (``scratch_sizing.decide_scratch``, from state identical on every rank), and ``startup_wiring``
 calls ``attach`` with that decision; otherwise decode keeps the page gather, and the log says why.
-Prefill keeps the plan path. Decode CUDA graphs over it: ``per_owner_decode.cuda_graphs`` (opt-in).
+Prefill keeps the plan path. Decode CUDA graphs over it: ``per_owner_decode.cuda_graphs``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and ``cached_tokens_details``), ``/flush_cache``, ``/abort_request`` (accepted, 
 Its device pool is ``--max-total-tokens`` rows per rank or, for a model directory whose config.json
 gives ``num_hidden_layers``, at most what a fixed KV budget (``FAKE_KV_BUDGET_BYTES``) holds, less the
 shared-KV gather scratch's reservation as the plugin's runtime makes it (slot 0: the logical capacity,
-or one prefill batch with ``SGLANG_CP_SHARED_KV_DECODE=per_owner``; ``FAKE_SGLANG_NO_SCRATCH=1`` skips
+or one prefill batch where decode runs per owner, ``decodes_per_owner``; ``FAKE_SGLANG_NO_SCRATCH=1`` skips
 the reservation: a planted capacity bug; ``FAKE_SGLANG_FAIL_EVERY=N`` answers every Nth ``/generate``
 with HTTP 500: a planted server error); it logs sglang's "KV Cache is allocated" line and the
 runtime's slot-0 line per rank.
@@ -124,18 +124,30 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def decodes_per_owner(args: argparse.Namespace) -> bool:
+    """``decode_path``'s rule for the decode impl sglang picks on Hopper (bf16 KV: fa3, fp8 KV:
+    flashmla_kv), without importing sglang: ``per_owner`` always, ``auto`` with fa3 only."""
+    from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
+    from sglang_cp_shared_kv.settings import AUTO, PER_OWNER, current_settings
+
+    path = current_settings().decode_path
+    impl = "flashmla_kv" if args.kv_cache_dtype.startswith("fp8") else "fa3"
+    return path == PER_OWNER or (path == AUTO and impl in AUTO_PER_OWNER_DECODE_IMPLS)
+
+
 def startup_problem(args: argparse.Namespace) -> Optional[str]:
     """What the real startup validation refuses here: shared KV with CUDA graphs unless decode runs
-    per owner under the graph opt-in (``decode_path``)."""
-    import os
-
-    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
+    per owner with graphs on (``decode_path``)."""
+    from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GRAPH_DECODE_ENV, current_settings
 
     if not args.enable_nsa_prefill_cp_shared_kv or args.disable_cuda_graph:
         return None
-    if os.environ.get(DECODE_PATH_ENV) == PER_OWNER and os.environ.get(GRAPH_DECODE_ENV) == "1":
+    if decodes_per_owner(args) and current_settings().decode_cuda_graph:
         return None
-    return f"--disable-cuda-graph is required unless {DECODE_PATH_ENV}={PER_OWNER} and {GRAPH_DECODE_ENV}=1"
+    return (
+        f"--disable-cuda-graph is required unless decode runs per owner ({DECODE_PATH_ENV}) "
+        f"with {GRAPH_DECODE_ENV} on"
+    )
 
 
 def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, Optional[int]]:
@@ -149,7 +161,6 @@ def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, O
     layers = model.get("num_hidden_layers")
     if not layers:
         return args.max_total_tokens, None
-    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
     from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes, slot0_scratch_tokens
     from sglang_cp_shared_kv.model_executor.scratch_sizing import default_prefill_scratch_tokens
     from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
@@ -163,7 +174,7 @@ def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, O
     # Slot 0: the whole logical capacity where decode gathers; one prefill batch with per-owner
     # decode (``prefill_scratch``: the context length plus one chunk).
     prefill_tokens = None
-    if os.environ.get(DECODE_PATH_ENV) == PER_OWNER:
+    if decodes_per_owner(args):
         context_len = model.get("max_position_embeddings", args.max_total_tokens)
         prefill_tokens = default_prefill_scratch_tokens(context_len, args.chunked_prefill_size, None)
     slot0 = slot0_scratch_tokens(prefill_tokens, cp_size * stock, PAGE_SIZE)

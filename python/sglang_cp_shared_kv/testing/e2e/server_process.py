@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV, PER_OWNER
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
 
@@ -53,17 +53,20 @@ class ServeConfig:
     # Keep sglang's CUDA-graph decode: a stock server (the baseline a user runs), or a shared-KV
     # server whose decode runs per owner (the only shared-KV decode that can be captured).
     cuda_graphs: bool = False
-    # Shared KV only: decode through the page gather (the default) or per owner (opt-in, env()).
+    # Shared KV only: decode through the page gather or per owner, named in env() either way (the
+    # server's own default, auto, picks by decode impl: a run must not depend on it).
     decode_path: str = "gather"
     # MTP (``MTP_SERVER_ARGS``), with its opt-in in env().
     mtp: bool = False
 
     def env(self) -> Dict[str, str]:
-        """The environment the launch needs besides the command line: the decode-path and MTP opt-ins."""
+        """The environment the launch needs besides the command line: the decode path, the MTP opt-in."""
         env = {MTP_OPT_IN_ENV: "1"} if self.mtp else {}
-        if self.decode_path == "gather":
+        if not self.shared_kv:
             return env
-        return {**env, DECODE_PATH_ENV: PER_OWNER, **({GRAPH_DECODE_ENV: "1"} if self.cuda_graphs else {})}
+        if self.decode_path == "gather":
+            return {**env, DECODE_PATH_ENV: GATHER}
+        return {**env, DECODE_PATH_ENV: PER_OWNER, GRAPH_DECODE_ENV: "1" if self.cuda_graphs else "0"}
 
     def command(self) -> List[str]:
         if self.decode_path not in ("gather", PER_OWNER) or (self.decode_path != "gather" and not self.shared_kv):

@@ -164,8 +164,9 @@ class _AttachCase(CustomTestCase):
     CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
 
     def _model_runner(self, pool, allocator, **overrides):
-        """Decode gathers (fa3 is not served per owner) unless ``overrides`` say otherwise."""
-        overrides.setdefault("nsa_decode_backend", "fa3")
+        """Decode gathers (trtllm is not served per owner, whatever the decode-path setting) unless
+        ``overrides`` say otherwise."""
+        overrides.setdefault("nsa_decode_backend", "trtllm")
         model = torch.nn.ModuleList([_Attention(0, False), _Attention(1, True)])
         return SimpleNamespace(
             token_to_kv_pool=pool,

@@ -127,11 +127,11 @@ class TestReservationHook(CustomTestCase):
     SLOT1 = (CONTEXT_LEN + CHUNK) * 5 // 4  # a multiple of the page size
 
     def _model_runner(
-        self, max_total_tokens=None, is_draft_worker=False, flag=True, decode_backend="fa3"
+        self, max_total_tokens=None, is_draft_worker=False, flag=True, decode_backend="flashmla_kv"
     ):
-        """``decode_backend``: where decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE=per_owner``
-        and a served impl such as flashmla_kv) slot 0 is sized for prefill; otherwise (the default
-        gather) it holds the logical capacity."""
+        """fp8 KV (``flashmla_kv``, which the default ``auto`` decodes through the gather): slot 0
+        holds the logical capacity; where decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE=per_owner``)
+        slot 0 is sized for prefill."""
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
             server_args=SimpleNamespace(
@@ -143,6 +143,7 @@ class TestReservationHook(CustomTestCase):
                 nsa_decode_backend=decode_backend,
                 enable_mixed_chunk=False,
                 disaggregation_mode="null",
+                speculative_algorithm=None,
             ),
             model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             calculate_mla_kv_cache_dim=lambda: 656,

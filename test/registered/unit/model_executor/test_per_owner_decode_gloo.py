@@ -223,7 +223,8 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
                 forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
             return state, begin.called, tables.called
 
-    def test_plugin_gathers_by_default_and_decodes_per_owner_on_request(self):
+    def test_plugin_gathers_with_flashmla_kv_by_default_and_decodes_per_owner_on_request(self):
+        # auto (the default) keeps flashmla_kv (fp8 KV) on the gather: not served per owner at CP 8 yet
         for mode in (None, "gather"):
             state, planned, per_owner_tables = self._plugin_decode_forward(mode)
             self.assertIsNone(state)

@@ -311,12 +311,12 @@ class TestCollectivesAndBinding(CustomTestCase):
         self.assertIs(getattr(runner.attn_backend, _STATE_ATTR), state)
         self.assertIsNotNone(state.all_gather)
 
-    def test_binding_refuses_cp_sizes_graphs_have_not_served_at(self):
-        """Judged again before capture, on the runtime's CP size: a padded capture list (sglang's
-        default keeps 2 4 8 12 16 at CP 2) binds at CP 2 and 4, CP 8 is refused with nothing bound.
-        Planted: the check before capture dropped (CP 8 bound)."""
+    def test_binding_at_every_cp_size_the_flag_accepts(self):
+        """Per-owner graphs have served clean at CP 2, 4 and 8 with padded replays: a padded capture
+        list (sglang's default keeps 2 4 8 12 16 at CP 2) binds at each. Seen failing with the
+        former check before capture (graphs refused above CP 4) put back."""
         tp = object()
-        for cp_size, binds in ((2, True), (4, True), (8, False)):
+        for cp_size, binds in ((2, True), (4, True), (8, True)):
             with self.subTest(cp_size=cp_size):
                 runner, runtime, state = self._runner(cp_size=cp_size)
                 runner.server_args.cuda_graph_bs = [2, 4, 8, 12, 16]
@@ -324,11 +324,7 @@ class TestCollectivesAndBinding(CustomTestCase):
                      mock.patch.object(graphs, "per_owner_of", return_value=state), \
                      mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp), \
                      mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=tp):
-                    if binds:
-                        self.assertTrue(graphs.bind_graph_decode(runner))
-                    else:
-                        with self.assertRaisesRegex(ValueError, "accepted only up to CP size 4, not 8"):
-                            graphs.bind_graph_decode(runner)
+                    self.assertTrue(graphs.bind_graph_decode(runner))
                 self.assertEqual(hasattr(runner.attn_backend, _STATE_ATTR), binds)
 
     def test_nothing_bound_without_graphs(self):
@@ -356,21 +352,36 @@ class TestGraphDecodeStartupRule(CustomTestCase):
                 _server_args(**overrides)
             )
 
-    def test_default_still_requires_disable_cuda_graph(self):
-        problem, problems = self._problem()
-        self.assertIn("--disable-cuda-graph", problem)
-        self.assertIn(GRAPH_DECODE_ENV, problem)
+    def test_defaults_run_graphs_where_decode_runs_per_owner(self):
+        """Nothing set: with fa3 (bf16 KV) decode runs per owner under graphs, no
+        --disable-cuda-graph needed, at every CP size; with flashmla_kv (fp8 KV) decode gathers, so
+        graphs are refused naming the impl and the setting. Seen failing with the former defaults
+        (gather, graphs off)."""
+        for tp_size in (2, 4, 8):
+            with self.subTest(tp_size=tp_size):
+                self.assertEqual(self._problem(opt_in=False, nsa_decode_backend="fa3", tp_size=tp_size), (None, []))
+        problem, problems = self._problem(opt_in=False, nsa_decode_backend="flashmla_kv")
+        for named in ("--disable-cuda-graph", "flashmla_kv", f"{DECODE_PATH_ENV}=auto"):
+            self.assertIn(named, problem)
         self.assertEqual(problems, [problem])
-        self.assertEqual(self._problem(disable_cuda_graph=True), (None, []))
+        self.assertEqual(self._problem(opt_in=False, disable_cuda_graph=True), (None, []))
 
-    def test_opted_in_per_owner_decode_accepts_graphs(self):
+    def test_graphs_turned_off_require_disable_cuda_graph(self):
+        problem, problems = self._problem({GRAPH_DECODE_ENV: "0"})
+        self.assertIn("--disable-cuda-graph", problem)
+        self.assertIn(f"{GRAPH_DECODE_ENV}=0", problem)
+        self.assertEqual(problems, [problem])
+        self.assertEqual(self._problem({GRAPH_DECODE_ENV: "0"}, disable_cuda_graph=True), (None, []))
+
+    def test_per_owner_decode_accepts_graphs(self):
+        self.assertEqual(self._problem(), (None, []))
         self.assertEqual(self._problem({GRAPH_DECODE_ENV: "1"}), (None, []))
 
     def test_graphs_refused_wherever_decode_gathers(self):
         cases = {
             f"{DECODE_PATH_ENV}=gather": dict(env={GRAPH_DECODE_ENV: "1", DECODE_PATH_ENV: "gather"}),
             "--nsa-decode-backend trtllm": dict(env={GRAPH_DECODE_ENV: "1"}, nsa_decode_backend="trtllm"),
-            f"{DECODE_PATH_ENV}=gather (the default)": dict(env={GRAPH_DECODE_ENV: "1"}, opt_in=False),
+            f"{DECODE_PATH_ENV}=auto (the default) with flashmla_kv": dict(env={GRAPH_DECODE_ENV: "1"}, opt_in=False),
         }
         for named, case in cases.items():
             with self.subTest(named):
@@ -379,30 +390,17 @@ class TestGraphDecodeStartupRule(CustomTestCase):
                 self.assertIn(named.split(" (")[0], problem)
                 self.assertEqual(problems, [problem])
 
-    def test_any_capture_list_is_accepted_at_cp_2_and_4(self):
+    def test_any_capture_list_is_accepted_at_every_cp_size(self):
         """Served clean at CP 2 with batches replayed padded (captured at 2 and 16 only, batches of
-        3-15 in the graph of 16) and with every size captured, and at CP 4 (captured at 4 8 12 16):
-        no capture list is refused there, sglang's default (1 2 4 8 12 16) included. Planted: the
-        former list rule (every multiple of the CP size) refused the default list; the former CP
-        cap (2) refused CP 4."""
+        3-15 in the graph of 16) and with every size captured, at CP 4 (captured at 4 8 12 16) and
+        at CP 8 (8 and 16): no capture list is refused, sglang's default (1 2 4 8 12 16) included.
+        Planted: the former list rule (every multiple of the CP size) refused the default list; the
+        former CP cap (4) refused CP 8."""
         env = {GRAPH_DECODE_ENV: "1"}
-        for tp_size in (2, 4):
+        for tp_size in (2, 4, 8):
             for listed in ([1, 2, 4, 8, 12, 16], [tp_size, 16], list(range(1, 17)), None):
                 with self.subTest(tp_size=tp_size, listed=listed):
                     self.assertEqual(self._problem(env, tp_size=tp_size, cuda_graph_bs=listed), (None, []))
-
-    def test_cp_sizes_above_four_are_refused_whatever_the_capture_list(self):
-        """Per-owner decode graphs have not been served above CP 4: refused at startup, naming the
-        CP size and --disable-cuda-graph; eager per-owner decode stays accepted.
-        Planted: the CP size check dropped from graph_cp_size_problem (CP 8 accepted)."""
-        env = {GRAPH_DECODE_ENV: "1"}
-        for tp_size, listed in ((8, list(range(8, 33, 8))), (8, [8, 16]), (8, None)):
-            with self.subTest(tp_size=tp_size, listed=listed):
-                problem, problems = self._problem(env, tp_size=tp_size, cuda_graph_bs=listed)
-                self.assertIn(f"accepted only up to CP size 4, not {tp_size}", problem)
-                self.assertIn("--disable-cuda-graph", problem)
-                self.assertEqual(problems, [problem])
-        self.assertEqual(self._problem(env, tp_size=8, disable_cuda_graph=True), (None, []))
 
     def test_piecewise_graphs_stay_refused(self):
         _, problems = self._problem({GRAPH_DECODE_ENV: "1"}, disable_piecewise_cuda_graph=False)

@@ -48,6 +48,7 @@ def _server_args(**overrides):
         chunked_prefill_size=8192,
         max_prefill_tokens=16384,
         disaggregation_mode="null",
+        speculative_algorithm=None,
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -82,7 +83,7 @@ class TestScratchSizing(CustomTestCase):
 
     def test_gathering_decode_keeps_the_logical_capacity(self):
         cases = {
-            "the default": dict(opt_in=False),
+            "the default with flashmla_kv": dict(opt_in=False),
             "gather set": dict(env={DECODE_PATH_ENV: "gather"}),
             "impl not served": dict(nsa_decode_backend="trtllm"),
             "mixed chunks": dict(enable_mixed_chunk=True),
@@ -96,6 +97,27 @@ class TestScratchSizing(CustomTestCase):
             self.assertFalse(_sizing().prefill_only)
         with self.assertRaisesRegex(ValueError, DECODE_PATH_ENV):
             _sizing({DECODE_PATH_ENV: "sometimes"})
+
+    def test_auto_decodes_per_owner_only_where_served_at_every_cp_size(self):
+        """The default (auto): per owner with fa3 (served clean at CP 2, 4 and 8), the gather with
+        flashmla_kv (CP 2 and 4 only) and under MTP, each gather naming why; an explicit per_owner
+        keeps MTP on per owner (refused there by the MTP rules, not moved to the gather).
+        Seen failing with auto treated as per_owner (flashmla_kv per owner) and with the MTP
+        condition dropped."""
+        from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
+
+        self.assertEqual(AUTO_PER_OWNER_DECODE_IMPLS, ("fa3",))
+        self.assertTrue(_sizing(opt_in=False, nsa_decode_backend="fa3").prefill_only)
+        self.assertTrue(_sizing({DECODE_PATH_ENV: "auto"}, nsa_decode_backend="fa3").prefill_only)
+        fp8 = _sizing(opt_in=False)
+        self.assertFalse(fp8.prefill_only)
+        self.assertIn("flashmla_kv", fp8.reason)
+        self.assertIn(DECODE_PATH_ENV, fp8.reason)
+        mtp = _sizing(opt_in=False, nsa_decode_backend="fa3", speculative_algorithm="EAGLE")
+        self.assertFalse(mtp.prefill_only)
+        self.assertIn("--speculative-algorithm EAGLE", mtp.reason)
+        self.assertTrue(_sizing(nsa_decode_backend="fa3", speculative_algorithm="EAGLE").prefill_only)
+        self.assertTrue(_sizing(nsa_decode_backend="flashmla_kv").prefill_only)  # per_owner asks for it
 
     def test_startup_rule_names_the_impls_per_owner_decode_serves(self):
         # The sizing decides before the runtime exists; it must agree with per_owner_decode.attach.

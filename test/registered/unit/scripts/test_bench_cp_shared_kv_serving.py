@@ -177,10 +177,10 @@ class TestServingBenchmarkRunner(CustomTestCase):
 
 class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
     """``--per-owner-decode``: two more shared-KV servers, decode per owner eagerly and under CUDA
-    graphs, each launched with the opt-ins its decode needs; the fake server refuses a shared-KV
-    server with CUDA graphs without them, as the real startup validation does. Planted: the
-    launch environment left without the opt-ins (``ServeConfig.env`` empty) -> the graph server
-    fails to start and the run fails."""
+    graphs, each launched with its decode path named (none relies on the server's default, auto);
+    the fake server refuses a shared-KV server with CUDA graphs where they are off, as the real
+    startup validation does. Planted: graphs turned off in every launch environment -> the graph
+    server fails to start and the run fails."""
 
     def run_bench(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -204,26 +204,28 @@ class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
         eager, graphs = servers["on-per-owner"], servers["on-per-owner-graphs"]
         self.assertIn("--disable-cuda-graph", eager["command"])
         self.assertNotIn("--disable-cuda-graph", graphs["command"])
-        self.assertEqual(eager["env"], {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"})
+        self.assertEqual(eager["env"], {"SGLANG_CP_SHARED_KV_DECODE": "per_owner",
+                                        "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH": "0"})
         self.assertEqual(graphs["env"], {"SGLANG_CP_SHARED_KV_DECODE": "per_owner",
                                          "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH": "1"})
-        self.assertEqual(servers["on"]["env"], {})  # the default decode gathers
+        self.assertEqual(servers["on"]["env"], {"SGLANG_CP_SHARED_KV_DECODE": "gather"})
         for server in (eager, graphs, servers["on"]):
             self.assertIn("--enable-nsa-prefill-cp-shared-kv", server["command"])
         for server in (eager, graphs, servers["on"], servers["off-graphs"]):
             self.assertIsNotNone(server["tpot"][0]["tpot_ms"], server)
         self.assertIn("on-per-owner-graphs / off-graphs", page)
 
-    def test_a_graph_server_without_the_opt_ins_fails(self):
+    def test_a_graph_server_with_graphs_off_fails(self):
         from unittest import mock
 
         from sglang_cp_shared_kv.testing.e2e.server_process import ServeConfig
 
-        with mock.patch.object(ServeConfig, "env", lambda self: {}):
+        graphs_off = {"SGLANG_CP_SHARED_KV_DECODE": "per_owner", "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH": "0"}
+        with mock.patch.object(ServeConfig, "env", lambda self: dict(graphs_off) if self.shared_kv else {}):
             rc, servers, _ = self.run_bench()
         self.assertEqual(rc, 1)
         self.assertTrue(servers["on-per-owner-graphs"]["failures"], servers["on-per-owner-graphs"])
-        self.assertFalse(servers["on-per-owner"]["failures"])  # eager per owner needs no graph opt-in to start
+        self.assertFalse(servers["on-per-owner"]["failures"])  # eager (--disable-cuda-graph) starts
 
 
 class TestServeConfigDecodePath(CustomTestCase):
@@ -239,14 +241,16 @@ class TestServeConfigDecodePath(CustomTestCase):
 
     def test_gather_decode_needs_eager_decode(self):
         self.assertIn("--disable-cuda-graph", self.config().command())
-        self.assertEqual(self.config().env(), {})
+        self.assertEqual(self.config().env(), {"SGLANG_CP_SHARED_KV_DECODE": "gather"})  # named, not the default
+        self.assertEqual(self.config(shared_kv=False).env(), {})
         with self.assertRaises(ValueError):
             self.config(cuda_graphs=True).command()
 
     def test_per_owner_decode_eager_and_under_graphs(self):
         eager = self.config(decode_path="per_owner")
         self.assertIn("--disable-cuda-graph", eager.command())
-        self.assertEqual(eager.env(), {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"})
+        self.assertEqual(eager.env(), {"SGLANG_CP_SHARED_KV_DECODE": "per_owner",
+                                       "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH": "0"})
         graphs = self.config(decode_path="per_owner", cuda_graphs=True)
         self.assertNotIn("--disable-cuda-graph", graphs.command())
         self.assertEqual(graphs.env()["SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"], "1")

@@ -83,16 +83,20 @@ class TestFakeServerPerOwnerPools(CustomTestCase):
         """The tiny model (4 layers) at CP 8: a logical-capacity slot 0 takes the whole budget; a
         prefill-sized one (context + one chunk) leaves a pool, and the fake logs its size as the
         runtime does, so the benchmark judges the pool against that reservation."""
-        from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+        from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, PER_OWNER
         from sglang_cp_shared_kv.testing.e2e import fake_sglang_server as fake
         from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
 
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "max_position_embeddings": 4096}))
             args = SimpleNamespace(model_path=tmp, kv_cache_dtype="auto", max_total_tokens=1 << 30, chunked_prefill_size=8192)
-            gather_rows, gather_slot0 = fake.physical_pool_tokens(args, 8)
+            with mock.patch.dict(os.environ, {DECODE_PATH_ENV: GATHER}):
+                gather_rows, gather_slot0 = fake.physical_pool_tokens(args, 8)
             with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
                 owner_rows, owner_slot0 = fake.physical_pool_tokens(args, 8)
+            with mock.patch.dict(os.environ):  # the default (auto) decodes per owner with bf16 KV (fa3)
+                os.environ.pop(DECODE_PATH_ENV, None)
+                self.assertEqual(fake.physical_pool_tokens(args, 8), (owner_rows, owner_slot0))
         self.assertLessEqual(gather_rows, 0)
         self.assertEqual(owner_slot0, 4096 + 8192)
         self.assertGreater(owner_rows, 0)

@@ -155,9 +155,11 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
         # name -> (per-owner decode, graphs, prefetch); one check per decode mode, spread over the sizes
         expected = {"on_bf16_owner_graphs": (True, True, False), "plant_decode-wrong-page": (True, False, False),
                     "on_fp8_owner_graphs_prefetch": (True, True, True), "ref_bf16": (False, False, False),
-                    "on_bf16_owner_prefetch": (True, False, True)}  # fmt: skip
+                    "on_bf16_owner_prefetch": (True, False, True), "on_bf16_gather": (False, False, False),
+                    "plant_decode-wrong-page_graphs": (True, True, False)}  # fmt: skip
         for tp, only in ((2, "on_bf16_owner_graphs plant_decode-wrong-page on_fp8_owner_graphs_prefetch"),
-                         (4, "ref_bf16"), (8, "on_bf16_owner_prefetch")):  # fmt: skip
+                         (4, "ref_bf16 on_bf16_gather"),
+                         (8, "on_bf16_owner_prefetch on_bf16_owner_graphs plant_decode-wrong-page_graphs")):  # fmt: skip
             with tempfile.TemporaryDirectory() as tmp, self.subTest(tp=tp):
                 tmp = Path(tmp)
                 env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_TP": str(tp), "SMOKE_ONLY": only,
@@ -172,29 +174,16 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                     # the read audit's per-forward pool all-gathers go through sockets: two layers
                     self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_LAYERS"), "2", name)
                     per_owner, graphs, prefetch = expected[name]
-                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE") == "per_owner", per_owner, name)
+                    # every shared-KV run names its path: none depends on the server's default (auto)
+                    shared = "--enable-nsa-prefill-cp-shared-kv" in argv
+                    path = env_vars.get("SGLANG_CP_SHARED_KV_DECODE")
+                    self.assertEqual(path, ("per_owner" if per_owner else "gather") if shared else None, name)
                     self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH") == "1", graphs, name)
                     self.assertEqual("--disable-cuda-graph" not in argv, graphs, name)
                     self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS") == "auto", prefetch, name)
                     self.assertEqual("--kv-cache-dtype" in argv, "fp8" in name or name == "plant_decode-wrong-page")
                     if name.startswith("plant_"):
                         self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT"), "decode-wrong-page")
-
-    def test_per_owner_graph_runs_are_not_started_above_cp_4(self):
-        """The server refuses per-owner decode graphs above CP 4 (decode_path): the runner neither
-        starts those runs nor judges them (a refused plant would otherwise count as caught), and
-        says so; the eager runs of the same call still start. Seen failing with the check removed
-        (the graph runs started and printed their servers)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            tmp = Path(tmp)
-            only = "on_bf16_owner_graphs plant_decode-wrong-page_graphs on_fp8_owner"
-            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_TP": "8", "SMOKE_ONLY": only,
-                   "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
-            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["onegpu-core"], env, tmp)
-            for name in ("on_bf16_owner_graphs", "plant_decode-wrong-page_graphs"):
-                self.assertIn(f"{name}: not run (per-owner decode graphs are refused above CP 4", proc.stdout)
-                self.assertFalse((tmp / "out" / f"{name}.log").exists(), name)
-            self.assertIn("on_fp8_owner: exit 0", proc.stdout, proc.stderr[-2000:])
 
     def test_stock_graphs_mode_runs_stock_graphs_with_padded_batches(self):
         """Mode stock-graphs: the stock server runs decode CUDA graphs (no --disable-cuda-graph)
@@ -223,38 +212,27 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             self.assertEqual(flag(argv, "--max-total-tokens"), "8192")
             self.assertIn("device D=8192 ", text)
 
-    def test_padded_graphs_mode_and_the_cp_size_lift(self):
+    def test_padded_graphs_mode(self):
         """Mode padded-graphs: two shared-KV runs with per-owner graphs captured at SMOKE_TP and 16
         only (burst batches replay padded), launches blocking: one judged, one (a diagnosis) with
-        sglang's --debug-cuda-graph (replays run eagerly); the reference without any of it. At CP 2
-        and 4 the product's own rule accepts them (no lift); at CP 8 they are not started unless
-        SMOKE_LIFT_GRAPH_CP_SIZE_RULE=1, which lifts the rule in their servers only.
-        Seen failing with the lift passed at every CP size, and with the knob ignored."""
-        lift = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_GRAPH_CP_SIZE_RULE"
+        sglang's --debug-cuda-graph (replays run eagerly); the reference without any of it. Started
+        at every CP size (the server accepts per-owner graphs at 2, 4 and 8)."""
         judged, diagnosis = "on_bf16_owner_graphs_padded", "diag_padded_eager_replay"
-        # (SMOKE_TP, the knob, SMOKE_ONLY): the whole mode at CP 2, one graph run each elsewhere.
-        cases = (("2", None, None), ("4", None, judged), ("8", None, f"{judged} {diagnosis}"), ("8", "1", diagnosis))
-        for tp, knob, only in cases:
-            with self.subTest(tp=tp, knob=knob), tempfile.TemporaryDirectory() as tmp:
+        # (SMOKE_TP, SMOKE_ONLY): the whole mode at CP 2, one graph run each elsewhere.
+        for tp, only in (("2", None), ("4", judged), ("8", diagnosis)):
+            with self.subTest(tp=tp), tempfile.TemporaryDirectory() as tmp:
                 tmp = Path(tmp)
                 env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_RUNS_DIR": str(tmp / "runs"),
                        "SMOKE_MODEL_DIR": str(tmp / "model"), "SMOKE_TP": tp}  # fmt: skip
-                if knob:
-                    env["SMOKE_LIFT_GRAPH_CP_SIZE_RULE"] = knob
                 if only:
                     env["SMOKE_ONLY"] = only
                 proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"], env, tmp)
                 self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
                 for name in (only or f"{judged} {diagnosis}").split():
-                    if tp == "8" and not knob:
-                        self.assertIn(f"{name}: not run (per-owner decode graphs are refused above CP 4", proc.stdout)
-                        self.assertFalse((tmp / "out" / f"{name}.log").exists())
-                        continue
                     self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
                     servers = {mode: (env_vars, argv) for mode, _, env_vars, argv in
                                servers_in((tmp / "out" / f"{name}.log").read_text())}  # fmt: skip
                     env_vars, argv = servers["shared-kv-on"]
-                    self.assertEqual(env_vars.get(lift), "1" if tp == "8" else None, name)
                     self.assertEqual(env_vars.get("CUDA_LAUNCH_BLOCKING"), "1", name)
                     self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"), "1", name)
                     self.assertNotIn("--disable-cuda-graph", argv)
@@ -262,22 +240,8 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                     self.assertEqual(argv[start + 1 : start + 3], [tp, "16"], name)
                     self.assertEqual("--debug-cuda-graph" in argv, name == diagnosis, name)
                 if only is None:
-                    ((_, _, ref_env, _),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
-                    self.assertNotIn(lift, ref_env)
-        bad = run_runner("scripts/gpu/serve_smoke_runs.sh", ["padded-graphs"],
-                         {"SMOKE_DRY_RUN": "1", "SMOKE_LIFT_GRAPH_CP_SIZE_RULE": "yes"}, Path(tempfile.gettempdir()))  # fmt: skip
-        self.assertEqual(bad.returncode, 2)
-        self.assertIn("SMOKE_LIFT_GRAPH_CP_SIZE_RULE must be 1 or unset", bad.stderr)
-
-    def test_lifting_the_graph_cp_size_rule_needs_per_owner_graphs(self):
-        proc = subprocess.run(
-            ["python3", "scripts/glm5_cp_hicache_smoke.py", "--model-path", "/nonexistent", "--tp", "2",
-             "--shared-kv", "both", "--decode", "per-owner", "--lift-graph-cp-size-rule", "--dry-run"],
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
-        self.assertIn("--lift-graph-cp-size-rule needs --decode per-owner-graphs", proc.stderr)
+                    ((_, _, ref_env, ref_argv),) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
+                    self.assertNotIn("--debug-cuda-graph", ref_argv)
 
     def test_stock_cuda_graphs_needs_shared_kv_off(self):
         proc = subprocess.run(
