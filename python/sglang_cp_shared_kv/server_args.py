@@ -483,12 +483,13 @@ def runtime_problems(server_args) -> list[str]:
 # own NextN layer as the draft. Its draft pool is an ``NSATokenToKVPool`` of one layer (KV and indexer
 # K) that stock sglang sizes at the target's physical tokens and indexes by the shared allocator's
 # logical locs, so it is sharded by the same layout as the target's
-# (``model_executor/cp_shared_kv_draft_pool.py``). Not served yet: accepted only with the opt-in
-# (``speculative/mtp_opt_in.py``).
+# (``model_executor/cp_shared_kv_draft_pool.py``). Served clean at CP 2 only: accepted only with the
+# opt-in (``speculative/mtp_opt_in.py``).
 _SPEC_MODES_TEXT = (
-    "MTP has not been served with shared KV yet (target verify, the draft extends of spec v1 and "
-    "v2 and the draft's multi-step decode are planned, one plan per draft step, and EAGLE's writes "
-    "of req_to_token are mirrored on the host; checked on one GPU through sglang's classes)"
+    "MTP with shared KV has served clean at CP 2 only, not yet at CP 4 or 8 nor on a PD prefill "
+    "server (target verify, the draft extends of spec v1 and v2 and the draft's multi-step decode "
+    "are planned, one plan per draft step, and EAGLE's writes of req_to_token are mirrored on the "
+    "host; checked on one GPU at CP 2/4/8 through sglang's classes)"
 )
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # sglang turns NEXTN into EAGLE
 

@@ -28,7 +28,11 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv import server_args as cp_server_args
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GRAPH_DECODE_ENV
+from sglang_cp_shared_kv.model_executor.decode_path import (
+    DECODE_PATH_ENV,
+    GRAPH_DECODE_ENV,
+    decode_gather_reason,
+)
 from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,
@@ -219,6 +223,12 @@ class TestRealServerArgs(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCas
                     )
                     self.assertEqual(args.speculative_num_draft_tokens, 4)
                     self.assertTrue(runtime_on)
+                    # the default decode path (auto) gathers under MTP, even with fa3 (bf16 KV),
+                    # which it otherwise decodes per owner: seen failing with that rule dropped
+                    self.assertEqual(args.nsa_decode_backend, "fa3")
+                    with _env(OPTED_IN):
+                        reason = decode_gather_reason(args)
+                    self.assertIn("--speculative-algorithm EAGLE", reason)
 
     def test_nextn_mtp_recipe_is_refused_without_the_opt_in_naming_it(self):
         for hicache in (False, True):
@@ -229,7 +239,7 @@ class TestRealServerArgs(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCas
                 self.assertEqual(len(problems), 1, problems)
                 self.assertIn("--speculative-algorithm EAGLE", problems[0])
                 self.assertIn(f"{MTP_ENV}=1", problems[0])
-                self.assertIn("not been served", problems[0])
+                self.assertIn("served clean at CP 2 only", problems[0])
 
     def test_mtp_with_per_owner_decode_is_refused_at_startup(self):
         problems = self._problems(
