@@ -56,6 +56,7 @@ from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, pars
 from sglang_cp_shared_kv.testing.e2e.server_process import (
     MAX_SGLANG_PORT,
     MTP_OPT_IN_ENV,
+    SERVER_DEFAULT_DECODE,
     ServeConfig,
     ServerError,
     SglangServer,
@@ -86,8 +87,9 @@ NSA_CUDA_PAGE_SIZE = 64
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SERVE_PLANTS = tuple(p for p in PLANTS if p != "pd-send-wrong-page")
 DRAFT_PLANTS = ("draft-wrong-owner", "draft-stale-load-back")
-# --decode: the shared-KV server's decode path (the stock server keeps its own, eager like it).
-DECODE_CHOICES = ("gather", "per-owner", "per-owner-graphs")
+# --decode: the shared-KV server's decode path (the stock server keeps its own, eager like it);
+# server-default names no decode setting and keeps sglang's CUDA graphs, as a user's launch does.
+DECODE_CHOICES = ("gather", "per-owner", "per-owner-graphs", SERVER_DEFAULT_DECODE)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -133,8 +135,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode", choices=DECODE_CHOICES, default="gather",
                    help=f"shared-KV server only, always named in its environment: decode through the page "
                         f"gather (default here; {DECODE_PATH_ENV}={GATHER}), per owner ({DECODE_PATH_ENV}={PER_OWNER}, "
-                        f"{GRAPH_DECODE_ENV}=0), or per owner under CUDA graphs ({GRAPH_DECODE_ENV}=1, "
-                        "no --disable-cuda-graph)")
+                        f"{GRAPH_DECODE_ENV}=0), per owner under CUDA graphs ({GRAPH_DECODE_ENV}=1, "
+                        f"no --disable-cuda-graph), or {SERVER_DEFAULT_DECODE}: neither set, no "
+                        "--disable-cuda-graph, sglang's own capture list unless --extra-server-args names one "
+                        "(the server's default path, as a user launches it)")
     p.add_argument("--stock-cuda-graphs", action="store_true",
                    help="stock server only: decode CUDA graphs (no --disable-cuda-graph) with sglang's own "
                         "capture list unless --extra-server-args names one; tells a stock padded-replay "
@@ -218,12 +222,18 @@ def serve_configs(args, port: int) -> List[ServeConfig]:
             load_format=args.load_format,
             extra_args=extra,
             mtp=args.mtp,
-            cuda_graphs=(shared_kv and args.decode == "per-owner-graphs")
+            cuda_graphs=(shared_kv and args.decode in ("per-owner-graphs", SERVER_DEFAULT_DECODE))
             or (not shared_kv and args.stock_cuda_graphs),
-            decode_path=PER_OWNER if shared_kv and args.decode != "gather" else "gather",
+            decode_path=serve_decode_path(args, shared_kv),
         )
         for shared_kv in modes_of(args.shared_kv)
     ]
+
+
+def serve_decode_path(args, shared_kv: bool) -> str:
+    if not shared_kv or args.decode == "gather":
+        return "gather"
+    return SERVER_DEFAULT_DECODE if args.decode == SERVER_DEFAULT_DECODE else PER_OWNER
 
 
 def env_assignment(text: str):
@@ -255,7 +265,7 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[SMOKE_PLANT_ENV] = args.plant
     if args.mtp:  # the shared-KV server's opt-in; the stock reference runs MTP without it
         extra[MTP_OPT_IN_ENV] = "1"
-    if shared_kv:  # named either way: the server's default (auto) picks by decode impl
+    if shared_kv and args.decode != SERVER_DEFAULT_DECODE:  # named: the server's default (auto) picks by impl
         extra[DECODE_PATH_ENV] = GATHER if args.decode == "gather" else PER_OWNER
         extra[GRAPH_DECODE_ENV] = "1" if args.decode == "per-owner-graphs" else "0"
     if shared_kv and args.prefetch_slot_tokens is not None:

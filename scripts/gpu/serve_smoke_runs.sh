@@ -37,6 +37,9 @@
 #                 eager and one graph run; a burst of 12 in each (batched decode), against the
 #                 references of correctness (run here too); the decode-wrong-page plant eager (fp8)
 #                 and under graphs (bf16); each plant must FAIL. (MTP is refused with per-owner decode.)
+#   defaults      the shared-KV server as a user launches it: no decode setting in its environment,
+#                 no --disable-cuda-graph, sglang's own capture list (bf16 write_through + chunked
+#                 prefill + burst, on_bf16_server_default), against ref_bf16 (run here too).
 #   stock-graphs  stock (shared KV off) with decode CUDA graphs captured only at batch SMOKE_TP and 16,
 #                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
 #                 13 rows. Whether a padded replay fails without shared KV too.
@@ -51,10 +54,10 @@
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
 #                 eager and under graphs); 12 servers. Meant for SMOKE_ONE_GPU=1 (docs/gpu.md, "One-GPU
 #                 test mode", gives the expected wall time per SMOKE_TP); SMOKE_ONLY splits it.
-#   Every shared-KV run names its decode path (SGLANG_CP_SHARED_KV_DECODE gather or per_owner), so
-#   none depends on the server's default (auto).
+#   Every shared-KV run but the defaults mode's names its decode path (SGLANG_CP_SHARED_KV_DECODE
+#   gather or per_owner), so none depends on the server's default (auto).
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs|padded-graphs   (results under $OUT)
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|stock-graphs|padded-graphs   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -91,7 +94,7 @@
 # Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
 # logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|stock-graphs|padded-graphs}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|stock-graphs|padded-graphs}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
@@ -229,6 +232,10 @@ case "$MODE" in
       on_bf16 "plant_$bug" --plant "$bug" --extra-server-args "$BF16_WT"
     done
     decode_plants
+    wait ;;
+  defaults)
+    ref_bf16
+    on_bf16 on_bf16_server_default --decode server-default --extra-server-args "$BF16_WT"
     wait ;;
   stock-graphs)
     spawn smoke ref_bf16_stock_graphs --shared-kv off --audit --burst 12 --stock-cuda-graphs \

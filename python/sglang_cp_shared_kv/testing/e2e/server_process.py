@@ -35,6 +35,9 @@ MTP_SERVER_ARGS = (
 # The shared-KV server's explicit opt-in to MTP; given to every server of an MTP smoke (stock sglang,
 # the reference, runs MTP without it and ignores it).
 MTP_OPT_IN_ENV = MTP_ENV
+# ServeConfig.decode_path of a shared-KV server launched as a user would, with no decode setting in its
+# environment: the server's own default decides (what serving the default itself checks).
+SERVER_DEFAULT_DECODE = "server-default"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class ServeConfig:
     # server whose decode runs per owner (the only shared-KV decode that can be captured).
     cuda_graphs: bool = False
     # Shared KV only: decode through the page gather or per owner, named in env() either way (the
-    # server's own default, auto, picks by decode impl: a run must not depend on it).
+    # server's own default, auto, picks by decode impl: a run must not depend on it unless it says so
+    # with SERVER_DEFAULT_DECODE, which names nothing).
     decode_path: str = "gather"
     # MTP (``MTP_SERVER_ARGS``), with its opt-in in env().
     mtp: bool = False
@@ -62,16 +66,20 @@ class ServeConfig:
     def env(self) -> Dict[str, str]:
         """The environment the launch needs besides the command line: the decode path, the MTP opt-in."""
         env = {MTP_OPT_IN_ENV: "1"} if self.mtp else {}
-        if not self.shared_kv:
+        if not self.shared_kv or self.decode_path == SERVER_DEFAULT_DECODE:
             return env
         if self.decode_path == "gather":
             return {**env, DECODE_PATH_ENV: GATHER}
         return {**env, DECODE_PATH_ENV: PER_OWNER, GRAPH_DECODE_ENV: "1" if self.cuda_graphs else "0"}
 
     def command(self) -> List[str]:
-        if self.decode_path not in ("gather", PER_OWNER) or (self.decode_path != "gather" and not self.shared_kv):
-            raise ValueError(f"decode_path {self.decode_path!r}: 'gather', or {PER_OWNER!r} with shared KV")
-        if self.cuda_graphs and self.shared_kv and self.decode_path != PER_OWNER:
+        if self.decode_path not in ("gather", PER_OWNER, SERVER_DEFAULT_DECODE) or (
+            self.decode_path != "gather" and not self.shared_kv
+        ):
+            raise ValueError(
+                f"decode_path {self.decode_path!r}: 'gather', or {PER_OWNER!r} / {SERVER_DEFAULT_DECODE!r} with shared KV"
+            )
+        if self.cuda_graphs and self.shared_kv and self.decode_path == "gather":
             raise ValueError("cuda_graphs: shared-KV decode through the page gather requires --disable-cuda-graph")
         cmd = [
             "sglang", "serve",
