@@ -28,7 +28,7 @@
 # SMOKE_ONE_GPU=1 (test-only; docs/gpu.md, "One-GPU test mode"): every rank on device 0 (the bench's
 # --one-gpu), parts headline and capacity only, on the tiny GLM-5 (BENCH_MODEL_DIR to change it; a
 # GLM-5-width model's weights would be counted BENCH_TP times against every rank's budget), each rank
-# given --mem-fraction-static 0.85 / BENCH_TP, the shared-KV server's decode per owner in the capacity
+# given --mem-fraction-static 0.85 / BENCH_TP, at least 0.18 (one_gpu.per_rank_mem_fraction), the shared-KV server's decode per owner in the capacity
 # part (the tiny model's 4 layers are fewer than the CP size at 4 and 8: a scratch that holds one layer
 # of the logical capacity, what gather decode needs, would not fit beside the pool). What it gives: capacities (on vs off, the ranks' pool
 # sizes must agree) and cache hit rates, which do not depend on timing; timings are of a time-sliced
@@ -91,7 +91,8 @@ python3 benchmark/bench_cp_shared_kv_serving.py --model-path "$MODEL" --tp "$TP"
   ${BENCH_DRY_RUN:+--dry-run} "$@" > "$OUT/$name.log" 2>&1
 rc=$?
 [[ -f "$RUNS/$name/results.json" ]] && cp "$RUNS/$name/results.json" "$OUT/$name.json"
-tar -C "$RUNS/$name" -czf "$OUT/${name}_server_logs.tgz" --wildcards '*.log' 2>/dev/null
+logs=("$RUNS/$name"/*.log)  # tar does not expand a pattern when it creates an archive
+[[ -e "${logs[0]}" ]] && tar -C "$RUNS/$name" -czf "$OUT/${name}_server_logs.tgz" "${logs[@]##*/}"
 grep -E "^\[|^phase|FAIL|^DONE|^FAILED|^error" "$OUT/$name.log" | grep -vE "/[0-9]+ requests" | cut -c1-300
 grep -E "/[0-9]+ requests" "$OUT/$name.log" | tail -4
 echo "bench $name: exit $rc"

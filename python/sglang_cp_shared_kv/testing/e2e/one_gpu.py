@@ -49,19 +49,35 @@ def with_one_gpu_args(args: Sequence[str]) -> List[str]:
     return list(args) + [a for a in ONE_GPU_SERVER_ARGS if a not in args]
 
 
+# The smallest --mem-fraction-static a rank gets when memory sizes the pools on one GPU. A rank's
+# budget is its fraction of the free memory less what every rank of the server loaded (each sees the
+# whole GPU): the tiny GLM-5 at CP 8 loads about 10 GB of weights plus a context and buffers per
+# rank, more than 0.85 / 8 of an H200 (served 2026-12-03: "Not enough memory" on stock and shared KV
+# alike). 0.18 leaves each of 8 ranks a pool for loads up to 22 GB and keeps the 8 pools and the
+# loads within 0.85 of the GPU for loads from 14 GB (test_one_gpu_mode.py).
+ONE_GPU_MIN_RANK_MEM_FRACTION = 0.18
+# How far two servers' pool budgets may differ on one GPU, as a share of stock's pool. Each budget
+# is the minimum over ranks of free memory measured while the other ranks of the server may still
+# be allocating: served 2026-12-03 at CP 2, the shared-KV pool came out 6,464 tokens (0.065%) above
+# stock's less the scratch, where on two GPUs it matched to the page. Below the scratch's own share
+# (about 0.35% of that pool), so a missing reservation still fails.
+ONE_GPU_BUDGET_TOLERANCE = 0.002
+
+
 def per_rank_mem_fraction(mem_fraction_static: float, ranks_on_the_gpu: int) -> float:
     """``--mem-fraction-static`` of one rank when ``ranks_on_the_gpu`` ranks share the GPU and
-    memory sizes the pools.
+    memory sizes the pools: its share, at least ``ONE_GPU_MIN_RANK_MEM_FRACTION``.
 
     sglang 0.5.11 gives a rank's pool ``free_after_load - free_before_load x (1 - fraction)``, both
     measured as the minimum over the server's ranks at a barrier (before any rank allocates its
     pool, so the ranks of one server agree on the size). With every rank on one GPU each rank sees
-    the whole GPU, and ``free_after_load`` already lacks every rank's weights: a rank then gets
-    ``fraction / ranks x free`` less the whole model's weights, about its share for a small model.
-    The stock and the shared-KV server get the same budget, so their capacities compare."""
+    the whole GPU, and ``free_after_load`` already lacks every rank's weights and buffers: a rank
+    then gets ``fraction x free`` less all of them. The stock and the shared-KV server get the same
+    fraction, so their capacities compare."""
     if not 0 < mem_fraction_static < 1 or ranks_on_the_gpu < 1:
         raise ValueError(
             f"--mem-fraction-static {mem_fraction_static} over {ranks_on_the_gpu} ranks: need a "
             "fraction in (0, 1) and at least one rank"
         )
-    return round(mem_fraction_static / ranks_on_the_gpu, 4)
+    share = mem_fraction_static / ranks_on_the_gpu
+    return round(max(share, min(ONE_GPU_MIN_RANK_MEM_FRACTION, mem_fraction_static)), 4)

@@ -295,8 +295,11 @@ def scratch_share_failures(
     kv_bytes_per_token: int,
     kv_row_bytes: int,
     page_size: int,
+    budget_tolerance_tokens: int = 0,
 ) -> List[str]:
-    """The shared-KV server's physical pool per rank is stock's less the scratch's documented share."""
+    """The shared-KV server's physical pool per rank is stock's less the scratch's documented share,
+    to the page, or within ``budget_tolerance_tokens`` where the two servers' budgets were measured
+    on a shared GPU (``one_gpu.ONE_GPU_BUDGET_TOLERANCE``)."""
     shared = shared_figures.get("physical_device_tokens_per_rank") or []
     stock = stock_figures.get("physical_device_tokens_per_rank") or []
     if len(shared) != 1 or len(stock) != 1:
@@ -307,9 +310,11 @@ def scratch_share_failures(
     low, high = shared_physical_bounds(
         stock[0], cap_tokens, cp_size, kv_bytes_per_token, kv_row_bytes, page_size, prefill_slot0
     )
+    low, high = max(low - budget_tolerance_tokens, 0), high + budget_tolerance_tokens
     if not low <= shared[0] <= high:
+        within = f" (budgets within {budget_tolerance_tokens} tokens)" if budget_tolerance_tokens else ""
         return [
-            f"physical pool per rank is {shared[0]} tokens; stock's {stock[0]} less the gather scratch's "
-            f"share gives {low}..{high}"
+            f"physical pool per rank is {shared[0]} tokens; stock's {stock[0]} less the scratch's "
+            f"share gives {low}..{high}{within}"
         ]
     return []

@@ -299,7 +299,7 @@ class TestServingBenchmarkCapacity(CustomTestCase):
     def test_a_pool_without_room_for_the_scratch_fails(self):
         rc, capacity, page = self.run_capacity(no_scratch=True)
         self.assertEqual(rc, 1)
-        self.assertTrue(any("less the gather scratch's share" in f for f in capacity["failures"]), capacity)
+        self.assertTrue(any("less the scratch's share" in f for f in capacity["failures"]), capacity)
         self.assertIn("## Failures", page)
 
 

@@ -271,5 +271,30 @@ class TestVerdicts(CustomTestCase):
         self.assertIn("illegal memory access", line)
 
 
+
+class TestOneGpuPoolsSizedByMemory(CustomTestCase):
+    """Each rank's --mem-fraction-static when memory sizes the pools (the capacity sweep)."""
+
+    def test_every_cp_size_gets_a_pool_that_fits(self):
+        """sglang's rule (``_profile_available_bytes``): a rank's pool is ``free_after_load -
+        free_before_load x (1 - f)``, both the minimum over the server's ranks, and on one GPU
+        ``free_after_load`` lacks every rank's load. With the loads seen on one H200 (2026-12-03,
+        tiny GLM-5: about 10 and 12.5 GB at CP 2 and 4 from their pools; over 14.3 GB at CP 8,
+        where 0.85 / 8 left no pool), every CP size must get a positive pool and all pools with
+        the loads must stay within 0.85 of the GPU. Seen failing with the plain share 0.85 / 8."""
+        from sglang_cp_shared_kv.testing.e2e.one_gpu import per_rank_mem_fraction
+
+        free_before_gb = 136.0
+        for cp, loads_gb in ((2, (10.3,)), (4, (12.5,)), (8, (14.3, 18.0, 22.0))):
+            f = per_rank_mem_fraction(0.85, cp)
+            for load in loads_gb:
+                pool = (free_before_gb - load) - free_before_gb * (1 - f)
+                self.assertGreater(pool, 1.0, (cp, f, load))
+                self.assertLessEqual(cp * pool + load, 0.85 * free_before_gb, (cp, f, load))
+        self.assertEqual(per_rank_mem_fraction(0.85, 2), 0.425)  # the share where it fits
+        with self.assertRaises(ValueError):
+            per_rank_mem_fraction(0.85, 0)
+
+
 if __name__ == "__main__":
     unittest.main()
