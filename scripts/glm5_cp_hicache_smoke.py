@@ -530,6 +530,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             env = " ".join(f"{k}={v}" for k, v in server_env(args, config.shared_kv, out_dir).items())
             print(f"[{mode_name(config.shared_kv)}] {env} {shlex.join(config.command())}")
         print("\n".join(plan.describe()))
+        if args.burst:
+            print(f"then a burst of {args.burst} concurrent requests on the last prompt's prefix")
         return 0
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the server is stopped on SIGTERM too

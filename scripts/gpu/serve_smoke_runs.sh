@@ -39,7 +39,8 @@
 #                 and under graphs (bf16); each plant must FAIL. (MTP is refused with per-owner decode.)
 #   defaults      the shared-KV server as a user launches it: no decode setting in its environment,
 #                 no --disable-cuda-graph, sglang's own capture list (bf16 write_through + chunked
-#                 prefill + burst, on_bf16_server_default), against ref_bf16 (run here too).
+#                 prefill, on_bf16_server_default), with a burst of 48 so that batches above 16 replay
+#                 their graphs, against its own stock reference with the same burst (ref_bf16_burst48).
 #   stock-graphs  stock (shared KV off) with decode CUDA graphs captured only at batch SMOKE_TP and 16,
 #                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
 #                 13 rows. Whether a padded replay fails without shared KV too.
@@ -233,9 +234,10 @@ case "$MODE" in
     done
     decode_plants
     wait ;;
-  defaults)
-    ref_bf16
-    on_bf16 on_bf16_server_default --decode server-default --extra-server-args "$BF16_WT"
+  defaults)  # a burst of 48: batches of 17-48 replay sglang's graphs of 24 .. 48 (padded between)
+    spawn smoke ref_bf16_burst48 --shared-kv off --audit --burst 48 --extra-server-args "$BF16_WT"
+    spawn smoke on_bf16_server_default --shared-kv on --audit --burst 48 --reference-dir "$RUNS/ref_bf16_burst48" \
+      --decode server-default --extra-server-args "$BF16_WT"
     wait ;;
   stock-graphs)
     spawn smoke ref_bf16_stock_graphs --shared-kv off --audit --burst 12 --stock-cuda-graphs \

@@ -188,16 +188,16 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
     def test_defaults_mode_launches_the_shared_kv_server_as_a_user_does(self):
         """Mode defaults serves the shared-KV server's own decode default: no decode setting in its
         environment, no --disable-cuda-graph and no capture list (sglang's own), against the stock
-        reference (eager, as in every judged pair).
+        reference (eager, as in every judged pair), both with a burst of 48 (batches above 16 replay).
         Seen failing with the decode env still named for the server-default run."""
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "SMOKE_TP": "4",
                    "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
             proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["defaults"], env, tmp)
-            for name in ("ref_bf16", "on_bf16_server_default"):
+            for name in ("ref_bf16_burst48", "on_bf16_server_default"):
                 self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
-            (ref,) = servers_in((tmp / "out" / "ref_bf16.log").read_text())
+            (ref,) = servers_in((tmp / "out" / "ref_bf16_burst48.log").read_text())
             (server,) = servers_in((tmp / "out" / "on_bf16_server_default.log").read_text())
             _, _, env_vars, argv = server
             self.assert_one_gpu(env_vars, argv, "defaults")
@@ -207,6 +207,8 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             self.assertNotIn("--disable-cuda-graph", argv)
             self.assertNotIn("--cuda-graph-bs", argv)
             self.assertIn("--disable-cuda-graph", ref[3])
+            for name in ("ref_bf16_burst48", "on_bf16_server_default"):
+                self.assertIn("then a burst of 48 concurrent", (tmp / "out" / f"{name}.log").read_text(), name)
 
     def test_stock_graphs_mode_runs_stock_graphs_with_padded_batches(self):
         """Mode stock-graphs: the stock server runs decode CUDA graphs (no --disable-cuda-graph)
