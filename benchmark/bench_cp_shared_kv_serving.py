@@ -17,8 +17,9 @@ Reported, off vs on:
   With ``--stock-cuda-graphs`` a stock server with CUDA graphs joins them (the baseline users
   run); with ``--per-owner-decode`` two shared-KV servers whose decode runs per owner, eagerly and
   under CUDA graphs (``SGLANG_CP_SHARED_KV_DECODE=per_owner``, ``SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH``
-  0 or 1). Every shared-KV server names its decode path; the headline ``on`` server gathers
-  (``SGLANG_CP_SHARED_KV_DECODE=gather``), whatever the server's default.
+  0 or 1). With ``--servers eager`` (the default) both servers run without CUDA graphs and the
+  ``on`` server gathers (``SGLANG_CP_SHARED_KV_DECODE=gather``); with ``--servers as-launched``
+  stock keeps its CUDA graphs and the ``on`` server runs its own default decode.
 * ``pd``: TTFT / TPOT of fresh prompts through a PD pair: the shared-KV prefill server with a
   stock decode server, against the stock pair with all-CP-ranks transfer on both.
 * ``capacity``: each server with its pool sized by the memory budget alone (no ``--max-total-tokens``
@@ -58,6 +59,7 @@ SMOKE_PLUGIN_DIR = REPO_ROOT / "scripts" / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 
+from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV
 from sglang_cp_shared_kv.testing.e2e.one_gpu import ONE_GPU_BUDGET_TOLERANCE, one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
@@ -69,7 +71,15 @@ from sglang_cp_shared_kv.testing.e2e.serving_workload import (
     size_workloads,
 )
 from sglang_cp_shared_kv.testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics
-from sglang_cp_shared_kv.testing.e2e.server_process import ServeConfig, ServerError, SglangServer, free_port, generate_greedy
+from sglang_cp_shared_kv.testing.e2e.server_process import (
+    SERVER_DEFAULT_DECODE,
+    ServeConfig,
+    ServerError,
+    SglangServer,
+    default_decode_is_per_owner,
+    free_port,
+    generate_greedy,
+)
 
 PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
 PROMPT_TOKENS = "sglang:prompt_tokens_total"
@@ -77,6 +87,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
 MODES = {"off": False, "on": True}
 PARTS = ("headline", "single", "ttft", "tpot", "pd", "capacity")  # single = ttft + tpot
+SERVER_SETUPS = ("eager", "as-launched")
 # --max-total-tokens of the capacity part: far above any budget, so the memory budget sizes the pool.
 UNCAPPED_TOKENS = 1 << 30
 
@@ -103,6 +114,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also shared-KV servers with decode per owner, eagerly and under CUDA graphs "
                         "(single-request costs only; SGLANG_CP_SHARED_KV_DECODE=per_owner, "
                         "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH 0 and 1)")
+    p.add_argument("--servers", choices=SERVER_SETUPS, default="eager",
+                   help="the off and on servers: eager (both --disable-cuda-graph, the on server's decode "
+                        "gathering, named) or as-launched (stock with sglang's CUDA graphs; shared KV with no "
+                        "decode setting, its default: per owner under CUDA graphs with bf16 KV, the gather "
+                        "and --disable-cuda-graph where the default gathers, e.g. fp8 KV)")
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (both servers)")
     p.add_argument("--capacity-decode", choices=["gather", "per_owner"], default="gather",
                    help="capacity part: the shared-KV server's decode path (per_owner: the gather scratch "
@@ -150,6 +166,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--physical-tokens-per-rank must be a multiple of {PAGE_SIZE}")
     if args.hicache_ratio <= 1:
         p.error("--hicache-ratio must be > 1 (sglang requires the host pool to be larger than the device pool)")
+    if args.servers == "as-launched" and (args.stock_cuda_graphs or args.per_owner_decode):
+        p.error("--servers as-launched already runs stock with CUDA graphs and shared KV with its default decode: "
+                "--stock-cuda-graphs and --per-owner-decode add the eager setup's extra servers")
     if args.one_gpu and "pd" in args.parts:
         p.error("--parts pd with --one-gpu: the PD pair on one GPU is scripts/gpu/pd_smoke_runs.sh with SMOKE_ONE_GPU=1")
     if args.one_gpu:
@@ -161,6 +180,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def modes_of(args) -> List[str]:
     return ["off", "on"] if args.shared_kv == "both" else [args.shared_kv]
+
+
+def server_setup(args, shared_kv: bool) -> Dict[str, Any]:
+    """run_server's cuda_graphs and decode_path for the off / on server of ``--servers``."""
+    if args.servers == "eager":
+        return {"cuda_graphs": False, "decode_path": "gather"}
+    if not shared_kv:
+        return {"cuda_graphs": True, "decode_path": "gather"}
+    extra = shlex.split(args.extra_server_args)
+    return {"cuda_graphs": default_decode_is_per_owner(extra), "decode_path": SERVER_DEFAULT_DECODE}
 
 
 def logical_device_tokens(args, shared_kv: bool) -> int:
@@ -365,7 +394,8 @@ def run_tpot_rows(args, server, device_tokens: int, label: str) -> List[Dict[str
 
 def run_server(args, mode: str, shared_kv: bool, parts: List[str], workloads, cuda_graphs=False,
                decode_path: str = "gather") -> Dict[str, Any]:
-    label = mode + ("-per-owner" if decode_path != "gather" else "") + ("-graphs" if cuda_graphs else "")
+    label = mode + {"gather": "", SERVER_DEFAULT_DECODE: "-default"}.get(decode_path, "-per-owner")
+    label += "-graphs" if cuda_graphs else ""
     config = serve_config(args, shared_kv, free_port(), cuda_graphs, decode_path)
     command = launch_command(args, config.command())
     result: Dict[str, Any] = {"mode": label, "command": config.command(), "env": config.env(), "failures": []}
@@ -548,6 +578,15 @@ def merge_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 # shared KV against stock eagerly, against stock with graphs (what users run), and per-owner decode
 # eagerly and under graphs against the same baselines.
 SERVER_LABELS = ("off", "off-graphs", "on", "on-per-owner", "on-per-owner-graphs")
+
+
+def server_description(server: Dict[str, Any]) -> str:
+    """How a server ran, from its command and environment: CUDA graphs, and shared KV's decode path."""
+    command, env = server.get("command") or [], server.get("env") or {}
+    graphs = "CUDA graphs" if "--disable-cuda-graph" not in command else "eager"
+    if "--enable-nsa-prefill-cp-shared-kv" not in command:
+        return f"stock, {graphs}"
+    return f"shared KV, decode {env.get(DECODE_PATH_ENV, 'as the server defaults')}, {graphs}"
 TPOT_RATIOS = (("on", "off"), ("on", "off-graphs"), ("on-per-owner", "off"),
                ("on-per-owner-graphs", "off-graphs"), ("on-per-owner-graphs", "on"))
 
@@ -565,6 +604,7 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
         lines[-1] += (f" `--max-total-tokens {setup.get('physical_tokens_per_rank')}` per rank, HiCache ratio "
                       f"{setup.get('hicache_ratio')}. Reported logical device pool (max_total_num_tokens): off "
                       f"{off.get('max_total_num_tokens')}, on {on.get('max_total_num_tokens')}.")  # fmt: skip
+        lines[-1] += " Servers: " + "; ".join(f"{m}: {server_description(servers[m])}" for m in ("off", "on") if m in servers) + "."
     lines.append("")
     phases = sorted(set(off.get("headline", {})) | set(on.get("headline", {})), key=lambda p: p != "device")
     if phases:
@@ -755,7 +795,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server_parts = [p for p in args.parts if p not in ("pd", "capacity")]
     if server_parts:
         for mode in modes_of(args):
-            results["servers"][mode] = run_server(args, mode, MODES[mode], server_parts, workloads)
+            results["servers"][mode] = run_server(args, mode, MODES[mode], server_parts, workloads,
+                                                  **server_setup(args, MODES[mode]))
         single = [p for p in server_parts if p in ("single", "ttft", "tpot")]
         if args.stock_cuda_graphs and single:
             results["servers"]["off-graphs"] = run_server(args, "off", False, single, [], cuda_graphs=True)

@@ -6,7 +6,9 @@
 #
 #   bash scripts/gpu/bench_serving_runs.sh off|on|both headline|ttft|tpot|pd|capacity [more benchmark arguments]
 #
-#   headline   the documents workload, phases device and host (--physical-tokens-per-rank 163840)
+#   headline   the documents workload, phases device and host (--physical-tokens-per-rank 163840), the
+#              servers as users launch them (--servers as-launched: stock with CUDA graphs, shared KV
+#              with its default decode)
 #   ttft       TTFT of an 8K chunk on 0 / 32K / 128K cached tokens, from device and from host
 #   tpot       TPOT at 4K / 16K / 64K / 128K context, batch 1 and 32 (add --stock-cuda-graphs for
 #              the stock server with CUDA graphs too, and with mode on --per-owner-decode for the
@@ -73,7 +75,7 @@ else
     --weights "$WEIGHTS" --mem-fraction-static 0.85 --physical-tokens-per-rank 196608 --no-check
 fi
 case "$part" in
-  headline) part_args=(--parts headline --physical-tokens-per-rank 163840) ;;
+  headline) part_args=(--parts headline --physical-tokens-per-rank 163840 --servers as-launched) ;;
   ttft|tpot) part_args=(--parts "$part" --physical-tokens-per-rank 163840 --repeats 2) ;;
   capacity) part_args=(--parts capacity)
     [[ -n "${SMOKE_ONE_GPU:-}" ]] && part_args+=(--capacity-decode per_owner) ;;

@@ -130,8 +130,10 @@ def decodes_per_owner(args: argparse.Namespace) -> bool:
     from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
     from sglang_cp_shared_kv.settings import AUTO, PER_OWNER, current_settings
 
+    from sglang_cp_shared_kv.testing.e2e.server_process import hopper_nsa_decode_impl
+
     path = current_settings().decode_path
-    impl = "flashmla_kv" if args.kv_cache_dtype.startswith("fp8") else "fa3"
+    impl = hopper_nsa_decode_impl(["--kv-cache-dtype", args.kv_cache_dtype])
     return path == PER_OWNER or (path == AUTO and impl in AUTO_PER_OWNER_DECODE_IMPLS)
 
 

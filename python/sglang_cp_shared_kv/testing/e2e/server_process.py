@@ -40,6 +40,22 @@ MTP_OPT_IN_ENV = MTP_ENV
 SERVER_DEFAULT_DECODE = "server-default"
 
 
+def hopper_nsa_decode_impl(server_args: Sequence[str]) -> str:
+    """The NSA decode impl sglang 0.5.11 picks on Hopper for these serve arguments: flashmla_kv for
+    an fp8 KV cache, fa3 otherwise."""
+    args = list(server_args)
+    dtype = args[args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in args[:-1] else "auto"
+    return "flashmla_kv" if dtype.startswith("fp8") else "fa3"
+
+
+def default_decode_is_per_owner(server_args: Sequence[str]) -> bool:
+    """Whether a shared-KV server launched with these arguments and no decode setting decodes per
+    owner (and so keeps CUDA graphs): ``auto`` in ``decode_path``, without MTP."""
+    from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
+
+    return hopper_nsa_decode_impl(server_args) in AUTO_PER_OWNER_DECODE_IMPLS and "--speculative-algorithm" not in server_args
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """What one ``sglang serve`` launch of the smoke needs; ``command()`` renders it."""

@@ -228,6 +228,52 @@ class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
         self.assertFalse(servers["on-per-owner"]["failures"])  # eager (--disable-cuda-graph) starts
 
 
+class TestServingBenchmarkAsLaunched(CustomTestCase):
+    """``--servers as-launched``: the off and on servers as users launch them, so the ratios are
+    against stock with CUDA graphs. Seen failing with the on server given graphs whatever its KV
+    dtype (the fake, like the real startup check, then refuses the fp8 server: rc 1)."""
+
+    def run_bench(self, *extra):
+        with tempfile.TemporaryDirectory() as tmp:
+            model = Path(tmp) / "model"
+            model.mkdir()
+            (model / "config.json").write_text(json.dumps({"max_position_embeddings": 202752}))
+            bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+            rc = bench.main([
+                "--model-path", str(model), "--dry-run", "--out-dir", str(Path(tmp) / "out"), "--tp", "2",
+                "--physical-tokens-per-rank", "4096", "--parts", "tpot", "--servers", "as-launched",
+                "--tpot-contexts", "256", "--tpot-batches", "1", "--tpot-new-tokens", "4", "--repeats", "1",
+                "--startup-timeout", "30", "--request-timeout", "30", *extra,
+            ])  # fmt: skip
+            results = json.loads((Path(tmp) / "out" / "results.json").read_text())
+            page = (Path(tmp) / "out" / "serving.md").read_text()
+        return rc, results["servers"], page
+
+    def test_stock_with_graphs_against_the_shared_kv_default(self):
+        rc, servers, page = self.run_bench()
+        self.assertEqual(rc, 0, page)
+        off, on = servers["off"], servers["on"]
+        self.assertNotIn("--disable-cuda-graph", off["command"])
+        self.assertNotIn("--disable-cuda-graph", on["command"])  # bf16 KV: per owner under graphs
+        self.assertIn("--enable-nsa-prefill-cp-shared-kv", on["command"])
+        self.assertEqual(on["env"], {})  # no decode setting: the server's default decides
+        self.assertEqual((off["mode"], on["mode"]), ("off-graphs", "on-default-graphs"))
+        self.assertIn("Servers: off: stock, CUDA graphs; on: shared KV, decode as the server defaults, CUDA graphs.",
+                      page)  # fmt: skip
+
+    def test_where_the_default_gathers_the_shared_kv_server_runs_eager(self):
+        rc, servers, page = self.run_bench("--extra-server-args", "--kv-cache-dtype fp8_e4m3")
+        self.assertEqual(rc, 0, page)
+        self.assertIn("--disable-cuda-graph", servers["on"]["command"])  # flashmla_kv: the default gathers
+        self.assertNotIn("--disable-cuda-graph", servers["off"]["command"])
+
+    def test_the_eager_setups_extra_servers_are_refused(self):
+        bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        for flag in ("--stock-cuda-graphs", "--per-owner-decode"):
+            with self.subTest(flag=flag), self.assertRaises(SystemExit):
+                bench.parse_args(["--model-path", "m", "--servers", "as-launched", flag])
+
+
 class TestServeConfigDecodePath(CustomTestCase):
     """The launch line and environment of each decode path; combinations the startup rules refuse
     are refused here before anything starts."""
