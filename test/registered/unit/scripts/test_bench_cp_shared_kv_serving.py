@@ -175,6 +175,24 @@ class TestServingBenchmarkRunner(CustomTestCase):
             self.assertNotIn("ttft", server)
 
 
+def run_tpot_dry_run(*extra):
+    """One short TPOT row per server against the stand-in servers: (rc, servers, page)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"max_position_embeddings": 202752}))
+        bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
+        rc = bench.main([
+            "--model-path", str(model), "--dry-run", "--out-dir", str(Path(tmp) / "out"), "--tp", "2",
+            "--physical-tokens-per-rank", "4096", "--parts", "tpot", "--tpot-contexts", "256",
+            "--tpot-batches", "1", "--tpot-new-tokens", "4", "--repeats", "1", "--startup-timeout", "30",
+            "--request-timeout", "30", *extra,
+        ])  # fmt: skip
+        results = json.loads((Path(tmp) / "out" / "results.json").read_text())
+        page = (Path(tmp) / "out" / "serving.md").read_text()
+    return rc, results["servers"], page
+
+
 class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
     """``--per-owner-decode``: two more shared-KV servers, decode per owner eagerly and under CUDA
     graphs, each launched with its decode path named (none relies on the server's default, auto);
@@ -183,20 +201,7 @@ class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
     server fails to start and the run fails."""
 
     def run_bench(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            model = Path(tmp) / "model"
-            model.mkdir()
-            (model / "config.json").write_text(json.dumps({"max_position_embeddings": 202752}))
-            bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
-            rc = bench.main([
-                "--model-path", str(model), "--dry-run", "--out-dir", str(Path(tmp) / "out"), "--tp", "2",
-                "--physical-tokens-per-rank", "4096", "--parts", "tpot", "--stock-cuda-graphs",
-                "--per-owner-decode", "--tpot-contexts", "256", "--tpot-batches", "1", "--tpot-new-tokens", "4",
-                "--repeats", "1", "--startup-timeout", "30", "--request-timeout", "30",
-            ])  # fmt: skip
-            results = json.loads((Path(tmp) / "out" / "results.json").read_text())
-            page = (Path(tmp) / "out" / "serving.md").read_text()
-        return rc, results["servers"], page
+        return run_tpot_dry_run("--stock-cuda-graphs", "--per-owner-decode")
 
     def test_per_owner_servers_run_with_their_opt_ins(self):
         rc, servers, page = self.run_bench()
@@ -234,20 +239,7 @@ class TestServingBenchmarkAsLaunched(CustomTestCase):
     dtype (the fake, like the real startup check, then refuses the fp8 server: rc 1)."""
 
     def run_bench(self, *extra):
-        with tempfile.TemporaryDirectory() as tmp:
-            model = Path(tmp) / "model"
-            model.mkdir()
-            (model / "config.json").write_text(json.dumps({"max_position_embeddings": 202752}))
-            bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
-            rc = bench.main([
-                "--model-path", str(model), "--dry-run", "--out-dir", str(Path(tmp) / "out"), "--tp", "2",
-                "--physical-tokens-per-rank", "4096", "--parts", "tpot", "--servers", "as-launched",
-                "--tpot-contexts", "256", "--tpot-batches", "1", "--tpot-new-tokens", "4", "--repeats", "1",
-                "--startup-timeout", "30", "--request-timeout", "30", *extra,
-            ])  # fmt: skip
-            results = json.loads((Path(tmp) / "out" / "results.json").read_text())
-            page = (Path(tmp) / "out" / "serving.md").read_text()
-        return rc, results["servers"], page
+        return run_tpot_dry_run("--servers", "as-launched", *extra)
 
     def test_stock_with_graphs_against_the_shared_kv_default(self):
         rc, servers, page = self.run_bench()
