@@ -162,6 +162,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
     if args.plant in DRAFT_PLANTS and not args.mtp:
         p.error(f"--plant {args.plant} needs --mtp (it plants a bug in the draft pool)")
+    if args.decode == SERVER_DEFAULT_DECODE and args.mtp:
+        p.error(f"--decode {args.decode} with --mtp: under MTP the server's default gathers, which needs "
+                "--disable-cuda-graph (--decode gather)")
     if args.decode != "gather" and args.mtp:
         p.error(f"--decode {args.decode} with --mtp: the shared-KV server refuses MTP with per-owner decode")
     if args.audit_layers < 0:

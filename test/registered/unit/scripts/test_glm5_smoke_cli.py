@@ -179,6 +179,14 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
         self.assertEqual(rc, 2)
         rc, _ = self.run_main("--model-path", self.nextn_dir, "--audit", "--plant", "draft-wrong-owner", "--dry-run")
         self.assertEqual(rc, 2)
+        # MTP with the server's own decode default: it gathers under MTP, so graphs must go (named).
+        import contextlib
+        import io
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
+            self.script.parse_args(["--model-path", self.nextn_dir, "--mtp", "--decode", "server-default"])
+        self.assertIn("default gathers, which needs --disable-cuda-graph", err.getvalue())
 
 
 if __name__ == "__main__":
