@@ -41,6 +41,11 @@
 #                 no --disable-cuda-graph, sglang's own capture list (bf16 write_through + chunked
 #                 prefill, on_bf16_server_default), with a burst of 48 so that batches above 16 replay
 #                 their graphs, against its own stock reference with the same burst (ref_bf16_burst48).
+#   ttft-chunks   where a fresh prompt's first token goes slower with shared KV (one GPU, 2026-12-03:
+#                 median 591 ms against stock's 196 ms with chunked prefill 2048 and 2 audited layers;
+#                 no gap in the PD pair's unchunked 8K prompts): stock and shared KV (gather) at
+#                 chunked prefill 2048 and 8192, no audits; each verdict line gives the median first-
+#                 token times of fresh prompts and of prefixes from host and device (reported only).
 #   stock-graphs  stock (shared KV off) with decode CUDA graphs captured only at batch SMOKE_TP and 16,
 #                 KV audits on, a burst of 12: every batch of 3 to 15 requests replays padded by 1 to
 #                 13 rows. Whether a padded replay fails without shared KV too.
@@ -58,7 +63,7 @@
 #   Every shared-KV run but the defaults mode's names its decode path (SGLANG_CP_SHARED_KV_DECODE
 #   gather or per_owner), so none depends on the server's default (auto).
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|stock-graphs|padded-graphs   (results under $OUT)
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|ttft-chunks|stock-graphs|padded-graphs   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -95,7 +100,7 @@
 # Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
 # logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|stock-graphs|padded-graphs}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|ttft-chunks|stock-graphs|padded-graphs}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
@@ -238,6 +243,14 @@ case "$MODE" in
     spawn smoke ref_bf16_burst48 --shared-kv off --audit --burst 48 --extra-server-args "$BF16_WT"
     spawn smoke on_bf16_server_default --shared-kv on --audit --burst 48 --reference-dir "$RUNS/ref_bf16_burst48" \
       --decode server-default --extra-server-args "$BF16_WT"
+    wait ;;
+  ttft-chunks)  # no audits (their collectives are not the product's): first-token times only
+    for chunk in 2048 8192; do
+      for kv in off on; do
+        spawn smoke "ttft_${kv}_c$chunk" --shared-kv $kv \
+          --extra-server-args "$GRAMMAR --hicache-write-policy write_through --chunked-prefill-size $chunk"
+      done
+    done
     wait ;;
   stock-graphs)
     spawn smoke ref_bf16_stock_graphs --shared-kv off --audit --burst 12 --stock-cuda-graphs \

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One short line per serve-smoke run of ``serve_smoke_runs.sh``, for a reader of the last 12,000
-characters of a GPU call: the run's verdict, what its audits checked, and for a planted bug whether
-the oracle caught it (a plant must FAIL). Last line: every run as expected, or which were not.
+characters of a GPU call: the run's verdict, what its audits checked, for a clean run its median
+first-token times by prefix source (reported only), and for a planted bug whether the oracle caught
+it (a plant must FAIL). Last line: every run as expected, or which were not.
 
   python3 scripts/gpu/smoke_verdicts.py RUNS_DIR NAME...
 """
@@ -9,6 +10,7 @@ the oracle caught it (a plant must FAIL). Last line: every run as expected, or w
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import List, Tuple
@@ -36,6 +38,20 @@ def audit_text(figures: dict) -> str:
     if figures.get("mtp_accept_length"):
         parts.append(f"accept {figures['mtp_accept_length'].get('tokens_per_verify')}")
     return "; ".join(parts)
+
+
+def ttft_text(records: List[dict]) -> str:
+    """Median time to first token by where the prompt's prefix came from (fresh, host, device),
+    the run's first request (a cold server) left out. Reported, never judged: on one GPU these are
+    times of a time-sliced GPU."""
+    groups = {"fresh": [], "host": [], "device": []}
+    for r in records[1:]:
+        if r.get("ttft_s") is None or r.get("error"):
+            continue
+        source = "host" if r.get("cached_host_tokens") else "device" if r.get("cached_device_tokens") else "fresh"
+        groups[source].append(r["ttft_s"] * 1000)
+    cells = [f"{k} {statistics.median(v):.0f} ms (n={len(v)})" for k, v in groups.items() if v]
+    return "first token, median: " + ", ".join(cells) if cells else ""
 
 
 def first_cuda_error(run_dir: Path) -> str:
@@ -74,7 +90,8 @@ def verdict(runs: Path, name: str) -> Tuple[str, bool]:
         return f"PASSED {name}: PLANT NOT CAUGHT ({requests} requests; {audits}){timing}", False
     if failures:
         return f"FAILED {name}: {len(failures)} failures, first: {failures[0][:200]}{timing}", False
-    return f"PASSED {name}: {requests} requests; {audits or 'no audit'}{timing}", True
+    ttft = "; ".join(t for t in (ttft_text(r.get("records", [])) for r in runs_) if t)
+    return f"PASSED {name}: {requests} requests; {audits or 'no audit'}{'; ' + ttft if ttft else ''}{timing}", True
 
 
 def diagnosis(runs: Path, name: str) -> str:

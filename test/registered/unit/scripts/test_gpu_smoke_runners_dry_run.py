@@ -210,6 +210,26 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             for name in ("ref_bf16_burst48", "on_bf16_server_default"):
                 self.assertIn("then a burst of 48 concurrent", (tmp / "out" / f"{name}.log").read_text(), name)
 
+    def test_ttft_chunks_mode_pairs_stock_and_shared_kv_at_two_chunk_sizes_without_audits(self):
+        """Mode ttft-chunks: stock and shared KV at chunked prefill 2048 and 8192, no audit on any
+        server (the read audit's per-forward collectives are not the product's path).
+        Seen failing with --audit left on the shared-KV runs."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1",
+                   "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["ttft-chunks"], env, tmp)
+            for chunk in ("2048", "8192"):
+                for kv in ("off", "on"):
+                    name = f"ttft_{kv}_c{chunk}"
+                    self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                    (server,) = servers_in((tmp / "out" / f"{name}.log").read_text())
+                    _, _, env_vars, argv = server
+                    self.assert_one_gpu(env_vars, argv, name)
+                    self.assertEqual(flag(argv, "--chunked-prefill-size"), chunk, name)
+                    self.assertEqual("--enable-nsa-prefill-cp-shared-kv" in argv, kv == "on", name)
+                    self.assertNotIn("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR", env_vars, name)
+
     def test_stock_graphs_mode_runs_stock_graphs_with_padded_batches(self):
         """Mode stock-graphs: the stock server runs decode CUDA graphs (no --disable-cuda-graph)
         captured at batch 2 and 16 only (a burst batch replays padded by several rows), shared KV

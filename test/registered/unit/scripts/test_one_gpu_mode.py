@@ -241,6 +241,25 @@ class TestVerdicts(CustomTestCase):
         self.assertIn("PLANT NOT CAUGHT", lines[2][0])
         self.assertIn("no report (exit 124", lines[4][0])
 
+    def test_a_clean_run_line_reports_first_token_times_by_prefix_source(self):
+        """Fresh prompts, prefixes from host and from device apart, the cold first request left
+        out (it took 5.8 s on the served reference of 2026-12-03). Seen failing with the first
+        request counted (the fresh median moved)."""
+        import smoke_verdicts
+
+        records = [{"ttft_s": 5.8, "cached_device_tokens": 0, "cached_host_tokens": 0}]
+        records += [{"ttft_s": t, "cached_device_tokens": 0, "cached_host_tokens": 0} for t in (0.19, 0.2)]
+        records += [{"ttft_s": 0.08, "cached_device_tokens": 0, "cached_host_tokens": 8000},
+                    {"ttft_s": 0.07, "cached_device_tokens": 8064, "cached_host_tokens": 0},
+                    {"ttft_s": 9.0, "cached_device_tokens": 0, "cached_host_tokens": 0, "error": "timeout"}]
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "on_x").mkdir()
+            (Path(tmp) / "on_x" / "report.json").write_text(json.dumps({"runs": [
+                {"failures": [], "records": records, "figures": {}}]}))  # fmt: skip
+            line, ok = smoke_verdicts.verdict(Path(tmp), "on_x")
+        self.assertTrue(ok)
+        self.assertIn("first token, median: fresh 195 ms (n=2), host 80 ms (n=1), device 70 ms (n=1)", line)
+
     def test_a_graph_run_line_tells_table_checks_from_replay_checks(self):
         """The table audit counts graph forwards, the replay audit replays and layers: the verdict
         line shows both, so a run whose replays went unchecked reads as such (the withdrawn run of
