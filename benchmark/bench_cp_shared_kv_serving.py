@@ -578,6 +578,8 @@ def merge_results(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 # shared KV against stock eagerly, against stock with graphs (what users run), and per-owner decode
 # eagerly and under graphs against the same baselines.
 SERVER_LABELS = ("off", "off-graphs", "on", "on-per-owner", "on-per-owner-graphs")
+TPOT_RATIOS = (("on", "off"), ("on", "off-graphs"), ("on-per-owner", "off"),
+               ("on-per-owner-graphs", "off-graphs"), ("on-per-owner-graphs", "on"))
 
 
 def server_description(server: Dict[str, Any]) -> str:
@@ -587,8 +589,6 @@ def server_description(server: Dict[str, Any]) -> str:
     if "--enable-nsa-prefill-cp-shared-kv" not in command:
         return f"stock, {graphs}"
     return f"shared KV, decode {env.get(DECODE_PATH_ENV, 'as the server defaults')}, {graphs}"
-TPOT_RATIOS = (("on", "off"), ("on", "off-graphs"), ("on-per-owner", "off"),
-               ("on-per-owner-graphs", "off-graphs"), ("on-per-owner-graphs", "on"))
 
 
 def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
@@ -683,7 +683,8 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
             ratio = _ratio(first(b), first(a))
             lines.append(f"| {name} | {a} | {b} | {ratio} |")
         lines += ["", "Judged: logical = cp_size x physical; physical = stock's less the scratch's share "
-                  "(to one page; on one GPU within 0.2% of stock's pool, the budgets' measurement race): "
+                  f"(to one page; on one GPU within {ONE_GPU_BUDGET_TOLERANCE:.1%} of stock's pool, the budgets' "
+                  "measurement race): "
                   + ("; ".join(capacity.get("failures", [])) or "both hold") + ".", ""]  # fmt: skip
     failures = [f"{m}: {f}" for m, s in servers.items() for f in s.get("failures", [])]
     failures += [f"capacity: {f}" for f in (capacity or {}).get("failures", [])]
