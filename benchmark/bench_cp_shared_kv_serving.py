@@ -604,7 +604,8 @@ def markdown(results: Dict[str, Any], plot_name: Optional[str]) -> str:
         lines[-1] += (f" `--max-total-tokens {setup.get('physical_tokens_per_rank')}` per rank, HiCache ratio "
                       f"{setup.get('hicache_ratio')}. Reported logical device pool (max_total_num_tokens): off "
                       f"{off.get('max_total_num_tokens')}, on {on.get('max_total_num_tokens')}.")  # fmt: skip
-        lines[-1] += " Servers: " + "; ".join(f"{m}: {server_description(servers[m])}" for m in ("off", "on") if m in servers) + "."
+        described = [f"{m}: {server_description(servers[m])}" for m in ("off", "on") if m in servers]
+        lines[-1] += " Servers: " + "; ".join(described) + "."
     lines.append("")
     phases = sorted(set(off.get("headline", {})) | set(on.get("headline", {})), key=lambda p: p != "device")
     if phases:

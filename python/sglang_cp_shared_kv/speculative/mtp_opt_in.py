@@ -2,7 +2,8 @@
 
 Every forward mode MTP runs is planned and checked on one GPU through sglang's own classes, and MTP
 has served clean with shared KV at CP 2 (one-GPU test mode, 2026-12-03), not yet at CP 4 or 8 nor
-on a PD prefill server, so the server refuses it unless ``SGLANG_CP_SHARED_KV_MTP=1`` opts in. The opt-in lifts only that rule (``server_args.speculative_problems``); the settings MTP
+on a PD prefill server, so the server refuses it unless ``SGLANG_CP_SHARED_KV_MTP=1`` opts in.
+The opt-in lifts only that rule (``server_args.speculative_problems``); the settings MTP
 cannot be combined with stay refused whatever it says (``mtp_combination_problems``). Read from the
 launching process's environment, which every scheduler inherits: every rank decides the same.
 """

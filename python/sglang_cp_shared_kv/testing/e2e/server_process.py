@@ -53,7 +53,8 @@ def default_decode_is_per_owner(server_args: Sequence[str]) -> bool:
     owner (and so keeps CUDA graphs): ``auto`` in ``decode_path``, without MTP."""
     from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
 
-    return hopper_nsa_decode_impl(server_args) in AUTO_PER_OWNER_DECODE_IMPLS and "--speculative-algorithm" not in server_args
+    impl = hopper_nsa_decode_impl(server_args)
+    return impl in AUTO_PER_OWNER_DECODE_IMPLS and "--speculative-algorithm" not in server_args
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class ServeConfig:
             self.decode_path != "gather" and not self.shared_kv
         ):
             raise ValueError(
-                f"decode_path {self.decode_path!r}: 'gather', or {PER_OWNER!r} / {SERVER_DEFAULT_DECODE!r} with shared KV"
+                f"decode_path {self.decode_path!r}: 'gather', or {PER_OWNER!r} / {SERVER_DEFAULT_DECODE!r} "
+                "with shared KV"
             )
         if self.cuda_graphs and self.shared_kv and self.decode_path == "gather":
             raise ValueError("cuda_graphs: shared-KV decode through the page gather requires --disable-cuda-graph")
