@@ -195,8 +195,9 @@ class FakeSglang:
         self.lock = threading.Lock()
         self.counters = {"device": 0, "host": 0, "prompt": 0, "generation": 0, "requests": 0}
 
-    def generate(self, body: Dict) -> Tuple[Dict, float, int]:
-        """(meta_info, seconds to the first token, new tokens) of one request."""
+    def generate(self, body: Dict) -> Tuple[Dict, float, int, int]:
+        """(meta_info, seconds to the first token, new tokens, the request's 1-based number) of one
+        request; the number is taken under the lock, so concurrent handlers never share one."""
         input_ids = list(body.get("input_ids") or [])
         new_tokens = int((body.get("sampling_params") or {}).get("max_new_tokens", 16))
         with self.lock:
@@ -206,6 +207,7 @@ class FakeSglang:
             self.counters["prompt"] += len(input_ids)
             self.counters["generation"] += new_tokens
             self.counters["requests"] += 1
+            number = self.counters["requests"]
         computed = len(input_ids) - device_hit - host_hit
         ttft = FIXED_S + computed * PER_COMPUTED_TOKEN_S + host_hit * PER_HOST_TOKEN_S
         meta = {
@@ -215,7 +217,7 @@ class FakeSglang:
         }
         if device_hit or host_hit:
             meta["cached_tokens_details"] = {"device": device_hit, "host": host_hit}
-        return meta, ttft, new_tokens
+        return meta, ttft, new_tokens, number
 
     def metrics_text(self) -> str:
         c = self.counters
@@ -277,9 +279,9 @@ def make_handler(fake: FakeSglang):
             if path != "/generate":
                 self._send(404, b"{}")
                 return
-            meta, ttft, new_tokens = fake.generate(body)
+            meta, ttft, new_tokens, number = fake.generate(body)
             fail_every = int(os.environ.get(FAIL_EVERY_ENV) or 0)
-            if fail_every and fake.counters["requests"] % fail_every == 0:
+            if fail_every and number % fail_every == 0:
                 self._send(500, json.dumps({"error": "planted server error"}).encode())
                 return
             time.sleep(ttft)
