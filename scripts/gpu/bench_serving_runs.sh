@@ -30,9 +30,10 @@
 # SMOKE_ONE_GPU=1 (test-only; docs/gpu.md, "One-GPU test mode"): every rank on device 0 (the bench's
 # --one-gpu), parts headline and capacity only, on the tiny GLM-5 (BENCH_MODEL_DIR to change it; a
 # GLM-5-width model's weights would be counted BENCH_TP times against every rank's budget), each rank
-# given --mem-fraction-static 0.85 / BENCH_TP, at least 0.18 (one_gpu.per_rank_mem_fraction), the shared-KV server's decode per owner in the capacity
-# part (the tiny model's 4 layers are fewer than the CP size at 4 and 8: a scratch that holds one layer
-# of the logical capacity, what gather decode needs, would not fit beside the pool). What it gives: capacities (on vs off, the ranks' pool
+# given --mem-fraction-static 0.85 / BENCH_TP, at least 0.18 (one_gpu.per_rank_mem_fraction), the
+# shared-KV server's decode per owner in the capacity part (the tiny model's 4 layers are fewer than
+# the CP size at 4 and 8: a scratch that holds one layer of the logical capacity, what gather decode
+# needs, would not fit beside the pool). What it gives: capacities (on vs off, the ranks' pool
 # sizes must agree) and cache hit rates, which do not depend on timing; timings are of a time-sliced
 # GPU and socket collectives, never the cost of shared KV.
 set -uo pipefail

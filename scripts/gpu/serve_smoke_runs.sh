@@ -42,7 +42,7 @@
 #                 prefill, on_bf16_server_default), with a burst of 48 so that batches above 16 replay
 #                 their graphs, against its own stock reference with the same burst (ref_bf16_burst48).
 #   ttft-chunks   where a fresh prompt's first token goes slower with shared KV (one GPU, 2026-12-03:
-#                 median 591 ms against stock's 196 ms with chunked prefill 2048 and 2 audited layers;
+#                 median 589 ms against stock's 195 ms with chunked prefill 2048 and 2 audited layers;
 #                 no gap in the PD pair's unchunked 8K prompts): stock and shared KV (gather) at
 #                 chunked prefill 2048 and 8192, no audits; each verdict line gives the median first-
 #                 token times of fresh prompts and of prefixes from host and device (reported only).

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""One short line per serve-smoke run of ``serve_smoke_runs.sh``, for a reader of the last 12,000
-characters of a GPU call: the run's verdict, what its audits checked, for a clean run its median
-first-token times by prefix source (reported only), and for a planted bug whether the oracle caught
-it (a plant must FAIL). Last line: every run as expected, or which were not.
+"""One short line per serve-smoke run of ``serve_smoke_runs.sh``, for a reader of a runner log's tail:
+the run's verdict, what its audits checked, for a clean run its median first-token times by prefix
+source (reported only), and for a planted bug whether the oracle caught it (a plant must FAIL).
+Last line: every run as expected, or which were not.
 
   python3 scripts/gpu/smoke_verdicts.py RUNS_DIR NAME...
 """
