@@ -34,7 +34,7 @@ import sys
 import types
 from contextlib import ExitStack
 from types import SimpleNamespace
-from typing import Tuple
+from typing import Optional, Tuple
 from unittest import mock
 
 import torch
@@ -82,6 +82,10 @@ class Scenario:
     # Count the host waits for the GPU of every decode step (``CudaSyncCounter``; CUDA only): the
     # plugin's own must be 0 (gloo's host staging of the collectives is exempted as deliberate).
     sync_debug: bool = False
+    # The serve smoke's value audit on every layer, writing into this directory (its test drives
+    # it through sglang's decode methods here), and one of the smoke plugin's planted bugs.
+    value_audit_dir: Optional[str] = None
+    smoke_plant: Optional[str] = None
 
     def __post_init__(self):
         if self.layers[0] != "topk":
@@ -435,6 +439,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
         )
     else:
         hooks = (plugin.register_runtime_hooks,)
+    hooks += smoke_plugin_hooks(scenario)
     with ExitStack() as stack:
         names = kernels_in_this_process(stack, device)
         if device != "cuda":
@@ -467,9 +472,16 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
         syncs = stack.enter_context(CudaSyncCounter()) if scenario.sync_debug else None
         for step in range(scenario.steps):
             backend.forward_metadata = _forward_metadata(scenario, batch, step, names, device)
+            # As sglang's batch: real requests in req_to_token rows 1.., padded ones in row 0.
+            real_rows = case.real.cpu()
             forward_batch = SimpleNamespace(
                 forward_mode=ForwardMode.DECODE, token_to_kv_pool=pool, hisparse_coordinator=None,
-                out_cache_loc=case.last_locs[step],
+                out_cache_loc=case.last_locs[step], batch_size=scenario.batch_size,
+                req_pool_indices=torch.where(real_rows, torch.arange(1, scenario.batch_size + 1), 0).to(device),
+                seq_lens_cpu=scenario.step_seq_lens(step),
+                req_to_token_pool=SimpleNamespace(req_to_token=torch.cat(
+                    [torch.zeros_like(batch.token_locs()[:1]), batch.token_locs()]
+                )),
             )
             if scenario.graph == "eager":
                 forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
@@ -521,6 +533,29 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             "stored_locs": all_last[own_last].cpu(),
             "stored_rows": stored,  # [layer] rows of stored_locs
         }
+
+
+def smoke_plugin_hooks(scenario: Scenario) -> tuple:
+    """The serve smoke plugin's value audit and planted bug, as the scenario asks (test-only code
+    from the checkout's ``scripts/smoke_plugin``)."""
+    if scenario.value_audit_dir is None and scenario.smoke_plant is None:
+        return ()
+    from pathlib import Path
+
+    from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+
+    plugin_dir = str(REPO_ROOT / "scripts" / "smoke_plugin")
+    if plugin_dir not in sys.path:
+        sys.path.insert(0, plugin_dir)
+    from cp_shared_kv_smoke_hooks import planted_bugs, value_audit
+
+    hooks = ()
+    if scenario.value_audit_dir is not None:
+        audit_dir = Path(scenario.value_audit_dir)
+        hooks += (lambda registry: value_audit.register_hooks(registry, audit_dir, lambda pool: len(pool.kv_buffer)),)
+    if scenario.smoke_plant is not None:
+        hooks += (lambda registry: planted_bugs.register_hooks(registry, scenario.smoke_plant),)
+    return hooks
 
 
 def _capture_then_replay(backend, state, stale: bool) -> None:

@@ -1,4 +1,4 @@
-"""The smoke's oracle: two KV audits that tell a wrong page from numerical noise.
+"""The smoke's oracle: KV audits that tell a wrong page from numerical noise, and the value audit.
 
 Comparing greedy tokens or logprobs cannot: with random weights attention is close to an average,
 so a wrong page moves outputs no more than the run-to-run noise of stock sglang's NSA kernels. The
@@ -27,7 +27,11 @@ records how many prompt tokens the request got from the cache (``cached_tokens``
 cached-prefix ledger. The read audit runs on the draft's runtime as well, into its own file
 (``read_audit_draft.rank<r>.json``); what is judged about the draft, and why: ``draft_audit``.
 
-Both cost an extra collective or device-to-host copy per layer: smoke servers only.
+3. Value audit (``value_audit``), on every server: the attention output of the audited layers
+   against attention over the replicated context recomputed in fp32, which the row audits cannot
+   judge (a wrong number computed from the right rows).
+
+All cost an extra collective or device-to-host copy per layer: smoke servers only.
 """
 
 from __future__ import annotations
@@ -323,6 +327,10 @@ def register_hooks(registry, audit_dir: str) -> None:
         registry.register(f"{_CHUNK}.cache_finished_req", before_cache_finished_req, HookType.BEFORE)
     shared_kv = cp_shared_kv_enabled_in_env()
     draft_audit.register_hooks(registry, root, _rank, shared_kv)
+    # Every server, stock too: the stock reference's errors are the shared-KV run's tolerance.
+    from cp_shared_kv_smoke_hooks import value_audit
+
+    value_audit.register_hooks(registry, root, lambda pool: audited_layers(len(pool.kv_buffer)))
     if not shared_kv:  # the read audit checks the shared-KV gather only
         return
     registry.register(f"{_RUNTIME}.begin_forward", after_begin_forward, HookType.AFTER)

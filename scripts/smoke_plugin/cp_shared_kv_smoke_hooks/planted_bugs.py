@@ -24,6 +24,18 @@
 * ``draft-stale-load-back`` (MTP with HiCache): every host load-back restores the target's pages
   only; the draft KV and indexer K of the loaded-back prefix stay whatever the new locs held, as
   stock 0.5.11 leaves them (caught by the cached-prefix ledger).
+
+Value-only plants: every row read and written stays right, only a number computed from them is
+wrong, so the row audits pass and only the value audit (``value_audit``) can catch them:
+
+* ``value-merge-skew``: per-owner decode, cp rank 1's partial enters the merge with its LSE raised by
+  ``MERGE_LSE_SKEW`` (a wrong merge weight), eagerly and in every captured graph.
+* ``value-graph-stale-lse``: per-owner decode under CUDA graphs, each captured merge reads the LSEs
+  of the last warm-up run before the capture (a static buffer no replay rewrites) instead of the
+  ones the replay computes. Eager forwards are untouched: only a graph replay shows it.
+* ``value-gathered-scale``: page-gather path, after each layer's store assembled the gather scratch
+  (and the read audit checked its bytes), the gathered pages' latent values are scaled by
+  ``GATHERED_SCALE`` (bf16 rows) or their fp8 tile scales are (fp8 rows): a misapplied scale.
 """
 
 from __future__ import annotations
@@ -46,7 +58,13 @@ PLANTS = (
     "draft-wrong-owner",
     "draft-stale-load-back",
     "skip-load-ack",
+    "value-merge-skew",
+    "value-graph-stale-lse",
+    "value-gathered-scale",
 )
+VALUE_PLANTS = ("value-merge-skew", "value-graph-stale-lse", "value-gathered-scale")
+MERGE_LSE_SKEW = 4.0
+GATHERED_SCALE = 0.5
 _RUNTIME = "sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime.CpSharedKVRuntime"
 _CONTROLLER = "sglang_cp_shared_kv.managers.cp_hicache_controller.CpHybridCacheController"
 _CP_HIRADIX = "sglang_cp_shared_kv.mem_cache.cp_hiradix_cache.CpHiRadixCache"
@@ -161,6 +179,51 @@ def keep_load_locks_on_rank_1(original, cache, *args, **kwargs):
     return result
 
 
+def merge_with_skewed_lse(original, state, out, lse):
+    """AROUND ``PerOwnerDecode.merge``: cp rank 1's LSE raised (its partial over-weighted)."""
+    if state.cp_rank == 1:
+        lse = lse + MERGE_LSE_SKEW
+    return original(state, out, lse)
+
+
+def merge_with_warmup_lse():
+    """AROUND ``PerOwnerDecode.merge``: an eager call keeps a copy of its LSE per shape; a captured
+    call merges with that copy (the last warm-up's) instead of the LSE the graph computes."""
+    from cp_shared_kv_smoke_hooks import value_audit
+
+    kept = {}
+
+    def merge(original, state, out, lse):
+        key = (id(state), tuple(lse.shape))
+        if not value_audit.capturing():
+            kept[key] = lse.clone()
+        elif key in kept:
+            lse = kept[key]
+        return original(state, out, lse)
+
+    return merge
+
+
+def gathered_region_rows(plan):
+    """(first, end) scratch rows of the pages the plan gathers (pages 1 .. gathered region)."""
+    ps = plan.layout.page_size
+    return ps, ps * (1 + plan.gathered_region_pages)
+
+
+def scale_gathered_pages(result, runtime, original, layer, *args, **kwargs):
+    """AFTER ``CpSharedKVRuntime.store_mla_kv``: the layer's slot holds its gathered pages now."""
+    plan = runtime.plan
+    if plan is None or plan.gathered_region_pages == 0:
+        return None
+    first, end = gathered_region_rows(plan)
+    rows = runtime.kv_slot_for_read(layer.layer_id).kv_buffer[0][first:end, 0]
+    if rows.element_size() == 1:  # fp8 rows: 512 fp8 values, then 4 fp32 tile scales
+        rows[:, 512:528].view(torch.float32).mul_(GATHERED_SCALE)
+    else:
+        rows[:, :512].mul_(GATHERED_SCALE)
+    return None
+
+
 def register_hooks(registry, plant: str) -> None:
     if plant == "read-wrong-owner":
         registry.register(f"{_RUNTIME}.begin_forward", read_from_wrong_owner, HookType.AFTER)
@@ -178,6 +241,12 @@ def register_hooks(registry, plant: str) -> None:
         registry.register(f"{_CONTROLLER}._target_and_draft_pools", target_pools_only_while_loading, HookType.AROUND)
     elif plant == "skip-load-ack":
         registry.register(f"{_CP_HIRADIX}.loading_check", keep_load_locks_on_rank_1, HookType.AROUND)
+    elif plant == "value-merge-skew":
+        registry.register(f"{_PER_OWNER}.PerOwnerDecode.merge", merge_with_skewed_lse, HookType.AROUND)
+    elif plant == "value-graph-stale-lse":
+        registry.register(f"{_PER_OWNER}.PerOwnerDecode.merge", merge_with_warmup_lse(), HookType.AROUND)
+    elif plant == "value-gathered-scale":
+        registry.register(f"{_RUNTIME}.store_mla_kv", scale_gathered_pages, HookType.AFTER)
     else:
         raise ValueError(f"unknown planted bug {plant!r}; one of {PLANTS}")
     logger.warning("cp-shared-kv smoke: planted bug %s is active", plant)
