@@ -43,7 +43,7 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     SMOKE_LIFT_TP_RULE_ENV,
     SMOKE_PLANT_ENV,
 )
-from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare, value_audit_compare  # noqa: E402
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import (
     RequestPlan,
@@ -79,6 +79,7 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
 )
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV
+from sglang_cp_shared_kv.testing.e2e import teacher_forced
 from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
 
@@ -119,7 +120,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ignore-log-pattern", action="append", default=[], help="regex of log lines not to treat as errors")
     p.add_argument("--out-dir", default=None, help="server logs and report.json (default ./glm5_smoke_<time>)")
     p.add_argument("--audit", action="store_true",
-                   help="KV audits (the oracle): pool dumps of every finished request; read audit under shared KV")
+                   help="the audits (the oracle): pool dumps of every finished request, the value audit of the "
+                        "audited layers' attention, teacher-forced scoring; the read audits under shared KV")
+    p.add_argument("--teacher-forced-texts", type=int, default=4,
+                   help="with --audit: texts each server scores twice (a served prefix + a fixed continuation, "
+                        "input logprobs); the shared-KV run is judged against the stock run's pass-to-pass spread")
     p.add_argument("--audit-layers", type=int, default=0,
                    help="leading layers the audits cover on both servers (0: all, or the inherited "
                         f"{SMOKE_AUDIT_LAYERS_ENV}). Layer 0 judges the pool audit; every layer the read "
@@ -359,6 +364,9 @@ def run_mode(args, config: ServeConfig, plan: RequestPlan, out_dir: Path) -> Run
             if args.tpot_contexts:
                 report.figures["tpot"] = run_tpot(args, server)
                 report.failures += [f"tpot {t['context']}: {t['error']}" for t in report.figures["tpot"] if t["error"]]
+            if args.audit and args.teacher_forced_texts:
+                texts = teacher_forced.scoring_texts(plan, args.teacher_forced_texts)
+                report.figures["teacher_forced"] = teacher_forced.run_passes(server.base_url, texts, args.request_timeout)
             if args.audit and not kv_audit_compare.wait_for_settled_dumps(
                 audit_dir(out_dir, config.shared_kv), timeout_s=60
             ):
@@ -393,6 +401,10 @@ def wait_for_report(run_dir: Path, timeout_s: float) -> None:
 def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) -> None:
     """The oracle: pool dumps against the reference run's; under shared KV the read audit too."""
     run_dir = audit_dir(out_dir, config.shared_kv)
+    values = value_audit_compare.totals(run_dir)
+    report.figures["value_audit"] = value_audit_compare.report(values)
+    if not config.shared_kv:  # the tolerance's source: it must have checked rows, all of them possible
+        report.failures += value_audit_compare.failures(values, values, expect_prefill=True)
     if config.shared_kv:
         totals = kv_audit_compare.read_audit_totals(run_dir)
         report.figures["read_audit"] = totals
@@ -413,6 +425,12 @@ def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) ->
         comparison = kv_audit_compare.compare_runs(run_dir, reference)
         report.figures["pool_audit"] = comparison.to_json()
         report.failures += comparison.failures
+    if config.shared_kv:
+        reference_values = value_audit_compare.totals(reference) if reference is not None else None
+        report.figures["value_tolerance"] = reference_values and value_audit_compare.tolerance(reference_values)
+        report.failures += value_audit_compare.failures(
+            values, reference_values, expect_graph_replays=config.cuda_graphs and not args.mtp
+        )
 
 
 def draft_checks(shared_kv: bool, run_dir: Path, report: RunReport) -> None:
@@ -461,8 +479,8 @@ def print_summary(reports: List[RunReport], comparison: List[str]) -> None:
             from_host = statistics.median(r["from_host_ttft_ms"] for r in rows)
             print(f"TTFT, median of {len(rows)} prefixes of {rows[0]['prefix_tokens']} tokens: "
                   f"recomputed {recomputed:.1f} ms, prefix from host {from_host:.1f} ms")  # fmt: skip
-        for key in ("read_audit", "pool_audit", "draft_read_audit", "draft_write_audit", "cached_prefix_ledger",
-                    "mtp_accept_length", "burst", "tpot"):
+        for key in ("read_audit", "pool_audit", "value_audit", "value_tolerance", "teacher_forced_verdict",
+                    "draft_read_audit", "draft_write_audit", "cached_prefix_ledger", "mtp_accept_length", "burst", "tpot"):
             if key in c:
                 print(f"{key}: {json.dumps(c[key])}")
         for f in report.findings:
@@ -512,6 +530,20 @@ def scratch_share_checks(args, reports: List[RunReport]) -> None:
             )  # fmt: skip
 
 
+def teacher_forced_checks(args, reports: List[RunReport]) -> None:
+    """The shared-KV run's scoring against the stock run's (this call's, else the reference's)."""
+    stock = stock_figures_for(args, reports)
+    for report in reports:
+        if report.mode != mode_name(True) or "teacher_forced" not in report.figures:
+            continue
+        if stock is None or "teacher_forced" not in stock:
+            report.failures.append("teacher-forced: no stock scoring to compare with (the reference run's)")
+            continue
+        result = teacher_forced.verdict(stock["teacher_forced"], report.figures["teacher_forced"])
+        report.figures["teacher_forced_verdict"] = {k: v for k, v in result.items() if k != "failures"}
+        report.failures += result["failures"]
+
+
 def _raise_on_sigterm(signum, frame):
     raise SystemExit(f"terminated by signal {signum}")
 
@@ -541,6 +573,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = [run_mode(args, config, plan, out_dir) for config in configs]
     scratch_share_checks(args, reports)
+    teacher_forced_checks(args, reports)
     comparison = compare_runs(plan, reports[0], reports[1]) if len(reports) == 2 else []
     print_summary(reports, comparison)
     (out_dir / "report.json").write_text(
