@@ -60,10 +60,17 @@
 #                 dtype), and four plants (read-wrong-owner, load-back-wrong-page, decode-wrong-page
 #                 eager and under graphs); 12 servers. Meant for SMOKE_ONE_GPU=1 (docs/gpu.md, "One-GPU
 #                 test mode", gives the expected wall time per SMOKE_TP); SMOKE_ONLY splits it.
+#   values        the value audit (every audited run has it; docs/e2e-smoke.md, "Value audit"): the shared-KV
+#                 server as a user launches it (on_bf16_server_default) and the value-only plants, which
+#                 leave every row right and must be caught by the value audit alone: the merge skew per
+#                 owner under graphs and eagerly, the stale graph LSE (only a replay shows it), the scale
+#                 of gathered pages (gather path), all against ref_bf16 (run here too). At CP 2 on one GPU
+#                 the six servers fit one call; SMOKE_ONLY splits them (the reference's report is reused
+#                 from SMOKE_RUNS_DIR when it is not selected).
 #   Every shared-KV run but the defaults mode's names its decode path (SGLANG_CP_SHARED_KV_DECODE
 #   gather or per_owner), so none depends on the server's default (auto).
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|ttft-chunks|stock-graphs|padded-graphs   (results under $OUT)
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|values|defaults|ttft-chunks|stock-graphs|padded-graphs   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -100,7 +107,7 @@
 # Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
 # logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|defaults|ttft-chunks|stock-graphs|padded-graphs}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|values|defaults|ttft-chunks|stock-graphs|padded-graphs}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
@@ -238,6 +245,16 @@ case "$MODE" in
       on_bf16 "plant_$bug" --plant "$bug" --extra-server-args "$BF16_WT"
     done
     decode_plants
+    wait ;;
+  values)  # the value audit: the default decode served clean, and value-only plants, each caught by it alone
+    ref_bf16
+    on_bf16 on_bf16_server_default --decode server-default --extra-server-args "$BF16_WT"
+    on_bf16 plant_value-merge-skew_graphs --plant value-merge-skew --decode per-owner-graphs \
+      --extra-server-args "$BF16_WT $GRAPHS"
+    on_bf16 plant_value-graph-stale-lse_graphs --plant value-graph-stale-lse --decode per-owner-graphs \
+      --extra-server-args "$BF16_WT $GRAPHS"
+    on_bf16 plant_value-merge-skew --plant value-merge-skew --decode per-owner --extra-server-args "$BF16_WT"
+    on_bf16 plant_value-gathered-scale --plant value-gathered-scale --decode gather --extra-server-args "$BF16_WT"
     wait ;;
   defaults)  # a burst of 48: batches of 17-48 replay sglang's graphs of 24 .. 48 (padded between)
     spawn smoke ref_bf16_burst48 --shared-kv off --audit --burst 48 --extra-server-args "$BF16_WT"

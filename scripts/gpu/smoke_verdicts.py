@@ -30,11 +30,23 @@ def audit_text(figures: dict) -> str:
         parts.append(f"decode {dec.get('wrong_rows', 0)} wrong rows, {dec.get('wrong_owner', 0)} wrong owner, "
                      f"{dec.get('missing', 0)} missing / {dec.get('layers', 0)} layers + "
                      f"{dec.get('graph_forwards', 0)} graph forwards' tables, {dec.get('graph_replays', 0)} replays "
-                     f"({dec.get('graph_layers', 0)} layers) checked")  # fmt: skip
+                     f"({dec.get('graph_layers', 0)} layers) checked"
+                     + (f", replays by batch size {dec['replays_by_bs']}" if dec.get("replays_by_bs") else ""))  # fmt: skip
     for key in ("draft_write_audit", "draft_read_audit"):
         if figures.get(key):
             d = figures[key]
             parts.append(f"{key.split('_audit')[0]} {d.get('kv_wrong', 0)}+{d.get('index_wrong', 0)} wrong")
+    values = figures.get("value_audit")
+    if values and values.get("all", {}).get("rows"):
+        every = values["all"]
+        replays = values.get("graph_replays_by_bs") or {}
+        parts.append(f"values {every['rows']} rows, max rel err {every['max']:.2g}, p99 {every['p99']:.2g}"
+                     + (f" (tolerance {figures['value_tolerance']['max']:.2g})" if figures.get("value_tolerance") else "")
+                     + (f", graph replays by batch size {replays}" if replays else ""))  # fmt: skip
+    forced = figures.get("teacher_forced_verdict")
+    if forced and forced["shared_vs_stock"]["tokens"]:
+        parts.append(f"teacher-forced |dlogprob| mean {forced['shared_vs_stock']['mean']:.3f} nats "
+                     f"(stock vs stock {forced['stock_vs_stock']['mean'] or 0:.3f})")  # fmt: skip
     if figures.get("mtp_accept_length"):
         parts.append(f"accept {figures['mtp_accept_length'].get('tokens_per_verify')}")
     return "; ".join(parts)
@@ -84,6 +96,8 @@ def verdict(runs: Path, name: str) -> Tuple[str, bool]:
     failures: List[str] = [f for r in runs_ for f in r["failures"]]
     requests = sum(len(r.get("records", [])) for r in runs_)
     audits = "; ".join(a for a in (audit_text(r["figures"]) for r in runs_) if a)
+    if plant and name.startswith(VALUE_PLANT_PREFIX):
+        return value_plant_verdict(name, failures, requests, audits, timing)
     if plant:
         if failures:
             return f"FAILED {name} (as it must: the plant was caught): {failures[0][:160]}{timing}", True
@@ -92,6 +106,22 @@ def verdict(runs: Path, name: str) -> Tuple[str, bool]:
         return f"FAILED {name}: {len(failures)} failures, first: {failures[0][:200]}{timing}", False
     ttft = "; ".join(t for t in (ttft_text(r.get("records", [])) for r in runs_) if t)
     return f"PASSED {name}: {requests} requests; {audits or 'no audit'}{'; ' + ttft if ttft else ''}{timing}", True
+
+
+# A value-only plant leaves every row right: as expected only when the value audit catches it and
+# nothing else fails but the end-to-end scoring (a row audit failing would mean the plant moved rows).
+VALUE_PLANT_PREFIX = "plant_value-"
+VALUE_VERDICTS = ("value audit", "teacher-forced")
+
+
+def value_plant_verdict(name: str, failures: List[str], requests: int, audits: str, timing: str) -> Tuple[str, bool]:
+    by_values = [f for f in failures if f.startswith("value audit")]
+    others = [f for f in failures if not f.startswith(VALUE_VERDICTS)]
+    if others:
+        return f"FAILED {name}: not a value-only failure: {others[0][:160]}{timing}", False
+    if by_values:
+        return f"FAILED {name} (as it must: caught by the value audit alone): {by_values[0][:200]}{timing}", True
+    return f"PASSED {name}: PLANT NOT CAUGHT by the value audit ({requests} requests; {audits}){timing}", False
 
 
 def diagnosis(runs: Path, name: str) -> str:

@@ -82,6 +82,7 @@ class DecodeReadAudit:
         self.forward = None
         # batch size -> [(selection, candidates, indices, cp_rank)] of the captured run, per layer
         self.captured = {}
+        self.replays_by_bs = {}  # graph batch size -> replays checked
 
     def begin_forward(self, layout, page_table_1, seq_lens) -> None:
         self.forward = (layout, page_table_1, seq_lens)
@@ -106,6 +107,7 @@ class DecodeReadAudit:
         if not layers:
             return
         self.counts["graph_replays"] += 1
+        self.replays_by_bs[str(bs)] = self.replays_by_bs.get(str(bs), 0) + 1
         self.forward = (layout, page_table_1[:bs], seq_lens[:bs])
         for selection, candidates, indices, cp_rank in layers:
             self.counts["graph_layers"] += 1
@@ -189,7 +191,7 @@ class DecodeReadAudit:
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.counts))
+        tmp.write_text(json.dumps({**self.counts, "replays_by_bs": self.replays_by_bs}))
         os.replace(tmp, self.path)
 
 
@@ -240,9 +242,14 @@ def register_hooks(registry, audit_dir: Path) -> None:
 def totals(run_dir: Path) -> dict:
     out = dict.fromkeys(COUNT_KEYS, 0)
     out["ranks"] = 0
+    out["replays_by_bs"] = {}
     for path in sorted(Path(run_dir).glob("decode_read_audit.rank*.json")):
         for key, value in json.loads(path.read_text()).items():
-            out[key] = out.get(key, 0) + value
+            if key == "replays_by_bs":
+                for bs, n in value.items():
+                    out[key][bs] = out[key].get(bs, 0) + n
+            else:
+                out[key] = out.get(key, 0) + value
         out["ranks"] += 1
     return out
 

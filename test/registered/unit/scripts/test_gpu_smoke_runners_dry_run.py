@@ -210,6 +210,37 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
             for name in ("ref_bf16_burst48", "on_bf16_server_default"):
                 self.assertIn("then a burst of 48 concurrent", (tmp / "out" / f"{name}.log").read_text(), name)
 
+    def test_values_mode_serves_the_default_and_each_value_plant_on_its_decode_path(self):
+        """Mode values: the shared-KV server as launched by a user, and the value-only plants, each
+        on the decode path it breaks (per owner under graphs and eagerly, the gather), all audited
+        against ref_bf16. Seen failing with the gathered-scale plant on a per-owner server (its
+        prefill reads peer pages through the gather, but its decode would not)."""
+        plants = {
+            "plant_value-merge-skew_graphs": ("value-merge-skew", "per_owner", "1"),
+            "plant_value-graph-stale-lse_graphs": ("value-graph-stale-lse", "per_owner", "1"),
+            "plant_value-merge-skew": ("value-merge-skew", "per_owner", "0"),
+            "plant_value-gathered-scale": ("value-gathered-scale", "gather", "0"),
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1",
+                   "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+            proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["values"], env, tmp)
+            for name in ["ref_bf16", "on_bf16_server_default", *plants]:
+                self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+            (_, _, env_vars, argv), = servers_in((tmp / "out" / "on_bf16_server_default.log").read_text())
+            self.assertEqual([k for k in env_vars if k.startswith("SGLANG_CP_SHARED_KV_DECODE")], [])
+            self.assertNotIn("--disable-cuda-graph", argv)
+            self.assertIn("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR", env_vars)
+            for name, (plant, path, graphs) in plants.items():
+                (_, _, env_vars, argv), = servers_in((tmp / "out" / f"{name}.log").read_text())
+                self.assert_one_gpu(env_vars, argv, name)
+                self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT"), plant, name)
+                self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE"), path, name)
+                self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH"), graphs, name)
+                self.assertEqual("--disable-cuda-graph" in argv, graphs == "0", name)
+                self.assertIn("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR", env_vars, name)
+
     def test_ttft_chunks_mode_pairs_stock_and_shared_kv_at_two_chunk_sizes_without_audits(self):
         """Mode ttft-chunks: stock and shared KV at chunked prefill 2048 and 8192, no audit on any
         server (the read audit's per-forward collectives are not the product's path).
