@@ -72,7 +72,10 @@ def score(base_url: str, text: ScoredText, timeout_s: float, rid: Optional[str] 
         return {"error": f"{type(e).__name__}: {e}"}
     if response.status_code != 200:
         return {"error": f"HTTP {response.status_code}: {response.text[:300]}"}
-    meta = response.json().get("meta_info", {})
+    try:
+        meta = response.json().get("meta_info", {})
+    except ValueError as e:
+        return {"error": f"not a JSON answer: {e}"}
     logprobs = [entry[0] for entry in meta.get("input_token_logprobs") or []]
     continuation = len(text.input_ids) - text.prefix_tokens
     logprobs = logprobs[-continuation:]  # the prefix's last token, when scored, comes first

@@ -80,6 +80,12 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        if body.get("return_logprob"):  # teacher-forced scoring: input logprobs, one JSON body
+            start = body["logprob_start_len"]
+            logprobs = [[-((7 * t + i) % 13) / 10, t, None] for i, t in enumerate(ids) if i >= start]
+            data = json.dumps({"meta_info": {"input_token_logprobs": logprobs, "cached_tokens": 0}}).encode()
+            self.reply(data, "application/json")
+            return
         host = len(ids) - 64 if tuple(ids[:64]) in seen else 0
         seen.add(tuple(ids[:64]))
         state["evicted"] += tp * len(ids)
@@ -190,6 +196,29 @@ class TestSmokeRunner(CustomTestCase):
             self.assertEqual(accept["tokens_per_verify"], 2.0)  # 4 tokens over 2 verifies each
         rc, report = self.run_smoke("--shared-kv", "on")
         self.assertNotIn("mtp_accept_length", report["runs"][0]["figures"])
+        self.assert_no_server_process_left()
+
+    def test_audited_runs_score_teacher_forced_and_judge_missing_audits(self):
+        """--audit: both servers score the texts twice and the shared-KV run is judged against the
+        stock run's spread (equal here: passes); the stand-in writes no audit files, so each run
+        fails with the audits' own reasons (no value audit file, no pool dumps), not with a crash
+        of the driver. Seen failing with the stand-in answering the scoring as a stream."""
+        rc, report = self.run_smoke("--shared-kv", "off", "--audit", "--teacher-forced-texts", "2")
+        self.assertEqual(rc, 1)
+        (stock,) = report["runs"]
+        self.assertEqual(len(stock["figures"]["teacher_forced"]["passes"]), 2)
+        self.assertIn("value audit: no value audit file (the audit did not run)", stock["failures"])
+        reference = self.out_dir
+        self.out_dir = Path(self.tmp.name) / "out_on"
+        rc, report = self.run_smoke("--shared-kv", "on", "--audit", "--teacher-forced-texts", "2",
+                                    "--reference-dir", str(reference))  # fmt: skip
+        self.assertEqual(rc, 1)
+        (on,) = report["runs"]
+        forced = on["figures"]["teacher_forced_verdict"]
+        self.assertEqual(forced["shared_vs_stock"]["tokens"], 2 * 64)
+        self.assertEqual(forced["shared_vs_stock"]["mean"], 0.0)
+        self.assertFalse([f for f in on["failures"] if f.startswith("teacher-forced")])
+        self.assertTrue([f for f in on["failures"] if f.startswith("value audit")])
         self.assert_no_server_process_left()
 
     def test_a_server_that_dies_at_startup_fails_with_its_log_error(self):
