@@ -1007,7 +1007,9 @@ class CpHiRadixCache(HiRadixCache):
         1. Every rank hashes and queries every page (its KV and indexer objects both present), the
            pages it will own and those it will not; the hit is the MIN over ranks of the leading
            pages found.
-        2. Owners of the restored pages: page ``q`` of the sequence on rank ``q % cp_size``, the same
+        2. Under the write-through policies the node the restore hangs below gets a host copy first
+           (``_back_up_path``: a device-only node with a child cannot be evicted).
+           Owners of the restored pages: page ``q`` of the sequence on rank ``q % cp_size``, the same
            on every rank. The ledger says whether every rank has the host slots, evicting host nodes
            if not; what still does not fit is cut off for every rank alike (never per rank).
         3. Each rank reads the pages it owns into its slots; the restored length is the MIN over
@@ -1039,6 +1041,8 @@ class CpHiRadixCache(HiRadixCache):
         hit_pages = self._min_over_ranks(found)
         if hit_pages == 0:
             return 0
+        if not self._back_up_path(below):
+            return 0
 
         below.protect_host()  # host eviction for the slots must not take the matched path
         try:
@@ -1056,6 +1060,32 @@ class CpHiRadixCache(HiRadixCache):
         self._insert_storage_node(below, key, metadata, hashes[: logical_len // page_size])
         self.prefetch_loaded_tokens_by_reqid[req_id] = logical_len
         return logical_len
+
+    def _back_up_path(self, node: TreeNode) -> bool:
+        """Whether a restored node may hang below ``node``: backs up the path's tail that has no
+        host copy, top-down, under the write-through policies (False: it could not, restore nothing).
+
+        A node without a host copy is evicted from device by freeing it as a leaf (stock
+        ``_evict_regular`` asserts it has no children), and an evicted host-only child does not
+        stop it from being a device leaf. Under ``write_through_selective`` (and under
+        ``write_through`` where a write did not fit) a prefix served once has no host copy, so a
+        restored tail below it crashed the next device eviction on every rank. Backing the path up
+        keeps stock's write-through invariant (a backed-up node's parent is backed up), so
+        eviction keeps the node's host copy instead; the host writes cost what write-through would
+        have paid, and store the path to L3 when acknowledged. Under ``write_back`` eviction writes
+        a node back before it frees it, so nothing is needed. Every decision comes from the tree
+        and the host ledger, identical on every rank.
+        """
+        if self.cache_controller.write_policy == "write_back":
+            return True
+        path = []
+        while not self._node_backuped(node):
+            path.append(node)
+            node = node.parent
+        for node in reversed(path):
+            if self.write_backup(node) == 0:
+                return False
+        return True
 
     def _reserve_storage_slots(self, owners: np.ndarray):
         """(The leading ``owners`` every rank has host slots for, this rank's slots for its pages of
@@ -1116,6 +1146,8 @@ class CpHiRadixCache(HiRadixCache):
         child_key = key.child_key(self.page_size)
         if child_key in parent.children:
             raise RuntimeError(f"storage restore below node {parent.id}: the tree matched further")
+        if self.cache_controller.write_policy != "write_back" and not self._node_backuped(parent):
+            raise RuntimeError(f"storage restore below node {parent.id}, which has no host copy")
         node = self._new_node(priority=parent.priority)
         node.parent = parent
         node.key = key
