@@ -178,6 +178,8 @@ class CpHiRadixCache(HiRadixCache):
         # and let only TP rank 0 write (``backup_skip``), so the stock cache is built without it.
         self.cp_storage: Optional[CpStoragePageIO] = None
         self.storage_node_writes = 0  # nodes offered to storage (the same on every rank)
+        # Logical tokens of each host write in flight, by node id (``_store_write``).
+        self._write_logical_lens: dict = {}
         self.storage_prefetches = 0  # prefetch decisions taken (the same on every rank)
         stock_args = server_args
         if server_args.hicache_storage_backend is not None:
@@ -277,6 +279,7 @@ class CpHiRadixCache(HiRadixCache):
             tracked.clear()
         self.root_node.children = {}
         self.host_logical_tokens = 0
+        self._write_logical_lens.clear()
         if self.host_ledger is not None:  # None while the stock constructor resets
             self.host_ledger.reset()
 
@@ -316,7 +319,7 @@ class CpHiRadixCache(HiRadixCache):
             written = list(self.ongoing_write_through.values()) if write_back else []
             result = super().writing_check(write_back=write_back)
             for node in written:
-                self._store_node(node)
+                self._store_write(node)
             return result
         finished = 0
         for _, finish_event, _ in self.cache_controller.ack_write_queue:
@@ -365,7 +368,7 @@ class CpHiRadixCache(HiRadixCache):
                 node = self.ongoing_write_through.pop(ack_id)
                 self._record_store_event(node, medium=StorageMedium.CPU)
                 self.dec_lock_ref(node)
-                self._store_node(node)
+                self._store_write(node)
         del queue[:count]
 
     # ---- load acknowledgement ----
@@ -508,6 +511,8 @@ class CpHiRadixCache(HiRadixCache):
         node.host_len = metadata.logical_len
         self.host_logical_tokens += node.host_len
         self.ongoing_write_through[node.id] = node
+        if self.cp_storage is not None:
+            self._write_logical_lens[node.id] = node.host_len  # see _store_write
         if not write_back:
             self.inc_lock_ref(node)
         self._note_host_event()
@@ -979,6 +984,27 @@ class CpHiRadixCache(HiRadixCache):
         prior = above[-1] if above else chain_seed(node.key.extra_key)
         node.hash_value = page_hash_chain(node.key.token_ids, self.page_size, prior)
         return node.hash_value
+
+    def _store_write(self, node: TreeNode) -> None:
+        """A host write is acknowledged: store every page it wrote, whatever splits happened
+        while it was in flight.
+
+        The ack names the node the write was recorded under; a split while in flight (the next
+        step's match splits a shared prefix exactly so) leaves that node the lower part and puts
+        the upper part in new nodes between it and its old parent, each with its host slots and
+        ``host_len`` (and the write-through lock: they cannot be evicted before the ack). So the
+        write's pages are the nodes from ``node`` upward whose keys add up to the logical length
+        written. (Stock 0.5.11's ``writing_check`` passes only the recorded node to
+        ``write_backup_storage``, so it loses the upper part's pages the same way.)
+        """
+        logical_len = self._write_logical_lens.pop(node.id, node.host_len)
+        parts = []
+        while logical_len > 0 and node is not self.root_node:
+            parts.append(node)
+            logical_len -= len(node.key)
+            node = node.parent
+        for part in reversed(parts):
+            self._store_node(part)
 
     def _store_node(self, node: TreeNode) -> None:
         """A node's host copy is confirmed: this rank stores the pages it owns of it (KV and

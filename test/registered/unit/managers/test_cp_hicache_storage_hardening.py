@@ -9,6 +9,10 @@ phase's failure does not hide the others).
   a longer prompt whose tail is in L3 restores that tail below it; device eviction then runs.
   Seen failing before the fix: ``AssertionError: non-leaf`` from stock ``_evict_regular`` on both
   ranks (``write_through`` and ``write_back`` clean, as the review found). Run under every policy.
+* ``split``: a node is split by the next step's match while its host write is in flight; every
+  page of it must reach L3 and come back after a restart. Seen failing before the fix: 4 of 6
+  pages written (only the lower half, the node recorded at write time), 8 of 12 objects, and the
+  restart restored 0 tokens (its first page missing).
 """
 
 import json
@@ -104,7 +108,27 @@ def _rank(rank, world_size, root):
         report.update(state(server))
         return report
 
+    def phase_split():
+        directory = os.path.join(root, "split")
+        server = stack(directory)
+        serve(server, SEQ)
+        report = {"in_flight": len(server.cache.ongoing_write_through)}
+        # The next step's match splits the node while its host write is in flight (a shared
+        # system prompt is split exactly so).
+        shared = SEQ[: 2 * PAGE] + list(range(90_000, 90_000 + 2 * PAGE))
+        server.cache.match_prefix(MatchPrefixParams(key=RadixKey(shared)))
+        settle_write_acks(server.cache)
+        report["pages_written"] = server.cache.cp_storage.pages_written
+        dist.barrier()
+        report["objects"] = len(os.listdir(directory))
+        restarted = stack(directory)
+        report["restored"] = restarted.cache.prefetch_from_storage_cp("again", SEQ)
+        report["on_device"], report["bad"] = load_back_all(restarted)
+        report.update(state(restarted))
+        return report
+
     phases = {f"selective/{policy}": (phase_selective, policy) for policy in POLICIES}
+    phases["split"] = (phase_split,)
     reports = {}
     for name, (phase, *args) in phases.items():
         try:
@@ -148,6 +172,16 @@ class TestStorageHardeningAcrossRanks(CustomTestCase):
                     self.assertGreater(report["evicted"], 0)
                     self.assertEqual(report["on_device"], len(SEQ))
                     self.assertEqual(report["bad"], 0)
+
+    def test_pages_of_a_node_split_while_its_write_is_in_flight_all_reach_storage(self):
+        reports = self.phase("split")
+        self.assertEqual([report["in_flight"] for report in reports], [1, 1])
+        self.assertEqual(sum(report["pages_written"] for report in reports), len(SEQ) // PAGE)
+        self.assertEqual(reports[0]["objects"], 2 * len(SEQ) // PAGE)  # KV + indexer per page
+        for report in reports:
+            self.assertEqual(report["restored"], len(SEQ))
+            self.assertEqual(report["on_device"], len(SEQ))
+            self.assertEqual(report["bad"], 0)
 
 
 if __name__ == "__main__":
