@@ -13,10 +13,21 @@ phase's failure does not hide the others).
   page of it must reach L3 and come back after a restart. Seen failing before the fix: 4 of 6
   pages written (only the lower half, the node recorded at write time), 8 of 12 objects, and the
   restart restored 0 tokens (its first page missing).
+* ``truncated/indexer``, ``truncated/kv``: page 2's indexer (KV) object cut to half its size, then a
+  restart restores, recomputes the rest (which stores pages 2-5 again) and a second restart
+  restores. Seen failing before the fix: indexer: 0 tokens restored at both restarts (the short
+  read failed rank 0's whole batch) and rank 0 counted 3 pages written (skipped objects counted);
+  KV: 128 tokens at both restarts (the truncated object was never rewritten), 2 pages counted.
+* ``read_raises``: rank 1's read of page 3's indexer raises. Seen failing: 64 tokens restored
+  (rank 1 read nothing, so the cut fell at its first page, 1) instead of 192.
+* ``random_faults``: 24 trials of random truncations (1-2 objects, KV or indexer, to 0, 25% or
+  99.9% of their size). Seen failing: 12 of 24 restored less than the intact prefix, and in all 24
+  a recompute did not repair the store.
 """
 
 import json
 import os
+import random
 import shutil
 import tempfile
 import unittest
@@ -24,6 +35,7 @@ import unittest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
+from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import page_hash_chain
 from sglang_cp_shared_kv.testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
@@ -31,10 +43,13 @@ register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 PAGE = 64
 SEQ = list(range(5000, 5000 + 6 * PAGE))
 SEED = 11
+HASHES = page_hash_chain(SEQ, PAGE)
 POLICIES = ("write_through_selective", "write_through", "write_back")
+RANDOM_TRIALS = 24
 
 
 def _rank(rank, world_size, root):
+    import torch
     import torch.distributed as dist
 
     from sglang_cp_shared_kv.testing.cp_hicache_stack import (
@@ -48,7 +63,9 @@ def _rank(rank, world_size, root):
         InsertParams,
         MatchPrefixParams,
     )
+    from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import storage_keys
 
     def stack(directory, policy="write_through"):
         extra = json.dumps({"file_path": directory, "prefetch_threshold": PAGE})
@@ -83,6 +100,35 @@ def _rank(rank, world_size, root):
             match = view.cache.match_prefix(MatchPrefixParams(key=RadixKey(SEQ)))
         locs = match.device_indices
         return len(locs), sum(pattern(view).owned_mismatches(view, locs))
+
+    def recompute(view):
+        """The request's own prefill: what the tree holds of SEQ loaded back, the rest computed at
+        fresh locs and inserted (write-through backs it up and stores it when acknowledged)."""
+        match = view.cache.match_prefix(MatchPrefixParams(key=RadixKey(SEQ)))
+        if match.host_hit_length:
+            view.cache.load_back(match.last_host_node)
+            view.cache.ready_to_load_host_cache()
+            view.cache.loading_check()
+            match = view.cache.match_prefix(MatchPrefixParams(key=RadixKey(SEQ)))
+        prefix = match.device_indices
+        locs = torch.cat([prefix, view.allocator.alloc(len(SEQ) - len(prefix))])
+        serve(view, SEQ, locs)
+        settle_write_acks(view.cache)
+
+    def object_path(view, page, component):
+        """The file of page ``page``'s KV or indexer object (HiCacheFile's naming)."""
+        [key] = storage_keys(view.cache.cp_storage.namespace, [HASHES[page]])
+        pool = PoolName.INDEXER if component == "indexer" else PoolName.KV
+        return view.cache.cp_storage.backend._get_component_path(key, pool)
+
+    def damage(directory, damaged):
+        """Rank 0 truncates each ``(page, component, keep fraction)`` object; both ranks wait."""
+        view = stack(directory)  # on both ranks: building one enters collectives
+        if rank == 0:
+            for page, component, keep in damaged:
+                path = object_path(view, page, component)
+                os.truncate(path, int(os.path.getsize(path) * keep))
+        dist.barrier()
 
     def state(view):
         return {
@@ -127,8 +173,76 @@ def _rank(rank, world_size, root):
         report.update(state(restarted))
         return report
 
+    def phase_truncated(component):
+        directory = os.path.join(root, f"truncated-{component}")
+        write_store(directory)
+        damage(directory, [(2, component, 0.5)])  # page 2 lives on rank 0 (2 % 2)
+        first = stack(directory)
+        report = {"restored_damaged": first.cache.prefetch_from_storage_cp("a", SEQ)}
+        recompute(first)
+        storage = first.cache.cp_storage
+        report["pages_written"], report["pages_found_stored"] = (
+            storage.pages_written, storage.pages_found_stored
+        )
+        dist.barrier()
+        second = stack(directory)
+        report["restored"] = second.cache.prefetch_from_storage_cp("b", SEQ)
+        report["on_device"], report["bad"] = load_back_all(second)
+        report.update(state(second))
+        return report
+
+    def phase_read_raises():
+        """Rank 1's read of page 3's indexer object raises (a backend error, not a miss)."""
+        directory = os.path.join(root, "read-raises")
+        write_store(directory)
+        view = stack(directory)
+        backend = view.cache.cp_storage.backend
+        [page_3] = storage_keys(view.cache.cp_storage.namespace, [HASHES[3]])
+        real_read_page = backend._read_page
+
+        def read_page(pool_name, key, host_pool, page_offset):
+            if rank == 1 and pool_name == PoolName.INDEXER and key == page_3:
+                raise RuntimeError("backend error reading page 3")
+            return real_read_page(pool_name, key, host_pool, page_offset)
+
+        backend._read_page = read_page
+        report = {"restored": view.cache.prefetch_from_storage_cp("c", SEQ)}
+        report["on_device"], report["bad"] = load_back_all(view)
+        report.update(state(view))
+        return report
+
+    def phase_random_faults():
+        """Random truncations of a pristine store: the restore is the intact prefix exactly (the
+        pages before the first damaged one), and after one recompute the whole prefix."""
+        pristine = os.path.join(root, "pristine")
+        write_store(pristine)
+        rng = random.Random(45)  # the same draws on both ranks
+        trials = []
+        for trial in range(RANDOM_TRIALS):
+            directory = os.path.join(root, f"random-{trial}")
+            if rank == 0:
+                shutil.copytree(pristine, directory)
+            dist.barrier()
+            damaged = [
+                (rng.randrange(len(HASHES)), rng.choice(("kv", "indexer")), rng.choice((0.0, 0.25, 0.999)))
+                for _ in range(rng.choice((1, 2)))
+            ]
+            damage(directory, damaged)
+            view = stack(directory)
+            restored = view.cache.prefetch_from_storage_cp("r", SEQ)
+            recompute(view)
+            dist.barrier()
+            again = stack(directory).cache.prefetch_from_storage_cp("s", SEQ)
+            intact = min(page for page, _, _ in damaged) * PAGE
+            trials.append((damaged, restored, intact, again))
+        return {"trials": trials, **state(view)}
+
     phases = {f"selective/{policy}": (phase_selective, policy) for policy in POLICIES}
     phases["split"] = (phase_split,)
+    phases["truncated/indexer"] = (phase_truncated, "indexer")
+    phases["truncated/kv"] = (phase_truncated, "kv")
+    phases["read_raises"] = (phase_read_raises,)
+    phases["random_faults"] = (phase_random_faults,)
     reports = {}
     for name, (phase, *args) in phases.items():
         try:
@@ -182,6 +296,33 @@ class TestStorageHardeningAcrossRanks(CustomTestCase):
             self.assertEqual(report["restored"], len(SEQ))
             self.assertEqual(report["on_device"], len(SEQ))
             self.assertEqual(report["bad"], 0)
+
+    def test_a_truncated_object_cuts_the_restore_there_and_is_rewritten(self):
+        for component in ("indexer", "kv"):
+            with self.subTest(component=component):
+                reports = self.phase(f"truncated/{component}")
+                for report in reports:
+                    self.assertEqual(report["restored_damaged"], 2 * PAGE)  # pages 0 and 1
+                    self.assertEqual(report["restored"], len(SEQ))  # rewritten by the recompute
+                    self.assertEqual(report["on_device"], len(SEQ))
+                    self.assertEqual(report["bad"], 0)
+                # The recompute stored pages 2-5: rank 0 rewrote page 2 (KV and indexer) and
+                # found page 4 whole; rank 1 found pages 3 and 5 whole.
+                self.assertEqual([r["pages_written"] for r in reports], [1, 0])
+                self.assertEqual([r["pages_found_stored"] for r in reports], [1, 2])
+
+    def test_a_read_error_of_one_page_is_a_miss_from_that_page_on(self):
+        for report in self.phase("read_raises"):
+            self.assertEqual(report["restored"], 3 * PAGE)
+            self.assertEqual(report["on_device"], 3 * PAGE)
+            self.assertEqual(report["bad"], 0)
+
+    def test_random_truncations_restore_the_intact_prefix_then_everything(self):
+        reports = self.phase("random_faults")
+        self.assertEqual(reports[0]["trials"], reports[1]["trials"])
+        short = [t for t in reports[0]["trials"] if t[1] != t[2]]
+        self.assertEqual(short, [], "(damaged, restored, intact prefix, after a recompute)")
+        self.assertEqual({t[3] for t in reports[0]["trials"]}, {len(SEQ)})
 
 
 if __name__ == "__main__":
