@@ -40,8 +40,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
     HiCacheStorage,
     HiCacheStorageConfig,
+    PoolHitPolicy,
     PoolName,
     PoolTransfer,
+    PoolTransferResult,
 )
 
 from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import StorageNamespace
@@ -78,7 +80,8 @@ class CpStoragePageIO:
     # ---- queries ----
 
     def hit_pages(self, keys: Sequence[str]) -> int:
-        """Length of the prefix of ``keys`` whose pages have both their KV and indexer objects."""
+        """Length of the prefix of ``keys`` whose pages have both their KV and indexer objects
+        (the file backend: whole ones, asked about one object at a time up to the first miss)."""
         if not keys:
             return 0
         result = self.backend.batch_exists_v2(
@@ -210,7 +213,10 @@ class CpHiCacheFile(HiCacheFile):
       any key whose file exists, so a truncated object stayed for good);
     * ``get`` reads an object only if it has its size; a short read or any ``OSError`` is a miss
       (stock raises on a short read, which failed the whole batch);
-    * ``page_stored`` says whether a page's objects are all whole (what ``write_pages`` skips).
+    * ``page_stored`` says whether a page's objects are all whole (what ``write_pages`` skips);
+    * ``batch_exists_v2`` asks about the keys given, one ``stat`` per object in page order up to
+      the first page not whole: O(pages asked). Stock lists the whole directory per query (8 ms at
+      20K files, 87 ms at 200K, on the scheduler thread of every rank, per request).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, file_path: str, object_bytes: dict):
@@ -229,6 +235,19 @@ class CpHiCacheFile(HiCacheFile):
 
     def exists(self, key: str) -> bool:
         return self.object_whole(key)
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        pools = [PoolName.KV]
+        for transfer in pool_transfers or []:
+            if transfer.hit_policy != PoolHitPolicy.ALL_PAGES:
+                raise ValueError(f"{type(self).__name__} serves ALL_PAGES pools, not {transfer.hit_policy}")
+            pools.append(transfer.name)
+        hits = 0
+        for key in keys:
+            if not all(self.object_whole(key, pool) for pool in pools):
+                break
+            hits += 1
+        return PoolTransferResult(hits, {pool: hits for pool in pools} if hits else {})
 
     def get(self, key: str, target_location: torch.Tensor, target_sizes=None):
         path = os.path.join(self.file_path, f"{self._get_suffixed_key(key)}.bin")

@@ -1030,9 +1030,9 @@ class CpHiRadixCache(HiRadixCache):
         slots, as one host-only node below the match; returns the logical tokens restored (0:
         nothing). Synchronous; every rank calls it for the same request at the same step.
 
-        1. Every rank hashes and queries every page (its KV and indexer objects both present), the
-           pages it will own and those it will not; the hit is the MIN over ranks of the leading
-           pages found.
+        1. Every rank hashes the pages and asks storage about them in order, up to the first whose
+           KV or indexer object is missing (the file backend: two ``stat`` calls a page, whatever
+           the store holds); the hit is the MIN over ranks of the leading pages found.
         2. Under the write-through policies the node the restore hangs below gets a host copy first
            (``_back_up_path``: a device-only node with a child cannot be evicted).
            Owners of the restored pages: page ``q`` of the sequence on rank ``q % cp_size``, the same
