@@ -28,7 +28,6 @@ queue sizes) needs and which an overlapped version would have to restore.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import List, Optional, Sequence
@@ -287,16 +286,6 @@ def _leading_true(flags: Sequence[bool]) -> int:
         if not flag:
             return i
     return len(flags)
-
-
-def parse_extra_config(extra_config: Optional[str]) -> dict:
-    """``--hicache-storage-backend-extra-config`` as a dict (JSON, or ``@path`` to a JSON file)."""
-    if not extra_config:
-        return {}
-    if extra_config.startswith("@"):
-        with open(extra_config[1:]) as f:
-            return json.load(f)
-    return json.loads(extra_config)
 
 
 def file_backend_directory(extra_config: dict) -> str:

@@ -62,7 +62,6 @@ from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheCont
 from sglang_cp_shared_kv.managers.cp_hicache_storage import (
     CpStoragePageIO,
     build_storage_backend,
-    parse_extra_config,
 )
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
@@ -82,6 +81,7 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     value_pages,
 )
 from sglang_cp_shared_kv.server_args import (
+    parse_storage_extra_config,
     storage_layout_problem,
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
@@ -936,12 +936,9 @@ class CpHiRadixCache(HiRadixCache):
         )
         attn_tp_rank, attn_tp_size = self._attn_tp_rank_and_size()
         backend_name = server_args.hicache_storage_backend
-        extra = parse_extra_config(server_args.hicache_storage_backend_extra_config)
-        # Stock's prefetch threshold (tokens), read from the same extra config.
-        threshold = int(extra.pop("prefetch_threshold", 256))
-        for stock_only in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                           "hicache_storage_pass_prefix_keys"):  # fmt: skip
-            extra.pop(stock_only, None)
+        # sglang's reading (startup judged it): the backend's config without stock's prefetch
+        # keys, and stock's prefetch threshold (tokens).
+        extra, threshold = parse_storage_extra_config(server_args.hicache_storage_backend_extra_config)
         backend = build_storage_backend(
             backend_name, kv_host, indexer_host,
             model_name=server_args.served_model_name,
