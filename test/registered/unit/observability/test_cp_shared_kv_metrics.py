@@ -117,10 +117,10 @@ class TestLabelsAndGraphReplay(CustomTestCase):
             served_model_name="zai-org/GLM-5", disaggregation_mode="prefill",
             extra_metric_labels={"cluster": "a"},
         )  # fmt: skip
-        model_runner = SimpleNamespace(server_args=server_args, tp_rank=3, pp_rank=0, moe_ep_rank=3)
+        model_runner = SimpleNamespace(server_args=server_args, tp_rank=3, pp_rank=0, moe_ep_rank=0)
         labels = cp_shared_kv_metrics.sglang_metric_labels(model_runner)
         self.assertEqual(labels, {"model_name": "zai-org/GLM-5", "engine_type": "prefill", "tp_rank": 3,
-                                  "pp_rank": 0, "moe_ep_rank": 3, "cluster": "a"})  # fmt: skip
+                                  "pp_rank": 0, "moe_ep_rank": 0, "cluster": "a"})  # fmt: skip
         metrics = cp_shared_kv_metrics.install(cp_rank=3, registry=self.registry, labels=labels)
         metrics.host_backup_pages.inc(2)
         text = generate_latest(self.registry).decode()
@@ -131,7 +131,7 @@ class TestLabelsAndGraphReplay(CustomTestCase):
             if sample.name == "sglang_cp_shared_kv:host_backup_pages_total"
         ]
         self.assertEqual(sample.labels, {"model_name": "zai-org/GLM-5", "engine_type": "prefill",
-                                         "tp_rank": "3", "pp_rank": "0", "moe_ep_rank": "3",
+                                         "tp_rank": "3", "pp_rank": "0", "moe_ep_rank": "0",
                                          "cluster": "a", "cp_rank": "3"})  # fmt: skip
         self.assertEqual(sample.value, 2)
 
