@@ -5,12 +5,15 @@ The arguments go through sglang's own parser and ``ServerArgs`` (``prepare_serve
 ``sglang serve`` runs) with the plugins loaded, so every startup rule of ours runs, including the
 environment settings (``settings``): run it with the same environment as the server. Stock
 ``ServerArgs`` asks the machine for its accelerator before any plugin rule runs; here the machine
-is taken to be the one the launch is for: ``--device cuda`` unless given, and a GPU of compute
+is taken to be the one the launch is for: ``--device cuda`` unless given, a GPU of compute
 capability ``--assume-sm`` (default 9.0, H100/H200) for sglang's per-architecture defaults (KV
-dtype, NSA impls). The model path must hold the model's ``config.json`` (weights are not read).
+dtype, NSA impls), and of ``--assume-gpu-memory-mib`` MiB (default 143,771, what an H200 reports)
+for its memory-sized defaults (chunked prefill size, CUDA graph batch sizes, memory fraction). The
+model path must hold the model's ``config.json`` (weights are not read).
 
-Prints the effective settings and exits 0 when accepted; prints every problem and exits 1 when
-refused; argparse's usage errors exit 2.
+Prints the effective settings and exits 0 when accepted; prints ``REFUSED:`` and every problem and
+exits 1 when refused, by our rules or by sglang's own checks of the arguments (its assertions
+included); argparse's usage errors exit 2.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ from unittest import mock
 from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD, CP_SHARED_KV_FLAG
 
 ACCEPTED, REFUSED = 0, 1
+H200_MEMORY_MIB = 143_771  # torch.cuda.mem_get_info's total on an H200, as sglang reads it
 
 
 def _split_own_options(argv: Sequence[str]):
-    """``--assume-sm X.Y`` is ours; ``sglang serve`` / ``serve`` in front are dropped."""
+    """``--assume-sm X.Y`` and ``--assume-gpu-memory-mib N`` are ours; ``sglang serve`` / ``serve``
+    in front are dropped."""
     args = list(argv)
     while args and args[0] in ("sglang", "serve"):
         args.pop(0)
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--assume-sm", default="9.0")
+    own.add_argument("--assume-gpu-memory-mib", type=int, default=H200_MEMORY_MIB)
     known, rest = own.parse_known_args(args)
     try:
         major, minor = (int(part) for part in known.assume_sm.split("."))
@@ -39,7 +45,7 @@ def _split_own_options(argv: Sequence[str]):
         raise SystemExit(f"--assume-sm must be MAJOR.MINOR (e.g. 9.0), got {known.assume_sm!r}")
     if "--device" not in rest and not any(a.startswith("--device=") for a in rest):
         rest = rest + ["--device", "cuda"]
-    return (major, minor), rest
+    return (major, minor), known.assume_gpu_memory_mib, rest
 
 
 def check_launch(argv: Sequence[str], out: TextIO = sys.stdout, load_plugins=None) -> int:
@@ -52,13 +58,18 @@ def check_launch(argv: Sequence[str], out: TextIO = sys.stdout, load_plugins=Non
 
     from sglang_cp_shared_kv.startup_summary import effective_settings
 
-    capability, serve_argv = _split_own_options(argv)
+    capability, memory_mib, serve_argv = _split_own_options(argv)
     load_plugins()
     try:
-        with mock.patch("torch.cuda.get_device_capability", return_value=capability):
+        with mock.patch("torch.cuda.get_device_capability", return_value=capability), mock.patch(
+            "sglang.srt.server_args.get_device_memory_capacity", return_value=memory_mib
+        ):
             server_args = prepare_server_args(serve_argv)
     except ValueError as error:  # our rules (every problem in one message) and sglang's
         print(f"REFUSED: {error}", file=out)
+        return REFUSED
+    except Exception as error:  # sglang's own checks: assertions in ServerArgs.__post_init__, ...
+        print(f"REFUSED: sglang refused the arguments ({type(error).__name__}): {error}", file=out)
         return REFUSED
     if not getattr(server_args, CP_SHARED_KV_FIELD, False):
         print(f"REFUSED: {CP_SHARED_KV_FLAG} is not in the arguments (stock sglang would run)", file=out)

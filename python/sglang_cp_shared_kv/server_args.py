@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import json
 import logging
+import os
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.speculative.mtp_opt_in import mtp_combination_problems, mtp_opted_in
 from sglang_cp_shared_kv.settings import (
     ALL_CP_RANKS_ENV,
+    CPP_RADIX_TREE_ENV,
+    PREFILL_SCRATCH_TOKENS_ENV,
+    UNIFIED_RADIX_TREE_ENV,
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG,
@@ -255,7 +260,9 @@ def _unsupported_combinations(server_args) -> list[str]:
             f"off, e.g. --enable-mis): {CP_SHARED_KV_FLAG} has not been audited with the radix cache off; "
             "keep the radix cache on"
         )
+    problems += tree_cache_problems(server_args)
     problems += runtime_problems(server_args)
+    problems += prefill_scratch_problems(server_args)
     problems += attention_backend_problems(server_args)
     problems += hicache_problems(server_args)
     problems += _platform_problems(server_args)
@@ -355,11 +362,79 @@ def storage_problems(server_args) -> list[str]:
     return problems
 
 
+def parse_storage_extra_config(raw):
+    """``--hicache-storage-backend-extra-config`` read as sglang 0.5.11's HiCache reads it when the
+    scheduler builds the cache (``HiRadixCache._parse_storage_backend_extra_config``: JSON, or
+    ``@path`` to a ``.json`` / ``.toml`` / ``.yaml`` file; the same type checks of
+    ``prefetch_threshold`` and the timeouts, the same messages): ``(the backend's config without
+    stock's prefetch keys, prefetch_threshold tokens)``. Raises where sglang raises.
+
+    A copy, because importing sglang's cache module loads its GPU kernels, which a launching
+    process (or ``check_launch`` on a machine without a GPU) must not need; ``test_server_args``
+    holds it to sglang's on every case it judges."""
+    extra = {}
+    if raw:
+        if raw.startswith("@"):
+            path = raw[1:]
+            ext = os.path.splitext(path)[1].lower()
+            with open(path, "rb" if ext == ".toml" else "r") as f:
+                if ext == ".json":
+                    extra = json.load(f)
+                elif ext == ".toml":
+                    import tomllib
+
+                    extra = tomllib.load(f)
+                elif ext in (".yaml", ".yml"):
+                    import yaml
+
+                    extra = yaml.safe_load(f)
+                else:
+                    raise ValueError(f"Unsupported config file {path} (config format: {ext})")
+        else:
+            extra = json.loads(raw)
+    if not isinstance(extra, dict):  # sglang fails on its first pop
+        raise ValueError(f"the extra config is a {type(extra).__name__}, not an object")
+    extra = dict(extra)
+    prefetch_threshold = extra.pop("prefetch_threshold", 256)  # tokens
+    timeout_base = extra.pop("prefetch_timeout_base", 1)
+    timeout_per_ki_token = extra.pop("prefetch_timeout_per_ki_token", 0.25)
+    pass_prefix_keys = extra.pop("hicache_storage_pass_prefix_keys", False)
+    if not isinstance(prefetch_threshold, int):
+        raise ValueError(f"prefetch_threshold must be int, got {type(prefetch_threshold).__name__}")
+    if not isinstance(timeout_base, (int, float)):
+        raise ValueError(f"prefetch_timeout_base must be number, got {type(timeout_base).__name__}")
+    if not isinstance(timeout_per_ki_token, (int, float)):
+        raise ValueError(
+            f"prefetch_timeout_per_ki_token must be number, got {type(timeout_per_ki_token).__name__}"
+        )
+    if not isinstance(pass_prefix_keys, bool):
+        raise ValueError(
+            f"hicache_storage_pass_prefix_keys must be bool, got {type(pass_prefix_keys).__name__}"
+        )
+    return extra, prefetch_threshold
+
+
+def storage_extra_config_problems(server_args) -> list[str]:
+    """The extra config fails sglang's own parse: judged now, not when the scheduler builds HiCache
+    after the weights load (every HiCache server parses it, with storage or without)."""
+    raw = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    if not raw:
+        return []
+    try:
+        parse_storage_extra_config(raw)
+    except Exception as error:  # noqa: BLE001 - whatever sglang's parse raises, said with its name
+        return [
+            f"--hicache-storage-backend-extra-config {raw!r}: sglang's HiCache cannot read it "
+            f"({type(error).__name__}: {error}); pass a JSON object, or @ a .json / .toml / .yaml file"
+        ]
+    return []
+
+
 def hicache_problems(server_args) -> list[str]:
     """HiCache settings that fail for certain once the scheduler builds the host pools."""
     if not server_args.enable_hierarchical_cache:
         return []
-    problems = []
+    problems = storage_extra_config_problems(server_args)
     layout = server_args.hicache_mem_layout  # after sglang's io-backend rewrite (_handle_hicache)
     if layout not in NSA_HICACHE_MEM_LAYOUTS:
         problems.append(
@@ -438,6 +513,52 @@ def _model_problems(server_args) -> list[str]:
             f"parallelism for {architectures[0]} (attn_cp_size is {server_args.attn_cp_size})"
         ]
     return []
+
+
+# ---- the tree cache and the prefill scratch ----
+
+
+def tree_cache_problems(server_args) -> list[str]:
+    """Tree caches the shared KV runtime does not track (its host mirror of ``req_to_token`` is
+    written by hooks on sglang's radix cache and HiCache only): sglang picks them in the scheduler's
+    ``init_cache_with_memory_pool``, after the weights load, where they were refused until now."""
+    settings = current_settings()
+    problems = []
+    if settings.cpp_radix_tree:
+        problems.append(
+            f"{CPP_RADIX_TREE_ENV} is on: sglang would build its C++ radix tree (RadixCacheCpp), "
+            f"whose writes {CP_SHARED_KV_FLAG} does not track; unset it"
+        )
+    if settings.unified_radix_tree and not server_args.enable_hierarchical_cache:
+        problems.append(
+            f"{UNIFIED_RADIX_TREE_ENV} is on: without --enable-hierarchical-cache sglang would build "
+            f"its unified radix tree, whose writes {CP_SHARED_KV_FLAG} does not track; unset it"
+        )
+    if getattr(server_args, "enable_streaming_session", False):
+        problems.append(
+            "--enable-streaming-session: sglang wraps the tree cache in a StreamingSession, whose "
+            f"writes {CP_SHARED_KV_FLAG} does not track; drop it"
+        )
+    return problems
+
+
+def prefill_scratch_problems(server_args) -> list[str]:
+    """``SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS`` below the context length: admission aborts every
+    request whose context does not fit it (``prefill_scratch_admission``), so one of 1 token would
+    abort every request over one page. Judged where the context length is known (the model's
+    config, or ``--context-length``); sglang refuses longer requests itself."""
+    tokens = current_settings().prefill_scratch_tokens
+    if tokens is None:
+        return []
+    model_config = vars(server_args).get("model_config")
+    context_len = getattr(model_config, "context_len", None) or getattr(server_args, "context_length", None)
+    if context_len is None or tokens >= context_len:
+        return []
+    return [
+        f"{PREFILL_SCRATCH_TOKENS_ENV}={tokens} is less than the context length {context_len}: every "
+        f"request whose context does not fit would be aborted at admission; set at least "
+        f"{context_len}, unset it (context length + chunked prefill size), or lower --context-length"
+    ]
 
 
 # ---- the shared-KV runtime ----

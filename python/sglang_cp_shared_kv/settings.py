@@ -7,8 +7,13 @@ into one frozen ``CpSharedKVSettings``; nothing else in the package reads ``os.e
 
 One rule for booleans, the one sglang's own ``EnvBool`` uses (so that our reading of sglang's
 ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` is sglang's): ``1 true yes y`` are on, ``0 false no n``
-are off, case-insensitive, surrounding blanks ignored; unset or empty is the default; anything
-else (``on``, ``2``) is an error naming the variable.
+are off, case-insensitive; unset, empty or blank is the default; anything else (``on``, ``2``, and
+``"1 "`` or ``" true"``, which ``EnvBool`` reads as its default) is an error naming the variable.
+
+sglang's own variables that pick a tree cache shared KV does not track
+(``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE``, ``SGLANG_ENABLE_UNIFIED_RADIX_TREE``) are read here with the
+same rule, so that startup refuses them before the weights load; they are not described (an
+accepted launch has them off).
 
 When they are judged: while ``ServerArgs`` is built with the flag on (``server_args.validate``), so a
 bad value stops the launch before any weight loads, every bad value listed in one error. Scheduler
@@ -42,6 +47,10 @@ PREFILL_SCRATCH_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS"
 REQ_TO_PAGE_MIRROR_CHECK_ENV = "SGLANG_CP_SHARED_KV_CHECK_PAGE_MIRROR"
 # sglang's own variable (read by its PD transfer code on both servers); judged here with its rule.
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+# sglang's own variables choosing its tree cache (the scheduler's init_cache_with_memory_pool):
+# the C++ radix tree, and the unified radix tree (without HiCache). Both must stay off.
+CPP_RADIX_TREE_ENV = "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE"
+UNIFIED_RADIX_TREE_ENV = "SGLANG_ENABLE_UNIFIED_RADIX_TREE"
 
 SETTINGS_ENVS = (
     DECODE_PATH_ENV,
@@ -51,6 +60,8 @@ SETTINGS_ENVS = (
     PREFILL_SCRATCH_TOKENS_ENV,
     REQ_TO_PAGE_MIRROR_CHECK_ENV,
     ALL_CP_RANKS_ENV,
+    CPP_RADIX_TREE_ENV,
+    UNIFIED_RADIX_TREE_ENV,
 )
 
 PER_OWNER = "per_owner"
@@ -68,6 +79,8 @@ DEFAULT_PREFETCH_SLOT_TOKENS = 0  # 0: no slot 1, no layer-ahead prefetch
 DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (scratch_sizing)
 DEFAULT_CHECK_PAGE_MIRROR = False
 DEFAULT_ALL_CP_RANKS_TRANSFER = False  # sglang's default
+DEFAULT_CPP_RADIX_TREE = False  # sglang's default
+DEFAULT_UNIFIED_RADIX_TREE = False  # sglang's default
 
 TRUE_SPELLINGS = ("1", "true", "yes", "y")
 FALSE_SPELLINGS = ("0", "false", "no", "n")
@@ -89,6 +102,8 @@ class CpSharedKVSettings:
     prefill_scratch_tokens: Optional[int] = DEFAULT_PREFILL_SCRATCH_TOKENS
     check_page_mirror: bool = DEFAULT_CHECK_PAGE_MIRROR
     all_cp_ranks_transfer: bool = DEFAULT_ALL_CP_RANKS_TRANSFER
+    cpp_radix_tree: bool = DEFAULT_CPP_RADIX_TREE  # sglang's; must be off (server_args)
+    unified_radix_tree: bool = DEFAULT_UNIFIED_RADIX_TREE  # sglang's; off unless HiCache is on
 
     def describe(self) -> str:
         """One line of every setting, for the startup summary and ``check_launch``."""
@@ -124,7 +139,7 @@ def parse_bool(name: str, raw: Optional[str], default: bool) -> bool:
     """The one boolean rule (module docstring); ``ValueError`` naming ``name`` otherwise."""
     if raw is None or not raw.strip():
         return default
-    value = raw.strip().lower()
+    value = raw.lower()  # no strip: EnvBool reads "1 " as its default
     if value in TRUE_SPELLINGS:
         return True
     if value in FALSE_SPELLINGS:
@@ -201,6 +216,8 @@ def parse_settings(environ: Mapping[str, str]) -> Tuple[CpSharedKVSettings, List
     parse("prefill_scratch_tokens", _parse_prefill_scratch, environ.get(PREFILL_SCRATCH_TOKENS_ENV))
     parse_flag("check_page_mirror", REQ_TO_PAGE_MIRROR_CHECK_ENV, DEFAULT_CHECK_PAGE_MIRROR)
     parse_flag("all_cp_ranks_transfer", ALL_CP_RANKS_ENV, DEFAULT_ALL_CP_RANKS_TRANSFER)
+    parse_flag("cpp_radix_tree", CPP_RADIX_TREE_ENV, DEFAULT_CPP_RADIX_TREE)
+    parse_flag("unified_radix_tree", UNIFIED_RADIX_TREE_ENV, DEFAULT_UNIFIED_RADIX_TREE)
     return CpSharedKVSettings(**values), problems
 
 

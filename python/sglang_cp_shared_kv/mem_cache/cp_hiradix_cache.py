@@ -62,7 +62,6 @@ from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheCont
 from sglang_cp_shared_kv.managers.cp_hicache_storage import (
     CpStoragePageIO,
     build_storage_backend,
-    parse_extra_config,
 )
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
@@ -82,6 +81,7 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     value_pages,
 )
 from sglang_cp_shared_kv.server_args import (
+    parse_storage_extra_config,
     storage_layout_problem,
     CP_SHARED_KV_FIELD,
     CP_SHARED_KV_FLAG as FLAG,
@@ -178,6 +178,8 @@ class CpHiRadixCache(HiRadixCache):
         # and let only TP rank 0 write (``backup_skip``), so the stock cache is built without it.
         self.cp_storage: Optional[CpStoragePageIO] = None
         self.storage_node_writes = 0  # nodes offered to storage (the same on every rank)
+        # Logical tokens of each host write in flight, by node id (``_store_write``).
+        self._write_logical_lens: dict = {}
         self.storage_prefetches = 0  # prefetch decisions taken (the same on every rank)
         stock_args = server_args
         if server_args.hicache_storage_backend is not None:
@@ -277,6 +279,7 @@ class CpHiRadixCache(HiRadixCache):
             tracked.clear()
         self.root_node.children = {}
         self.host_logical_tokens = 0
+        self._write_logical_lens.clear()
         if self.host_ledger is not None:  # None while the stock constructor resets
             self.host_ledger.reset()
 
@@ -316,7 +319,7 @@ class CpHiRadixCache(HiRadixCache):
             written = list(self.ongoing_write_through.values()) if write_back else []
             result = super().writing_check(write_back=write_back)
             for node in written:
-                self._store_node(node)
+                self._store_write(node)
             return result
         finished = 0
         for _, finish_event, _ in self.cache_controller.ack_write_queue:
@@ -365,7 +368,7 @@ class CpHiRadixCache(HiRadixCache):
                 node = self.ongoing_write_through.pop(ack_id)
                 self._record_store_event(node, medium=StorageMedium.CPU)
                 self.dec_lock_ref(node)
-                self._store_node(node)
+                self._store_write(node)
         del queue[:count]
 
     # ---- load acknowledgement ----
@@ -508,6 +511,8 @@ class CpHiRadixCache(HiRadixCache):
         node.host_len = metadata.logical_len
         self.host_logical_tokens += node.host_len
         self.ongoing_write_through[node.id] = node
+        if self.cp_storage is not None:
+            self._write_logical_lens[node.id] = node.host_len  # see _store_write
         if not write_back:
             self.inc_lock_ref(node)
         self._note_host_event()
@@ -931,12 +936,9 @@ class CpHiRadixCache(HiRadixCache):
         )
         attn_tp_rank, attn_tp_size = self._attn_tp_rank_and_size()
         backend_name = server_args.hicache_storage_backend
-        extra = parse_extra_config(server_args.hicache_storage_backend_extra_config)
-        # Stock's prefetch threshold (tokens), read from the same extra config.
-        threshold = int(extra.pop("prefetch_threshold", 256))
-        for stock_only in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                           "hicache_storage_pass_prefix_keys"):  # fmt: skip
-            extra.pop(stock_only, None)
+        # sglang's reading (startup judged it): the backend's config without stock's prefetch
+        # keys, and stock's prefetch threshold (tokens).
+        extra, threshold = parse_storage_extra_config(server_args.hicache_storage_backend_extra_config)
         backend = build_storage_backend(
             backend_name, kv_host, indexer_host,
             model_name=server_args.served_model_name,
@@ -980,6 +982,27 @@ class CpHiRadixCache(HiRadixCache):
         node.hash_value = page_hash_chain(node.key.token_ids, self.page_size, prior)
         return node.hash_value
 
+    def _store_write(self, node: TreeNode) -> None:
+        """A host write is acknowledged: store every page it wrote, whatever splits happened
+        while it was in flight.
+
+        The ack names the node the write was recorded under; a split while in flight (the next
+        step's match splits a shared prefix exactly so) leaves that node the lower part and puts
+        the upper part in new nodes between it and its old parent, each with its host slots and
+        ``host_len`` (and the write-through lock: they cannot be evicted before the ack). So the
+        write's pages are the nodes from ``node`` upward whose keys add up to the logical length
+        written. (Stock 0.5.11's ``writing_check`` passes only the recorded node to
+        ``write_backup_storage``, so it loses the upper part's pages the same way.)
+        """
+        logical_len = self._write_logical_lens.pop(node.id, node.host_len)
+        parts = []
+        while logical_len > 0 and node is not self.root_node:
+            parts.append(node)
+            logical_len -= len(node.key)
+            node = node.parent
+        for part in reversed(parts):
+            self._store_node(part)
+
     def _store_node(self, node: TreeNode) -> None:
         """A node's host copy is confirmed: this rank stores the pages it owns of it (KV and
         indexer) under owner-free keys. Every rank counts the node, whether it owns any or not."""
@@ -1004,10 +1027,12 @@ class CpHiRadixCache(HiRadixCache):
         slots, as one host-only node below the match; returns the logical tokens restored (0:
         nothing). Synchronous; every rank calls it for the same request at the same step.
 
-        1. Every rank hashes and queries every page (its KV and indexer objects both present), the
-           pages it will own and those it will not; the hit is the MIN over ranks of the leading
-           pages found.
-        2. Owners of the restored pages: page ``q`` of the sequence on rank ``q % cp_size``, the same
+        1. Every rank hashes the pages and asks storage about them in order, up to the first whose
+           KV or indexer object is missing (the file backend: two ``stat`` calls a page, whatever
+           the store holds); the hit is the MIN over ranks of the leading pages found.
+        2. Under the write-through policies the node the restore hangs below gets a host copy first
+           (``_back_up_path``: a device-only node with a child cannot be evicted).
+           Owners of the restored pages: page ``q`` of the sequence on rank ``q % cp_size``, the same
            on every rank. The ledger says whether every rank has the host slots, evicting host nodes
            if not; what still does not fit is cut off for every rank alike (never per rank).
         3. Each rank reads the pages it owns into its slots; the restored length is the MIN over
@@ -1039,6 +1064,8 @@ class CpHiRadixCache(HiRadixCache):
         hit_pages = self._min_over_ranks(found)
         if hit_pages == 0:
             return 0
+        if not self._back_up_path(below):
+            return 0
 
         below.protect_host()  # host eviction for the slots must not take the matched path
         try:
@@ -1056,6 +1083,32 @@ class CpHiRadixCache(HiRadixCache):
         self._insert_storage_node(below, key, metadata, hashes[: logical_len // page_size])
         self.prefetch_loaded_tokens_by_reqid[req_id] = logical_len
         return logical_len
+
+    def _back_up_path(self, node: TreeNode) -> bool:
+        """Whether a restored node may hang below ``node``: backs up the path's tail that has no
+        host copy, top-down, under the write-through policies (False: it could not, restore nothing).
+
+        A node without a host copy is evicted from device by freeing it as a leaf (stock
+        ``_evict_regular`` asserts it has no children), and an evicted host-only child does not
+        stop it from being a device leaf. Under ``write_through_selective`` (and under
+        ``write_through`` where a write did not fit) a prefix served once has no host copy, so a
+        restored tail below it crashed the next device eviction on every rank. Backing the path up
+        keeps stock's write-through invariant (a backed-up node's parent is backed up), so
+        eviction keeps the node's host copy instead; the host writes cost what write-through would
+        have paid, and store the path to L3 when acknowledged. Under ``write_back`` eviction writes
+        a node back before it frees it, so nothing is needed. Every decision comes from the tree
+        and the host ledger, identical on every rank.
+        """
+        if self.cache_controller.write_policy == "write_back":
+            return True
+        path = []
+        while not self._node_backuped(node):
+            path.append(node)
+            node = node.parent
+        for node in reversed(path):
+            if self.write_backup(node) == 0:
+                return False
+        return True
 
     def _reserve_storage_slots(self, owners: np.ndarray):
         """(The leading ``owners`` every rank has host slots for, this rank's slots for its pages of
@@ -1116,6 +1169,8 @@ class CpHiRadixCache(HiRadixCache):
         child_key = key.child_key(self.page_size)
         if child_key in parent.children:
             raise RuntimeError(f"storage restore below node {parent.id}: the tree matched further")
+        if self.cache_controller.write_policy != "write_back" and not self._node_backuped(parent):
+            raise RuntimeError(f"storage restore below node {parent.id}, which has no host copy")
         node = self._new_node(priority=parent.priority)
         node.parent = parent
         node.key = key

@@ -151,7 +151,8 @@ def attach_target_runtime(model_runner, decision: ScratchDecision) -> CpSharedKV
     if getattr(model_runner.server_args, "enable_metrics", False):
         from sglang_cp_shared_kv.observability import cp_shared_kv_metrics
 
-        cp_shared_kv_metrics.install(layout.cp_rank).watch(allocator=allocator)
+        labels = cp_shared_kv_metrics.sglang_metric_labels(model_runner)
+        cp_shared_kv_metrics.install(layout.cp_rank, labels=labels).watch(allocator=allocator)
     cp_group = get_attention_cp_group()
     scratch = create_gather_scratch(pool, layout.cp_size, decision.slot0.prefill_tokens)
     context_len = model_runner.model_config.context_len

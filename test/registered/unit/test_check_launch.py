@@ -115,6 +115,34 @@ class TestCheckLaunch(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCase):
                     self.assertIn(text, report)
                 self.assertNotEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
 
+    def test_sglangs_own_refusals_are_reported_not_raised(self):
+        """sglang's ``ServerArgs`` asserts some combinations itself (before any rule of ours runs):
+        those are refusals too, printed as such with exit 1. Seen failing before: each raised its
+        AssertionError out of check_launch (a traceback)."""
+        cases = {
+            "dp attention": (README_LINE.replace("--tp 8", "--tp 4") + " --dp 2 --enable-dp-attention",
+                             "dp attention is not supported"),
+            "decode server with prefill CP": (README_LINE + " --disaggregation-mode decode",
+                                              "CP is only supported for prefill"),
+            "fp4 KV": (README_LINE + " --kv-cache-dtype fp4_e2m1", "only supports bf16/bfloat16 or fp8_e4m3"),
+        }  # fmt: skip
+        for name, (line, text) in cases.items():
+            with self.subTest(name):
+                code, report = self.run_check(line)
+                self.assertEqual(code, REFUSED, report)
+                self.assertTrue(report.startswith("REFUSED: sglang refused the arguments"), report)
+                self.assertIn(text, report)
+
+    def test_sizes_chunked_prefill_as_an_h200_does(self):
+        """sglang picks the chunked prefill size from the GPU's memory; check_launch assumes an
+        H200's (143,771 MiB: 8,192 tokens) unless told. Seen failing before: 4,096 (sglang's
+        size for a GPU whose memory it cannot read)."""
+        code, report = self.run_check(README_LINE)
+        self.assertEqual(code, ACCEPTED, report)
+        self.assertIn("context length 4096 + chunked prefill 8192", report)
+        code, report = self.run_check(README_LINE + " --assume-gpu-memory-mib 40960")  # an A100 40GB
+        self.assertIn("context length 4096 + chunked prefill 4096", report)
+
     def test_a_malformed_argument_is_argparses_usage_error(self):
         with self.assertRaises(SystemExit) as raised, mock.patch("sys.stderr", io.StringIO()):
             self.run_check(README_LINE.replace("--tp 8", "--tp eight"))

@@ -237,6 +237,86 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         self.assertEqual(args.attn_cp_size, 8)
         self.assertEqual(os.environ.get(CP_SHARED_KV_ENV), "1")
 
+    def test_refuses_before_the_weights_what_failed_after_them(self):
+        """Each launch here was accepted and failed only once the scheduler built its cache or
+        admitted a request, after the weights loaded (issue 45). Now each is refused while
+        ``ServerArgs`` is built, naming its setting, all in one error. Seen failing before the
+        rules: every subtest but the last (accepted); the last, every problem in one error."""
+        bad_json = dict(hicache_storage_backend_extra_config="{file_path: /tmp}")
+        missing = dict(hicache_storage_backend_extra_config="@/nonexistent/l3.json")
+        threshold = dict(hicache_storage_backend_extra_config='{"prefetch_threshold": "256"}')
+        storage = dict(enable_hierarchical_cache=True, hicache_storage_backend="file")
+        cases = [
+            ("not JSON", ["--hicache-storage-backend-extra-config", "Expecting property name"],
+             {**storage, **bad_json}, {}),
+            ("a missing file", ["--hicache-storage-backend-extra-config", "No such file"],
+             {**storage, **missing}, {}),
+            ("a non-integer threshold", ["prefetch_threshold must be int"], {**storage, **threshold}, {}),
+            ("the host tier's own parse", ["--hicache-storage-backend-extra-config"],
+             {"enable_hierarchical_cache": True, **bad_json}, {}),
+            ("streaming sessions", ["--enable-streaming-session"], {"enable_streaming_session": True}, {}),
+            ("the C++ radix tree", ["SGLANG_EXPERIMENTAL_CPP_RADIX_TREE"], {},
+             {"SGLANG_EXPERIMENTAL_CPP_RADIX_TREE": "1"}),
+            ("the unified radix tree", ["SGLANG_ENABLE_UNIFIED_RADIX_TREE"], {},
+             {"SGLANG_ENABLE_UNIFIED_RADIX_TREE": "true"}),
+            ("a scratch below the context", ["SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS=1", "4096"], {},
+             {"SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS": "1"}),
+            ("all at once", ["--enable-streaming-session", "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE",
+                             "prefetch_threshold must be int"],
+             {"enable_streaming_session": True, **storage, **threshold},
+             {"SGLANG_EXPERIMENTAL_CPP_RADIX_TREE": "y"}),
+        ]  # fmt: skip
+        for name, texts, fields, env in cases:
+            with self.subTest(name), mock.patch.dict(os.environ, env):
+                with self.assertRaises(ValueError) as raised:
+                    self.glm5_args(tp_size=8, **{**CP_ON, **fields})
+                message = str(raised.exception)
+                self.assertTrue(message.startswith(f"{CP_SHARED_KV_FLAG} cannot be used here:"), message)
+                for text in texts:
+                    self.assertIn(text, message)
+        # The unified tree is what sglang builds only without HiCache; the scratch at the context.
+        env = {"SGLANG_ENABLE_UNIFIED_RADIX_TREE": "1", "SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS": "4096"}
+        with mock.patch.dict(os.environ, env):
+            args = self.glm5_args(tp_size=8, enable_hierarchical_cache=True, **CP_ON)
+        self.assertTrue(args.enable_nsa_prefill_cp_shared_kv)
+
+    def test_the_extra_config_is_read_as_sglangs_hicache_reads_it(self):
+        """Startup reads the extra config with a copy of sglang's parse (sglang's own sits in a
+        module that loads GPU kernels): both give the same config or raise the same error."""
+        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+
+        sgl_kernel_cpu_shim.install()
+        from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+        from sglang_cp_shared_kv.server_args import parse_storage_extra_config
+
+        files = {}
+        for name, text in (("a.json", '{"file_path": "/x", "prefetch_threshold": 64}'),
+                           ("a.toml", 'file_path = "/x"\nprefetch_threshold = 128'),
+                           ("a.yaml", "file_path: /x\nprefetch_threshold: 512"),
+                           ("a.txt", "{}"), ("list.json", "[1, 2]")):  # fmt: skip
+            files[name] = os.path.join(self._tmp.name, name)
+            with open(files[name], "w") as f:
+                f.write(text)
+        cases = [None, "", '{"file_path": "/x"}', '{"prefetch_threshold": 16, "prefetch_timeout_base": 2}',
+                 "{file_path: /x}", '{"prefetch_threshold": "256"}', '{"prefetch_timeout_base": "1"}',
+                 '{"prefetch_timeout_per_ki_token": []}', '{"hicache_storage_pass_prefix_keys": 1}',
+                 "@/nonexistent/l3.json", "[1, 2]", "3"] + [f"@{path}" for path in files.values()]  # fmt: skip
+        for raw in cases:
+            with self.subTest(raw=raw):
+                try:
+                    stock = HiRadixCache._parse_storage_backend_extra_config(None, raw)
+                    stock = (stock[0], stock[1])
+                except Exception as error:
+                    stock = type(error)
+                try:
+                    ours = parse_storage_extra_config(raw)
+                except Exception as error:
+                    ours = type(error)
+                if isinstance(stock, type) and isinstance(ours, type):
+                    continue  # both refuse (a non-object: sglang's AttributeError, our ValueError)
+                self.assertEqual(ours, stock)
+
     # ---- CP sizes 2, 4, 8 on one node ----
 
     def glm5_args(self, **kwargs):

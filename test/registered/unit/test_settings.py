@@ -43,17 +43,33 @@ class TestParse(CustomTestCase):
     def test_one_boolean_rule_for_every_boolean(self):
         for name in BOOLEANS:
             default = getattr(s.CpSharedKVSettings(), FIELDS[name])
-            for raw, expected in (("1", True), (" TRUE ", True), ("y", True), ("no", False), ("", default)):
+            for raw, expected in (("1", True), ("TRUE", True), ("y", True), ("no", False), ("", default),
+                                  (" ", default)):  # fmt: skip
                 with self.subTest(name=name, raw=raw):
                     settings, problems = s.parse_settings({name: raw})
                     self.assertEqual(problems, [])
                     self.assertIs(getattr(settings, FIELDS[name]), expected)
-            for raw in ("on", "2", "enabled"):
+            # Blanks around a value are refused: sglang's EnvBool (which reads
+            # SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER in the PD manager) takes "1 " for its
+            # default, off. Seen failing when the rule stripped them ("1 ", " true" read as on).
+            for raw in ("on", "2", "enabled", "1 ", " true"):
                 with self.subTest(name=name, raw=raw):
                     _, problems = s.parse_settings({name: raw})
                     self.assertEqual(len(problems), 1)
                     self.assertIn(name, problems[0])
                     self.assertIn(repr(raw), problems[0])
+
+    def test_booleans_read_as_sglangs_envbool_reads_them(self):
+        """Every value the rule accepts, sglang's ``EnvBool`` reads the same (the PD manager reads
+        SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER itself, after the weights load)."""
+        from sglang.srt.environ import envs
+
+        for raw in ("1", "TRUE", "Yes", "n", "0", "false", "1 ", " true"):
+            with self.subTest(raw=raw), mock.patch.dict(os.environ, {s.ALL_CP_RANKS_ENV: raw}):
+                settings, problems = s.parse_settings({s.ALL_CP_RANKS_ENV: raw})
+                if not problems:
+                    self.assertEqual(settings.all_cp_ranks_transfer,
+                                     envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get())  # fmt: skip
 
     def test_token_counts_and_decode_path(self):
         settings, problems = s.parse_settings(

@@ -52,6 +52,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables imp
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
     _STATE_ATTR,
     OwnerForward,
@@ -233,6 +234,8 @@ def replay_metadata_after(result, backend, bs, *args, **kwargs):
     runtime = state.runtime
     runtime.plan = None
     state.forward = OwnerForward(buffers.tables(bs), buffers.schedules.get(bs))
+    if cp_metrics() is not None:
+        cp_metrics().observe_usage()  # the eager path samples in begin_forward, which a replay skips
     return None
 
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import unittest
+from unittest import mock
 
 import torch
 
@@ -228,6 +229,52 @@ class TestStorageWritesAndRestores(StorageCase):
             self.assertEqual(restored, len(SEQ))
             self.assertEqual(prefix_mismatches(view, locs, SEQ, seed=3), 0)
 
+
+class TestExistenceQueryCost(StorageCase):
+    """The prefetch's existence query asks the file backend about the pages asked only, in order,
+    stopping at the first one missing: no directory scan (stock's ``HiCacheFile.batch_exists_v2``
+    lists the whole store, per request and rank).
+
+    Seen failing before the fix: both tests, on the scan (``os.scandir`` of the whole store,
+    refused here: the query failed and nothing was restored; no object was asked about)."""
+
+    def query_stats(self, views, seq):
+        """Per view: (tokens restored, objects of the store it asked os.stat about)."""
+        asked = []
+        real_stat = os.stat
+
+        def counting_stat(path, *args, **kwargs):
+            if str(path).startswith(self.directory):
+                asked.append(os.path.basename(path))
+            return real_stat(path, *args, **kwargs)
+
+        def no_scan(path=None):
+            raise AssertionError(f"the store was scanned: {path}")
+
+        results = []
+        for view in views:
+            asked.clear()
+            with mock.patch("os.stat", counting_stat), mock.patch("os.scandir", no_scan):
+                restored = view.cache.prefetch_from_storage_cp("req", seq)
+            results.append((restored, list(asked)))
+        return results
+
+    def test_a_hit_asks_about_each_page_asked_once(self):
+        self.serve_and_store(cp_size=2)
+        for i in range(200):  # other prefixes' objects: never looked at
+            open(os.path.join(self.directory, f"other_{i}.bin"), "wb").close()
+        seq = SEQ + list(range(50_000, 50_000 + 3 * PAGE))  # 3 pages beyond what is stored
+        hashes = page_hash_chain(seq, PAGE)
+        for restored, asked in self.query_stats(self.views(2), seq):
+            self.assertEqual(restored, len(SEQ))
+            self.assertEqual(len(asked), 2 * 5 + 1)  # KV + indexer of 5 pages, KV of the 6th
+            self.assertEqual({name.split("_", 1)[1][:64] for name in asked}, set(hashes[:6]))
+
+    def test_a_miss_asks_about_one_object(self):
+        seq = list(range(40_000, 40_000 + 8 * PAGE))
+        for restored, asked in self.query_stats(self.views(2), seq):
+            self.assertEqual(restored, 0)
+            self.assertEqual(len(asked), 1)  # the first page's KV object is missing: stop
 
 if __name__ == "__main__":
     unittest.main()

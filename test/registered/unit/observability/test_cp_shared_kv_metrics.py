@@ -97,6 +97,93 @@ class TestCpSharedKVMetrics(CustomTestCase):
         self.assertEqual(values[("sglang_cp_shared_kv:per_owner_decode_exchanges_total", "1")], 0)
 
 
+class TestLabelsAndGraphReplay(CustomTestCase):
+    """Issue 45: the series carry sglang's own scheduler labels (model name, engine type, the
+    rank labels, ``--extra-metric-labels``) beside ``cp_rank``, so a dashboard joins them with
+    sglang's; and the usage gauges are sampled when a decode CUDA graph replays, not only on the
+    eager paths. Seen failing before: the series had ``cp_rank`` only (``install`` took no
+    labels), and the gauge stayed 0 through two replays with 3 and then 5 of this rank's pages in
+    use."""
+
+    def setUp(self):
+        self.registry = CollectorRegistry()
+        cp_shared_kv_metrics.uninstall()
+        self.addCleanup(cp_shared_kv_metrics.uninstall)
+
+    def test_sglangs_labels_and_the_cp_rank(self):
+        from types import SimpleNamespace
+
+        server_args = SimpleNamespace(
+            served_model_name="zai-org/GLM-5", disaggregation_mode="prefill",
+            extra_metric_labels={"cluster": "a"},
+        )  # fmt: skip
+        model_runner = SimpleNamespace(server_args=server_args, tp_rank=3, pp_rank=0, moe_ep_rank=0)
+        labels = cp_shared_kv_metrics.sglang_metric_labels(model_runner)
+        self.assertEqual(labels, {"model_name": "zai-org/GLM-5", "engine_type": "prefill", "tp_rank": 3,
+                                  "pp_rank": 0, "moe_ep_rank": 0, "cluster": "a"})  # fmt: skip
+        metrics = cp_shared_kv_metrics.install(cp_rank=3, registry=self.registry, labels=labels)
+        metrics.host_backup_pages.inc(2)
+        text = generate_latest(self.registry).decode()
+        [sample] = [
+            sample
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "sglang_cp_shared_kv:host_backup_pages_total"
+        ]
+        self.assertEqual(sample.labels, {"model_name": "zai-org/GLM-5", "engine_type": "prefill",
+                                         "tp_rank": "3", "pp_rank": "0", "moe_ep_rank": "0",
+                                         "cluster": "a", "cp_rank": "3"})  # fmt: skip
+        self.assertEqual(sample.value, 2)
+
+    def test_usage_gauges_follow_graph_replays(self):
+        import torch
+        from types import SimpleNamespace
+
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
+        from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
+
+        view = build_cp_hicache_stack(cp_size=2, cp_rank=1, group=single_process_group(), physical_pages=12)
+        metrics = cp_shared_kv_metrics.install(cp_rank=1, registry=self.registry)
+        metrics.watch(allocator=view.allocator)
+        state = SimpleNamespace(runtime=SimpleNamespace(layout=view.layout, plan=None), schedule_fn=None, forward=None)
+        backend = SimpleNamespace(
+            decode_cuda_graph_metadata={"page_table": torch.zeros(2, 4 * PAGE, dtype=torch.int32)},
+            real_page_size=PAGE, forward_metadata=None,
+        )  # fmt: skip
+        setattr(backend, _STATE_ATTR, state)
+        setattr(backend, graphs._BOUND_ATTR, True)
+        graphs.init_cuda_graph_state_after(None, backend, 2, 2)
+
+        allocated = []
+
+        def run(seq_lens, capture=False):
+            locs = view.allocator.alloc(sum(seq_lens))  # pages in use while the graph replays
+            allocated.append(locs)
+            pages = locs[::PAGE].view(len(seq_lens), -1) // PAGE
+            backend.forward_metadata = SimpleNamespace(
+                real_page_table=torch.nn.functional.pad(pages.to(torch.int32), (0, 4 - pages.shape[1])),
+                cache_seqlens_int32=torch.tensor(seq_lens, dtype=torch.int32),
+                paged_mqa_schedule_metadata=None,
+            )
+            if capture:
+                graphs.capture_metadata_after(None, backend, 2, 2, None, None, None, ForwardMode.DECODE, None)
+            else:
+                graphs.replay_metadata_after(None, backend, 2)
+
+        def owned_pages():  # this rank's pages of everything allocated, by the layout
+            return int(view.layout.owned_by_this_rank(torch.cat(allocated)[::PAGE]).sum())
+
+        run([PAGE, PAGE], capture=True)
+        used, expected = [], []
+        for seq_lens in ([2 * PAGE, 2 * PAGE], [2 * PAGE, 2 * PAGE]):
+            run(seq_lens)
+            used.append(scrape(self.registry)[("sglang_cp_shared_kv:device_pages_used", "1")])
+            expected.append(owned_pages())
+        self.assertEqual(used, expected)
+        self.assertLess(expected[0], expected[1])
+
+
 class _CountingCollectives:
     """``torch.distributed`` as ``peer_page_gather`` sees it, counting the bytes each gather
     collective brings from other ranks (the all-gather's output less this rank's input; a broadcast
