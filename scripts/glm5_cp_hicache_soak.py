@@ -53,6 +53,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     MAX_SGLANG_PORT,
     ServeConfig,
     ServerError,
+    ServerStartError,
     SglangServer,
     free_port,
     shared_kv_serve_config,
@@ -268,9 +269,12 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     load = None
     evidence_parts: dict = {"health_ok": False, "schedulers_alive": 0, "idle_failures": [], "hicache_failures": []}
     with server:
+        print(f"[{args.name}] starting: {shlex.join(command)}", flush=True)
         try:
-            print(f"[{args.name}] starting: {shlex.join(command)}", flush=True)
-            server.wait_ready(args.startup_timeout)
+            server.wait_started(args.startup_timeout)
+        except ServerStartError as e:
+            return not_started_report(args, report, str(e))
+        try:
             info = checkpoints.take()
             logical = int(info["max_total_num_tokens"])
             plan = plan_for_capacity(logical)
@@ -317,7 +321,18 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     )  # fmt: skip
     failures = report["failures"] + soak.soak_failures(evidence)
     report.update(summary=summary, audits=audits, evidence=evidence.to_json(), failures=failures,
-                  table_row=soak.table_row(args.name, summary, evidence, failures))  # fmt: skip
+                  table_row=soak.table_row(args.name, summary, checkpoints_compared, failures))  # fmt: skip
+    return report
+
+
+def not_started_report(args, report: dict, error: str) -> dict:
+    """The report of a server that never answered ``/health``: its error is the one failure (every
+    other check would only fail for the same reason)."""
+    summary = soak.load_summary([], {}, 0, 0.0)
+    summary.update(evicted_tokens=0.0, load_back_tokens=0.0, flushes_quiesced=0)
+    failures = [error]
+    report.update(summary=summary, audits={}, evidence={"tree_checkpoints": 0, "skipped": []}, failures=failures,
+                  table_row=soak.table_row(args.name, summary, 0, failures))  # fmt: skip
     return report
 
 

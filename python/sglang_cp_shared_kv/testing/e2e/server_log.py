@@ -107,3 +107,40 @@ def parse_capacity_lines(lines: Sequence[str]) -> CapacityLines:
         elif (m := _MAX_TOTAL.search(line)) and "chunked_prefill_size=" in line:
             out.scheduler_max_total_num_tokens = int(m.group(1))
     return out
+
+
+# ---------------------------------------------------------------- a server that did not start
+
+_TRACEBACK = ERROR_PATTERNS[1][1]
+_QUOTE_CHARS = 300
+
+
+def traceback_exceptions(lines: Sequence[str]) -> List[str]:
+    """The exception line each Python traceback of the log ends with (the first line after its
+    frames that is neither indented nor another process's prefixed log line), distinct, in order."""
+    found: List[str] = []
+    for no, line in enumerate(lines):
+        if not _TRACEBACK.search(line):
+            continue
+        for after in lines[no + 1:]:
+            if not after.strip() or after[0].isspace() or _PREFIX.match(after):
+                continue
+            text = after.rstrip()[:_QUOTE_CHARS]
+            if text not in found:
+                found.append(text)
+            break
+    return found
+
+
+def startup_error(lines: Sequence[str], limit: int = 3) -> str:
+    """What a server that never answered ``/health`` says went wrong, in one line: the exceptions its
+    tracebacks end with (the first is the cause; sglang's parent then reports its child's failure),
+    else its last error lines (``scan_for_errors``), else its last line."""
+    exceptions = traceback_exceptions(lines)
+    if exceptions:
+        return " | ".join(exceptions[:limit])
+    errors = [f.text.strip()[:_QUOTE_CHARS] for f in scan_for_errors(lines) if f.fatal]
+    if errors:
+        return " | ".join(errors[-limit:])
+    last = next((line.strip() for line in reversed(lines) if line.strip()), None)
+    return f"no error line in its log; its last line: {last[:_QUOTE_CHARS]}" if last else "its log is empty"

@@ -133,6 +133,11 @@ class ServerError(RuntimeError):
     pass
 
 
+class ServerStartError(ServerError):
+    """The server exited, or never answered ``/health``, before it served anything; the message
+    quotes the error its log ends with (``SglangServer.wait_started``)."""
+
+
 # sglang 0.5.11 refuses a --port above 55535: it derives a gRPC port as port + 10000 (server_args.py).
 MAX_SGLANG_PORT = 65535 - 10000
 
@@ -194,6 +199,17 @@ class SglangServer:
                 pass
             time.sleep(2)
         raise ServerError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def wait_started(self, timeout_s: float) -> None:
+        """``wait_ready``, failing with a ``ServerStartError`` that quotes the server's own error
+        (``server_log.startup_error``), so a verdict can say why the server did not start."""
+        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+
+        try:
+            self.wait_ready(timeout_s)
+        except ServerError as e:
+            lines = self.log_path.read_bytes().decode("utf-8", errors="replace").splitlines()
+            raise ServerStartError(f"server did not start: {startup_error(lines)} ({e})") from e
 
     def stop(self, grace_s: float = 30) -> None:
         if self.process is None:

@@ -130,5 +130,52 @@ class TestSmokeServerLog(CustomTestCase):
         self.assertTrue(any(f.fatal for f in ignored))
 
 
+class TestStartupError(CustomTestCase):
+    """What a driver quotes when a server never answered ``/health`` (``server_log.startup_error``):
+    the cause, from a scheduler's traceback as sglang logs it, before the parent's own complaint.
+    Seen failing with the last traceback quoted instead of the first (the parent's "Initialization
+    failed"), and with another rank's log line taken for the exception line."""
+
+    def scheduler_crash(self):
+        from sglang.utils import get_exception_traceback
+
+        def crash():
+            try:
+                raise ValueError("--enable-nsa-prefill-cp-shared-kv requires --disable-cuda-graph")
+            except ValueError:
+                logging.getLogger("sglang.srt.managers.scheduler").error(
+                    f"Scheduler hit an exception: {get_exception_traceback()}"
+                )
+
+        return sglang_log_lines(crash)
+
+    def test_the_first_traceback_is_the_cause(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+
+        crash = self.scheduler_crash()
+        # Another rank logs while the traceback is written; then the parent gives up.
+        other_rank = "[2026-12-03 10:00:01 TP0] Load weight end. type=GlmMoeDsaForCausalLM"
+        lines = crash[:2] + [other_rank] + crash[2:] + [
+            "[2026-12-03 10:00:02] Received sigquit from a child process. It usually means the child failed.",
+            "Traceback (most recent call last):",
+            '  File "/usr/lib/python3/site-packages/sglang/srt/entrypoints/engine.py", line 1246, in _wait',
+            "    raise RuntimeError(",
+            "RuntimeError: Initialization failed. Please see the error messages above.",
+        ]  # fmt: skip
+        quoted = startup_error(lines)
+        self.assertTrue(quoted.startswith("ValueError: --enable-nsa-prefill-cp-shared-kv requires"), quoted)
+        self.assertIn("| RuntimeError: Initialization failed", quoted)
+        self.assertNotIn("Load weight end", quoted)
+
+    def test_without_a_traceback_the_error_lines_or_the_last_line(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+
+        lines = ["[2026-12-03 10:00:00] server_args=...", "[2026-12-03 10:00:09 TP1] NCCL error: unhandled system error",
+                 "[2026-12-03 10:00:10] shutting down"]  # fmt: skip
+        self.assertEqual(startup_error(lines), lines[1])
+        self.assertEqual(startup_error(lines[:1]), f"no error line in its log; its last line: {lines[0]}")
+        self.assertEqual(startup_error(["", "  "]), "its log is empty")
+
+
 if __name__ == "__main__":
     unittest.main()

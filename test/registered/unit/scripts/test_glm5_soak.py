@@ -311,6 +311,28 @@ class TestSoakDriver(CustomTestCase):
         self.assertIn("8 server errors (HTTP 5xx)", report["failures"])
         self.assertIn("VERDICT: FAIL soak cp2_write_through", text)
 
+    def test_a_server_that_does_not_start_fails_quoting_its_error(self):
+        """The fake server cannot bind its port (held here), so it exits with a traceback before
+        ``/health`` answers. The verdict must be FAIL with the server's own error, not a driver
+        traceback. Seen failing before the fix: ``KeyError: 'ok'`` in ``soak.table_row`` (no load,
+        so no flush counts)."""
+        import socket
+
+        from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, free_port
+
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as held:
+            held.bind((LOOPBACK, free_port()))  # sglang's port range: --port refuses the ephemeral top
+            rc, text = self.run_main(["--model-path", tmp, "--tp", "2", "--fake-server", "--port",
+                                      str(held.getsockname()[1]), "--out-dir", tmp])  # fmt: skip
+            report = json.loads((Path(tmp) / "report.json").read_text())
+        self.assertEqual(rc, 1, text[-2000:])
+        verdict = [line for line in text.splitlines() if line.startswith("VERDICT:")]
+        self.assertEqual(len(verdict), 1, text[-2000:])
+        self.assertTrue(verdict[0].startswith("VERDICT: FAIL soak cp2_write_through"), verdict[0])
+        self.assertIn("OSError: [Errno 98] Address already in use", verdict[0])
+        self.assertEqual(len(report["failures"]), 1, report["failures"])  # the cause alone, no fallout
+        self.assertIn("did not start", report["failures"][0])
+
 
 class TestSoakRunner(CustomTestCase):
     def test_dry_run_of_one_soak(self):
