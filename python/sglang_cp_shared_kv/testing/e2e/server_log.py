@@ -9,13 +9,16 @@ are recognised by content. Capacity lines (one per rank):
     NSA indexer (layout=...)``: that rank's HiCache host pools (``memory_pool_host.py``);
   * ``max_total_num_tokens=N, ...``: the scheduler's device capacity, printed by TP0 only; under
     shared KV this is the *logical* capacity of the CP group.
+
+Also read from a log: the decode path a shared-KV server served and whether it captured decode CUDA
+graphs (``served_decode``), and what a server that never started says went wrong (``startup_error``).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # A finding of one of these kinds fails the smoke.
 ERROR_PATTERNS = (
@@ -41,6 +44,12 @@ _HOST_KV = re.compile(r"Allocating ([0-9.]+) GB host memory for hierarchical KV 
 _HOST_INDEXER = re.compile(r"Allocating ([0-9.]+) GB host memory for NSA indexer")
 _MAX_TOTAL = re.compile(r"max_total_num_tokens=(\d+)")
 _SCRATCH_SLOT0 = re.compile(r"CP shared KV gather scratch slot 0: (\d+) logical tokens x 1 layer")
+# The decode path every rank of a shared-KV server logs when per-owner decode attaches, or not
+# (``per_owner_decode.decode_forward.attach``), and sglang's line once it captured decode CUDA graphs
+# (``ModelRunner.init_device_graphs``).
+_DECODE_PER_OWNER = re.compile(r"CP shared KV: decode per owner with (\S+)")
+_DECODE_GATHER = re.compile(r"CP shared KV: decode uses the page gather: (.+?)\s*$")
+_GRAPHS_CAPTURED = re.compile(r"Capture cuda graph end\b")
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,47 @@ class CapacityLines:
     scheduler_max_total_num_tokens: Optional[int] = None  # logical, from TP0's line
     # Tokens of the gather scratch's slot 0 (shared KV only).
     scratch_slot0_tokens: Dict[Optional[int], int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServedDecode:
+    """How a shared-KV server decoded, as its log says: the decode lines of its ranks and whether
+    sglang captured decode CUDA graphs (meaningful once the server has started)."""
+
+    per_owner_impls: Tuple[str, ...] = ()  # NSA decode impls of "decode per owner with <impl>" lines
+    gather_reasons: Tuple[str, ...] = ()  # reasons of "decode uses the page gather: <reason>" lines
+    graphs: bool = False
+
+    @property
+    def logged(self) -> bool:
+        return bool(self.per_owner_impls or self.gather_reasons)
+
+    @property
+    def per_owner(self) -> bool:
+        """Every rank that logged its decode path decodes per owner."""
+        return bool(self.per_owner_impls) and not self.gather_reasons
+
+    def describe(self) -> str:
+        """For a verdict line: ``per owner (fa3), graphs on``, ``gather, graphs off``, or ``not logged``."""
+        if not self.logged:
+            return "not logged"
+        paths = [f"per owner ({', '.join(self.per_owner_impls)})"] if self.per_owner_impls else []
+        paths += ["gather"] if self.gather_reasons else []
+        return f"{' and '.join(paths)}, graphs {'on' if self.graphs else 'off'}"
+
+
+def served_decode(lines: Sequence[str]) -> ServedDecode:
+    impls: Dict[str, None] = {}  # distinct, in the order logged
+    reasons: Dict[str, None] = {}
+    graphs = False
+    for line in lines:
+        if m := _DECODE_PER_OWNER.search(line):
+            impls[m.group(1)] = None
+        elif m := _DECODE_GATHER.search(line):
+            reasons[m.group(1)] = None
+        elif _GRAPHS_CAPTURED.search(line):
+            graphs = True
+    return ServedDecode(tuple(impls), tuple(reasons), graphs)
 
 
 def tp_rank_of(line: str) -> Optional[int]:

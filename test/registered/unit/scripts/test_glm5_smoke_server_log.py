@@ -10,6 +10,7 @@ import logging
 import sys
 import types
 import unittest
+from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -175,6 +176,48 @@ class TestStartupError(CustomTestCase):
         self.assertEqual(startup_error(lines), lines[1])
         self.assertEqual(startup_error(lines[:1]), f"no error line in its log; its last line: {lines[0]}")
         self.assertEqual(startup_error(["", "  "]), "its log is empty")
+
+
+class TestServedDecode(CustomTestCase):
+    """The decode path the soak and L3 restart verdicts name, read from the line the runtime's own
+    ``attach`` logs through sglang's logger (a reworded line fails here, not as "not logged" on a GPU)
+    and sglang's end of graph capture. Seen failing with the per-owner pattern not matching the
+    logged line (a space where the line has none) and with graphs read from a gather line."""
+
+    def startup_lines(self, impl, gather_reason, graphs):
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward
+
+        def emit():
+            with mock.patch.object(decode_forward, "PerOwnerDecode"), mock.patch.object(
+                decode_forward, "_deep_gemm_schedule"
+            ):
+                decode_forward.attach(None, impl, gather_reason)
+            if graphs:  # ModelRunner.init_device_graphs, sglang 0.5.11
+                logging.getLogger("sglang.srt.model_executor.model_runner").info(
+                    "Capture cuda graph end. Time elapsed: 12.34 s. mem usage=0.41 GB. avail mem=60.10 GB."
+                )
+
+        return sglang_log_lines(emit)
+
+    def test_per_owner_under_graphs(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import served_decode
+
+        served = served_decode(self.startup_lines("fa3", None, graphs=True) * 2)  # two ranks
+        self.assertEqual(served.describe(), "per owner (fa3), graphs on")
+        self.assertTrue(served.per_owner and served.logged)
+
+    def test_gather_eager_and_ranks_that_disagree(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import served_decode
+
+        gather = self.startup_lines("flashmla_kv", "SGLANG_CP_SHARED_KV_DECODE=gather", graphs=False)
+        served = served_decode(gather)
+        self.assertEqual(served.describe(), "gather, graphs off")
+        self.assertEqual(served.gather_reasons, ("SGLANG_CP_SHARED_KV_DECODE=gather",))
+        self.assertFalse(served.per_owner)
+        mixed = served_decode(self.startup_lines("fa3", None, graphs=False) + gather)
+        self.assertEqual(mixed.describe(), "per owner (fa3) and gather, graphs off")
+        self.assertFalse(mixed.per_owner)
+        self.assertEqual(served_decode(["[2026-12-03 10:00:00 TP0] Load weight end."]).describe(), "not logged")
 
 
 if __name__ == "__main__":
