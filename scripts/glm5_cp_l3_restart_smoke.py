@@ -51,6 +51,8 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     ServeConfig,
     ServerError,
     SglangServer,
+    add_decode_options,
+    decode_setup,
     free_port,
     generate_greedy,
     shared_kv_serve_config,
@@ -81,6 +83,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ignore-log-pattern", action="append", default=[],
                    help="regex of server log lines not to treat as errors (as the serve smoke's)")
     p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
+    add_decode_options(p)
     p.add_argument("--startup-timeout", type=float, default=420)
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--storage-wait-s", type=float, default=60,
@@ -99,6 +102,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(str(e))
     if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
+    try:
+        decode_setup(args.decode, args.cuda_graphs, shlex.split(args.extra_server_args))
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 

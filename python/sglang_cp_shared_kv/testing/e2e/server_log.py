@@ -100,6 +100,18 @@ class ServedDecode:
         paths += ["gather"] if self.gather_reasons else []
         return f"{' and '.join(paths)}, graphs {'on' if self.graphs else 'off'}"
 
+    def unaudited(self, decode_audit: Dict[str, int]) -> List[str]:
+        """What the smoke plugin's decode read audit (its ``totals``) must have checked on a server that
+        decoded as this one did: its ranks, and their graph replays under graphs. The audit judges only
+        what it saw, and the scratch read audit sees no per-owner decode forward."""
+        if not self.per_owner_impls:
+            return []  # decode gathers: the scratch read audit checks its forwards
+        if not decode_audit.get("ranks"):
+            return ["decode read audit: the server decoded per owner but no rank reported"]
+        if self.graphs and not decode_audit.get("graph_replays"):
+            return ["decode read audit: the server decoded per owner under CUDA graphs but no graph replay was checked"]
+        return []
+
 
 def served_decode(lines: Sequence[str]) -> ServedDecode:
     impls: Dict[str, None] = {}  # distinct, in the order logged

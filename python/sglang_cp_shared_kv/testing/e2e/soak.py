@@ -521,8 +521,9 @@ def soak_failures(e: SoakEvidence) -> List[str]:
     return failures
 
 
-def table_row(name: str, summary: Dict, tree_checkpoints: int, failures: List[str]) -> str:
-    """One row of docs/gpu.md's soak table (``summary``: ``load_summary`` and the HiCache figures)."""
+def table_row(name: str, summary: Dict, tree_checkpoints: int, decode: str, failures: List[str]) -> str:
+    """One row of docs/gpu.md's soak table (``summary``: ``load_summary`` and the HiCache figures;
+    ``decode``: what the server logged, ``ServedDecode.describe``)."""
     s = summary
     faults = s["aborted_by_fault"]
     return (
@@ -530,7 +531,7 @@ def table_row(name: str, summary: Dict, tree_checkpoints: int, failures: List[st
         f"{s['prompt_tokens_sent']:,} / {s['output_tokens_received']:,} | {s['max_concurrency']} | "
         f"{faults[DISCONNECT_PREFILL]} / {faults[DISCONNECT_DECODE]} / {faults[ABORT_REQUEST]} | "
         f"{s['flushes']['ok']} / {s['flushes']['refused']} | {s.get('evicted_tokens', 0):,.0f} / "
-        f"{s.get('load_back_tokens', 0):,.0f} | {tree_checkpoints} | "
+        f"{s.get('load_back_tokens', 0):,.0f} | {tree_checkpoints} | {decode} | "
         f"{'PASS' if not failures else 'FAIL'} |"
     )
 
@@ -538,5 +539,5 @@ def table_row(name: str, summary: Dict, tree_checkpoints: int, failures: List[st
 TABLE_HEADER = (
     "| run | requests (finished / aborted / lost) | prompt / output tokens | max concurrency | "
     "aborts prefill / decode / endpoint | flushes done / refused | evicted / loaded back tokens | "
-    "tree checkpoints | verdict |\n|---|---|---|---|---|---|---|---|---|"
+    "tree checkpoints | decode (served) | verdict |\n|---|---|---|---|---|---|---|---|---|---|"
 )

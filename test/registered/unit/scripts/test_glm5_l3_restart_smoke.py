@@ -216,5 +216,64 @@ class TestServersAndRunner(CustomTestCase):
         self.assertEqual(sum("--hicache-storage-backend file" in s for s in servers), 2)
         self.assertEqual(len({s.split("file_path")[1] for s in servers if "file_path" in s}), 1)  # one directory
 
+    def dry_run_servers(self, *options):
+        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+        smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = io.StringIO()
+            with redirect_stdout(out):
+                rc = smoke.main(["--model-path", f"{tmp}/m", "--tp", "2", "--dry-run", "--out-dir", tmp, *options])
+        self.assertEqual(rc, 0)
+        servers = [line for line in out.getvalue().splitlines() if line.startswith("[")]
+        self.assertEqual(len(servers), 3)
+        return servers
+
+    def test_every_server_serves_the_servers_own_decode_by_default(self):
+        """No decode setting, no ``--disable-cuda-graph``: what a user launches. Seen failing while the
+        smoke served the gather (named, eager)."""
+        for server in self.dry_run_servers():
+            self.assertNotIn("SGLANG_CP_SHARED_KV_DECODE", server)
+            self.assertNotIn("--disable-cuda-graph ", server)
+
+    def test_decode_gather_is_named_and_eager_and_never_under_graphs(self):
+        """Seen failing before ``--decode`` existed (argparse refused it)."""
+        for server in self.dry_run_servers("--decode", "gather"):
+            self.assertIn("SGLANG_CP_SHARED_KV_DECODE=gather", server)
+            self.assertIn("--disable-cuda-graph ", server)
+        for server in self.dry_run_servers("--decode", "per_owner", "--cuda-graphs", "off"):
+            self.assertIn("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=0", server)
+            self.assertIn("--disable-cuda-graph ", server)
+        from contextlib import redirect_stderr
+
+        with redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+            self.dry_run_servers("--decode", "gather", "--cuda-graphs", "on")
+        self.assertIn("requires --disable-cuda-graph", err.getvalue())
+
+    def runner_dry_run(self, **settings):
+        """The server lines of ``scripts/gpu/l3_restart_runs.sh`` with ``L3_DRY_RUN=1`` at CP 2."""
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "PYTHONPATH": str(REPO / "python"), "OUT": f"{tmp}/out", "L3_RUNS_DIR": f"{tmp}/runs",
+                   "SMOKE_MODEL_DIR": f"{tmp}/tiny", "L3_DRY_RUN": "1", "L3_TPS": "2", **settings}  # fmt: skip
+            proc = subprocess.run(["bash", "scripts/gpu/l3_restart_runs.sh"], cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=300)  # fmt: skip
+            self.assertFalse(list(Path(tmp, "runs").glob("*/server_*.log")), "a dry run started a server")
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+        servers = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        self.assertEqual(len(servers), 3, proc.stdout[-2000:])
+        return servers
+
+    def test_the_runner_serves_the_default_unless_l3_decode_says_otherwise(self):
+        """Seen failing (``L3_DECODE=gather`` served the default) before the runner passed it on."""
+        for server in self.runner_dry_run():
+            self.assertNotIn("SGLANG_CP_SHARED_KV_DECODE", server)
+            self.assertNotIn("--disable-cuda-graph ", server)
+            self.assertIn("--load-format dummy", server)
+        for server in self.runner_dry_run(L3_DECODE="gather"):
+            self.assertIn("SGLANG_CP_SHARED_KV_DECODE=gather", server)
+            self.assertIn("--disable-cuda-graph ", server)
+
 if __name__ == "__main__":
     unittest.main()
