@@ -3,7 +3,9 @@ servers it would launch, and the GPU runner's dry run.
 
 What a user depends on: a served restart is PASSED only if every restart prompt's whole prefix came
 from L3, nothing came from L3 where nothing can be (a fresh directory, a server without storage),
-every page's two objects were stored, and the restored rows are the stored rows byte for byte.
+every page's two objects were stored, and the restored rows are the stored rows byte for byte. The
+servers serve the server's default decode unless told otherwise, the verdict names the decode they
+logged, and a server that does not start is a FAILED quoting its error.
 
 Planted and caught (each reverted): the hit check reading ``cached_tokens`` instead of the storage
 figure (a prefix recomputed, or loaded from host, then passed); ``storage_tokens`` returning the
@@ -12,6 +14,7 @@ details' ``host`` count (0 L3 tokens read as a hit); ``restored_row_check`` comp
 """
 
 import io
+import json
 import os
 import shutil
 import sys
@@ -115,6 +118,20 @@ class TestPlanAndVerdict(CustomTestCase):
     def test_too_few_stored_objects_fail(self):
         p = plan()
         self.assertEqual(len(l3_restart.stored_object_failures(p, p.stored_pages())), 1)  # KV without indexer
+
+    def test_the_verdict_names_the_decode_the_servers_logged(self):
+        """Seen failing before the verdict named the decode path."""
+        decode = {"asked": "server-default", "served": {WRITE: "per owner (fa3), graphs on",
+                                                        RECOMPUTE: "per owner (fa3), graphs on",
+                                                        RESTART: "per owner (fa3), graphs on"}}  # fmt: skip
+        line = l3_restart.verdict_line(4, [], {"decode": decode})
+        self.assertTrue(line.startswith("PASSED l3_restart_cp4, decode per owner (fa3), graphs on (asked: "
+                                        "server-default): L3 tokens"), line)  # fmt: skip
+        decode["served"][RESTART] = "gather, graphs off"
+        line = l3_restart.verdict_line(4, ["restart: decode: asked per_owner ..."], {"decode": decode})
+        self.assertIn("FAILED l3_restart_cp4, decode write: per owner (fa3), graphs on, recompute: per owner "
+                      "(fa3), graphs on, restart: gather, graphs off (asked: server-default): 1 failures", line)  # fmt: skip
+        self.assertIn("decode not logged (asked: gather)", l3_restart.verdict_line(2, ["x"], {"decode": {"asked": "gather"}}))
 
     def test_ttft_median_over_the_timed_prefixes_only(self):
         p = plan(prefixes=4)
@@ -249,6 +266,29 @@ class TestServersAndRunner(CustomTestCase):
         with redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
             self.dry_run_servers("--decode", "gather", "--cuda-graphs", "on")
         self.assertIn("requires --disable-cuda-graph", err.getvalue())
+
+    def test_a_server_that_does_not_start_fails_quoting_its_error(self):
+        """With decode CUDA graphs turned off in the inherited environment, the server's default (per
+        owner, graphs kept) is refused at startup, as the real server refuses it: the verdict is FAILED
+        with that error and nothing else. Seen failing before: the failure said only "server exited
+        with code 1; see <log>", first of 21 failures (requests never sent, audits never run)."""
+        from sglang_cp_shared_kv.settings import GRAPH_DECODE_ENV
+        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+        smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {GRAPH_DECODE_ENV: "0"}):
+            out = io.StringIO()
+            with redirect_stdout(out):
+                rc = smoke.main(["--model-path", f"{tmp}/m", "--tp", "2", "--fake-server", "--out-dir", f"{tmp}/out",
+                                 "--startup-timeout", "60"])  # fmt: skip
+            report = json.loads(Path(tmp, "out", "report.json").read_text())
+        self.assertEqual(rc, 1)
+        verdict = [line for line in out.getvalue().splitlines() if line.startswith(("PASSED", "FAILED"))]
+        self.assertEqual(len(verdict), 1, out.getvalue()[-2000:])
+        self.assertTrue(verdict[0].startswith("FAILED l3_restart_cp2, decode not logged (asked: server-default): "
+                                              "1 failures, first: write server did not start: ValueError: "
+                                              "--disable-cuda-graph is required"), verdict[0])  # fmt: skip
+        self.assertEqual(len(report["failures"]), 1, report["failures"])
 
     def runner_dry_run(self, **settings):
         """The server lines of ``scripts/gpu/l3_restart_runs.sh`` with ``L3_DRY_RUN=1`` at CP 2."""
