@@ -37,7 +37,7 @@ from cp_shared_kv_smoke_hooks.kv_audit import write_pool_dump  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
 
-register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 PAGE = 64
 
