@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
-from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode
+from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode, startup_error
 
 LOOPBACK = "127.0.0.1"
 SHARED_KV_FLAG = CP_SHARED_KV_FLAG
@@ -276,8 +276,6 @@ class SglangServer:
     def wait_started(self, timeout_s: float) -> None:
         """``wait_ready``, failing with a ``ServerStartError`` that quotes the server's own error
         (``server_log.startup_error``), so a verdict can say why the server did not start."""
-        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
-
         try:
             self.wait_ready(timeout_s)
         except ServerError as e:
