@@ -2,9 +2,12 @@
 """Served soak: one shared-KV ``sglang serve`` with HiCache under concurrent load, aborts and flushes.
 
 Starts ONE server (the smoke's command, environment and plugin: ``glm5_cp_hicache_smoke.py``) with
-the KV audits on (the read audit on every forward; pool dumps of a sample of requests, checked
-against themselves, since layer-0 rows are a function of token and position) and the plugin's tree
-dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
+the decode a user gets (``--decode server-default``: no decode setting, no ``--disable-cuda-graph``
+where the default decodes per owner, sglang's own capture list; ``--decode`` / ``--cuda-graphs`` ask
+for another), the KV audits on (the read audits on every forward: the scratch read audit where a
+forward gathers pages, the decode read audit where decode runs per owner, graph replays included;
+pool dumps of a sample of requests, checked against themselves, since layer-0 rows are a function
+of token and position) and the plugin's tree dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
 ``--max-requests`` items (``testing/e2e/soak.py`` says what the plan holds: multi-turn conversations
 over long prefixes sized from the server's logical pool, so the device evicts, the host backs up,
 evicts and loads back; clients that disconnect in prefill or decode; ``/abort_request``;
@@ -12,11 +15,14 @@ evicts and loads back; clients that disconnect in prefill or decode; ``/abort_re
 ``/server_info`` makes every rank dump its tree and host-slot ledger at the same step, and the
 dumps are compared.
 
-Verdict (one ``VERDICT:`` line, then a table row for docs/gpu.md): 0 server errors (HTTP 5xx,
-error lines of the server log), every rank alive (``/health_generate``, every scheduler process),
-the read audit clean (the smoke's judgement) and the sampled pool rows consistent, the trees
-identical across ranks at every checkpoint, no request lost, nothing left running, and the run did
-evict and load back. Exit 0 on PASS, 1 on FAIL, 2 on bad arguments. ``--plant`` plants a bug (the
+Verdict (one ``VERDICT:`` line naming the decode the server logged, then a table row for
+docs/gpu.md): the server logged the decode asked for (graphs captured exactly when asked), 0 server
+errors (HTTP 5xx, error lines of the server log), every rank alive (``/health_generate``, every
+scheduler process), the read audits clean (the smoke's judgement; under per-owner decode its decode
+read audit must have reported, graph replays included) and the sampled pool rows consistent, the
+trees identical across ranks at every checkpoint, no request lost, nothing left running, and the run
+did evict and load back. A server that never answers ``/health`` is a FAIL quoting the error its log
+ends with. Exit 0 on PASS, 1 on FAIL, 2 on bad arguments. ``--plant`` plants a bug (the
 soak must FAIL).
 
   python scripts/glm5_cp_hicache_soak.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --dry-run
@@ -47,14 +53,20 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
 )
 from sglang_cp_shared_kv.testing.e2e import soak  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import model_context_len, parse_token_id_range  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode, scan_for_errors, served_decode  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     MAX_SGLANG_PORT,
+    SERVER_DEFAULT_DECODE,
     ServeConfig,
     ServerError,
+    ServerStartError,
     SglangServer,
+    add_decode_options,
+    decode_asked,
+    decode_setup,
     free_port,
+    served_decode_failures,
     shared_kv_serve_config,
 )
 from sglang_cp_shared_kv.testing.e2e.smoke_report import hicache_failures, log_failures  # noqa: E402
@@ -91,10 +103,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--extra-server-args", default="", help="more sglang serve arguments, one shell-quoted string")
     p.add_argument("--ignore-log-pattern", action="append", default=[], help="regex of log lines not errors")
     p.add_argument("--audit-layers", type=int, default=1,
-                   help="layers the read audit checks and the pool audit dumps (0: all). Layer 0 judges the pool "
-                        "audit, and a forward's page plan is the same in every layer; every layer audited costs "
-                        "an all-gather of the layer's pool per forward, which slows the load")
+                   help="layers the scratch read audit checks and the pool audit dumps (0: all). Layer 0 judges "
+                        "the pool audit, and a forward's page plan is the same in every layer; every layer audited "
+                        "costs an all-gather of the layer's pool per forward that gathers pages (prefill; decode "
+                        "too under --decode gather), which slows the load")
     p.add_argument("--plant", default=None, choices=SOAK_PLANTS, help="plant a bug (the soak must FAIL)")
+    add_decode_options(p)
     p.add_argument("--one-gpu", action="store_true", help="test-only: every rank on device 0")
     p.add_argument("--name", default=None, help="the run's name in the table row (default from the settings)")
     p.add_argument("--out-dir", default=None, help="server log, audits, tree dumps, report.json")
@@ -112,6 +126,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--duration-s must be positive")
     if args.audit_layers < 0:
         p.error("--audit-layers must be 0 (all) or more")
+    try:
+        decode_setup(args.decode, args.cuda_graphs, shlex.split(args.extra_server_args))
+    except ValueError as e:
+        p.error(str(e))
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
@@ -138,16 +156,17 @@ def serve_config(args, port: int) -> ServeConfig:
     return shared_kv_serve_config(args, port, extra)
 
 
-def server_env(args, out_dir: Path) -> dict:
-    """The smoke's environment for a shared-KV server with its audits on, pool dumps of the sample only."""
+def server_env(args, out_dir: Path, config: ServeConfig) -> dict:
+    """The smoke's environment for a shared-KV server with its audits on, pool dumps of the sample
+    only, and the decode settings of ``config`` (none for the server's default)."""
     smoke_args = argparse.Namespace(
         load_format=args.load_format, dummy_init=args.dummy_init, audit=not args.fake_server, plant=args.plant,
-        mtp=False, decode="gather", prefetch_slot_tokens=None, one_gpu=args.one_gpu,
+        mtp=False, decode=SERVER_DEFAULT_DECODE, prefetch_slot_tokens=None, one_gpu=args.one_gpu,
         audit_layers=args.audit_layers,
-    )  # fmt: skip
+    )  # fmt: skip  (the smoke's decode: named by config.env() alone)
     env = smoke.server_env(smoke_args, True, out_dir)
     env[SMOKE_AUDIT_POOL_ENV] = soak.AUDITED_RID_PATTERN
-    return env
+    return {**env, **config.env()}
 
 
 def audit_dir(out_dir: Path) -> Path:
@@ -237,14 +256,15 @@ def hicache_counters(server: SglangServer) -> Optional[HiCacheCounters]:
         return None
 
 
-def audit_failures(out_dir: Path) -> tuple:
-    """(figures, failures): the smoke's judgement of the shared-KV read audits, and the sampled pool
-    dumps against themselves (no reference server here)."""
+def audit_failures(out_dir: Path, served: ServedDecode) -> tuple:
+    """(figures, failures): the smoke's judgement of the shared-KV read audits (the decode read audit
+    required where the server decoded per owner), and the sampled pool dumps against themselves (no
+    reference server here)."""
     run_dir = audit_dir(out_dir)
     totals = kv_audit_compare.read_audit_totals(run_dir)
     failures = kv_audit_compare.read_audit_failures(totals)
     decode_totals = decode_read_audit.totals(run_dir)
-    failures += decode_read_audit.failures(decode_totals)
+    failures += decode_read_audit.failures(decode_totals) + served.unaudited(decode_totals)
     if not kv_audit_compare.wait_for_settled_dumps(run_dir, timeout_s=CHECK_TIMEOUT_S):
         failures.append(f"pool audit: dumps still being written {CHECK_TIMEOUT_S} s after the load")
     pool = kv_audit_compare.layer0_self_consistency(run_dir)
@@ -259,18 +279,22 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     command = config.command()
     if args.fake_server:
         command = FAKE_SERVER + command[2:]
-    env = {**os.environ, **server_env(args, out_dir)}
+    env = {**os.environ, **server_env(args, out_dir, config)}
     log_path = out_dir / "server.log"
     server = SglangServer(command, port, log_path, env)
     tree_dir = audit_dir(out_dir) / "tree"
     checkpoints = Checkpoints(server, tree_dir, args.tp, enabled=not args.fake_server)
-    report: dict = {"name": args.name, "command": command, "failures": []}
+    report: dict = {"name": args.name, "command": command, "failures": [], "decode": {"asked": decode_asked(config)}}
     load = None
     evidence_parts: dict = {"health_ok": False, "schedulers_alive": 0, "idle_failures": [], "hicache_failures": []}
     with server:
+        print(f"[{args.name}] starting: {shlex.join(command)}", flush=True)
         try:
-            print(f"[{args.name}] starting: {shlex.join(command)}", flush=True)
-            server.wait_ready(args.startup_timeout)
+            server.wait_started(args.startup_timeout)
+        except ServerStartError as e:
+            server.stop()
+            return not_started_report(args, report, str(e), served_decode(server.log_lines_before_stop()))
+        try:
             info = checkpoints.take()
             logical = int(info["max_total_num_tokens"])
             plan = plan_for_capacity(logical)
@@ -294,6 +318,10 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
             report["failures"].append(f"server: {type(e).__name__}: {e}")
         evidence_parts["schedulers_alive"] = args.tp if args.fake_server else schedulers_alive(server)
     lines = server.log_lines_before_stop()
+    served = served_decode(lines)
+    report["decode"].update(served=served.describe(), per_owner_impls=served.per_owner_impls,
+                            gather_reasons=served.gather_reasons)  # fmt: skip
+    report["failures"] += served_decode_failures(config, served)
     findings = scan_for_errors(lines, list(FAULT_LOG_PATTERNS) + args.ignore_log_pattern)
     outcomes = load.outcomes if load else []
     summary = soak.load_summary(outcomes, load.flushes if load else {}, load.max_in_flight if load else 0,
@@ -301,7 +329,7 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     summary.update({k: report.get("hicache", {}).get(k, 0.0) for k in ("evicted_tokens", "load_back_tokens")})
     summary["flushes_quiesced"] = load.flushes_quiesced if load else 0
     skipped = ["kv audits", "tree dumps", "schedulers", "hicache activity"] if args.fake_server else []
-    audits, audit_fail = ({}, []) if args.fake_server else audit_failures(out_dir)
+    audits, audit_fail = ({}, []) if args.fake_server else audit_failures(out_dir, served)
     checkpoints_compared, tree_fail = (0, []) if args.fake_server else soak.compare_tree_dumps(tree_dir, args.tp)
     if not args.fake_server:
         activity = {"evicted_tokens": summary["evicted_tokens"], "load_back_tokens": summary["load_back_tokens"],
@@ -317,7 +345,19 @@ def run(args, plan_for_capacity, out_dir: Path) -> dict:
     )  # fmt: skip
     failures = report["failures"] + soak.soak_failures(evidence)
     report.update(summary=summary, audits=audits, evidence=evidence.to_json(), failures=failures,
-                  table_row=soak.table_row(args.name, summary, evidence, failures))  # fmt: skip
+                  table_row=soak.table_row(args.name, summary, checkpoints_compared, served.describe(), failures))  # fmt: skip
+    return report
+
+
+def not_started_report(args, report: dict, error: str, served: ServedDecode) -> dict:
+    """The report of a server that never answered ``/health``: its error is the one failure (every
+    other check would only fail for the same reason); the decode it logged before, if any."""
+    summary = soak.load_summary([], {}, 0, 0.0)
+    summary.update(evicted_tokens=0.0, load_back_tokens=0.0, flushes_quiesced=0)
+    failures = [error]
+    report["decode"]["served"] = served.describe()
+    report.update(summary=summary, audits={}, evidence={"tree_checkpoints": 0, "skipped": []}, failures=failures,
+                  table_row=soak.table_row(args.name, summary, 0, served.describe(), failures))  # fmt: skip
     return report
 
 
@@ -341,7 +381,8 @@ def print_report(args, report: dict) -> None:
     print(report["table_row"])
     verdict = "FAIL" if report["failures"] else "PASS"
     first = f": {report['failures'][0][:300]}" if report["failures"] else ""
-    print(f"VERDICT: {verdict} soak {args.name}{' (plant ' + args.plant + ')' if args.plant else ''}{first}")
+    decode = f"decode {report['decode']['served']} (asked: {report['decode']['asked']})"
+    print(f"VERDICT: {verdict} soak {args.name}{' (plant ' + args.plant + ')' if args.plant else ''}, {decode}{first}")
 
 
 def _raise_on_sigterm(signum, frame):
@@ -364,8 +405,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.dry_run:
         port = args.port or free_port()
-        env = " ".join(f"{k}={v}" for k, v in server_env(args, out_dir).items())
-        print(f"[{args.name}] {env} {shlex.join(serve_config(args, port).command())}")
+        config = serve_config(args, port)
+        env = " ".join(f"{k}={v}" for k, v in server_env(args, out_dir, config).items())
+        print(f"[{args.name}] {env} {shlex.join(config.command())}")
         print("\n".join(plan.describe()))
         return 0
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the server is stopped on SIGTERM too

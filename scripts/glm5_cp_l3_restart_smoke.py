@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Served L3 restart: a prefix stored by one shared-KV server is served from storage by a fresh one.
 
-At one CP size (``--tp``), three shared-KV servers with HiCache (``testing/e2e/l3_restart.py`` says
-what each serves and what is judged):
+At one CP size (``--tp``), three shared-KV servers with HiCache and the decode a user gets
+(``--decode server-default``: no decode setting, no ``--disable-cuda-graph`` where the default
+decodes per owner; ``--decode`` / ``--cuda-graphs`` ask for another; ``testing/e2e/l3_restart.py``
+says what each serves and what is judged):
 
   1. ``write`` (``--hicache-storage-backend file`` on ``<out>/storage``, empty) and ``recompute`` (no
      storage) start together; ``write`` serves the prefixes and stops once the directory holds every
@@ -13,9 +15,11 @@ what each serves and what is judged):
 Judged: every restart prompt's whole prefix served from L3 (``meta_info.cached_tokens_details
 .storage``); the restored rows equal, byte for byte in every layer, the rows the write server
 dumped (the KV audit's pool dumps); the restart server's layer-0 rows against the recompute
-server's (the smoke's pool audit); the read audit of every server; no error line in any log.
-Reported: TTFT of the prefix from L3 vs recomputed, labelled "one GPU, time-sliced" with
-``--one-gpu``. Exits 1 on a failure, 2 on bad arguments.
+server's (the smoke's pool audit); the read audits of every server (the decode read audit where it
+decoded per owner); every server logged the decode asked for; no error line in any log. Reported:
+TTFT of the prefix from L3 vs recomputed, labelled "one GPU, time-sliced" with ``--one-gpu``. The
+verdict line names the decode the servers logged; a server that never answers ``/health`` makes it
+FAILED quoting that server's error. Exits 1 on a failure, 2 on bad arguments.
 
 The Mooncake backend is not served here: Mooncake Store keeps objects in the memory segments its
 clients (the servers) contribute, so stopping the writing server drops what it stored; a restart
@@ -40,24 +44,30 @@ from typing import Dict, List, Optional
 SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
-from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.request_plan import parse_token_id_range  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors  # noqa: E402
+from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors, served_decode  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     ServeConfig,
     ServerError,
+    ServerStartError,
     SglangServer,
+    add_decode_options,
+    decode_asked,
+    decode_setup,
     free_port,
     generate_greedy,
+    served_decode_failures,
     shared_kv_serve_config,
 )
 from sglang_cp_shared_kv.testing.e2e.smoke_report import log_failures  # noqa: E402
 
 NSA_CUDA_PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
+FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SERVERS = (WRITE, RECOMPUTE, RESTART)
 
@@ -81,12 +91,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ignore-log-pattern", action="append", default=[],
                    help="regex of server log lines not to treat as errors (as the serve smoke's)")
     p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
+    add_decode_options(p)
     p.add_argument("--startup-timeout", type=float, default=420)
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--storage-wait-s", type=float, default=60,
                    help="seconds the write server gets to store every page after its last response")
     p.add_argument("--out-dir", default=None, help="logs, pool dumps, storage dir, report.json")
     p.add_argument("--dry-run", action="store_true", help="print the servers' commands and the plan, launch nothing")
+    p.add_argument("--fake-server", action="store_true",
+                   help="test-only: launch testing/e2e/fake_sglang_server.py instead (it stores nothing: only "
+                        "its start and the verdict's form mean anything)")
     args = p.parse_args(argv)
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
@@ -99,6 +113,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(str(e))
     if args.physical_tokens_per_rank % NSA_CUDA_PAGE_SIZE:
         p.error(f"--physical-tokens-per-rank must be a multiple of {NSA_CUDA_PAGE_SIZE}")
+    try:
+        decode_setup(args.decode, args.cuda_graphs, shlex.split(args.extra_server_args))
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -132,11 +150,17 @@ def server_env(args, server: str, out_dir: Path) -> Dict[str, str]:
     return env
 
 
+def decode_config(args, out_dir: Path) -> ServeConfig:
+    """What every server is asked to decode with (the three differ in storage only)."""
+    return serve_config(args, RECOMPUTE, 0, out_dir)
+
+
 def start(args, server: str, out_dir: Path) -> SglangServer:
     config = serve_config(args, server, free_port(), out_dir)
     env = {**os.environ, **server_env(args, server, out_dir), **config.env()}
-    print(f"[{server}] starting: {shlex.join(config.command())}", flush=True)
-    return SglangServer(config.command(), config.port, out_dir / f"server_{server}.log", env).__enter__()
+    command = FAKE_SERVER + config.command()[2:] if args.fake_server else config.command()
+    print(f"[{server}] starting: {shlex.join(command)}", flush=True)
+    return SglangServer(command, config.port, out_dir / f"server_{server}.log", env).__enter__()
 
 
 def send(args, server_name: str, server: SglangServer, rid: str, prompt: List[int]) -> ServedRequest:
@@ -171,10 +195,18 @@ def wait_for_storage(args, server: SglangServer, out_dir: Path) -> int:
     return stored_objects(out_dir)
 
 
+def wait_started(args, name: str, server: SglangServer) -> None:
+    try:
+        server.wait_started(args.startup_timeout)
+    except ServerStartError as e:
+        raise ServerStartError(f"{name} {e}") from e
+
+
 def stop(server: Optional[SglangServer], out_dir: Path, name: str, logs: Dict[str, List[str]]) -> None:
     if server is None:
         return
-    kv_audit_compare.wait_for_settled_dumps(audit_dir(out_dir, name), timeout_s=60)
+    if server.alive():  # a server that exited writes no more dumps
+        kv_audit_compare.wait_for_settled_dumps(audit_dir(out_dir, name), timeout_s=60)
     server.stop()
     logs[name] = server.log_lines_before_stop()
 
@@ -184,14 +216,14 @@ def serve(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, Li
     servers: Dict[str, Optional[SglangServer]] = {name: None for name in SERVERS}
     try:
         servers[WRITE], servers[RECOMPUTE] = start(args, WRITE, out_dir), start(args, RECOMPUTE, out_dir)
-        servers[WRITE].wait_ready(args.startup_timeout)
-        servers[RECOMPUTE].wait_ready(args.startup_timeout)
+        wait_started(args, WRITE, servers[WRITE])
+        wait_started(args, RECOMPUTE, servers[RECOMPUTE])
         for k in range(plan.prefixes):
             requests.append(send(args, WRITE, servers[WRITE], plan.write_rid(k), plan.write_prompt(k)))
         figures["objects_after_write"] = wait_for_storage(args, servers[WRITE], out_dir)
         stop(servers.pop(WRITE), out_dir, WRITE, logs)
         servers[RESTART] = start(args, RESTART, out_dir)
-        servers[RESTART].wait_ready(args.startup_timeout)
+        wait_started(args, RESTART, servers[RESTART])
         for k in range(plan.prefixes):
             for name in (RESTART, RECOMPUTE):
                 requests.append(send(args, name, servers[name], plan.read_rid(k), plan.read_prompt(k)))
@@ -219,10 +251,16 @@ def judge(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, Li
     figures["pool_audit_wrong_rows"] = pool.layer0_wrong_kv_rows + pool.layer0_wrong_index_rows
     figures["pool_audit_positions"] = pool.positions_compared
     failures += pool.failures
+    asked = decode_config(args, out_dir)
     for name in SERVERS:
         totals = kv_audit_compare.read_audit_totals(audit_dir(out_dir, name))
         figures[f"read_audit_{name}"] = totals
         failures += [f"{name}: {f}" for f in kv_audit_compare.read_audit_failures(totals)]
+        served = served_decode(logs.get(name, []))
+        decode_totals = decode_read_audit.totals(audit_dir(out_dir, name))
+        figures[f"decode_read_audit_{name}"] = decode_totals
+        failures += [f"{name}: {f}" for f in decode_read_audit.failures(decode_totals) + served.unaudited(decode_totals)]
+        failures += [f"{name}: {f}" for f in served_decode_failures(asked, served)] if name in logs else []
         failures += [f"{name}: {f}" for f in log_failures(scan_for_errors(logs.get(name, []), args.ignore_log_pattern))]
         if name not in logs:
             failures.append(f"{name}: the server never started")
@@ -253,11 +291,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     logs: Dict[str, List[str]] = {}
     figures: Dict = {}
     failures: List[str] = []
+    not_started = None
     try:
         serve(args, out_dir, requests, logs, figures)
+    except ServerStartError as e:
+        not_started = str(e)  # every other check would fail for this reason alone
     except (ServerError, OSError, ValueError) as e:
         failures.append(f"server: {type(e).__name__}: {e}")
-    failures += judge(args, out_dir, requests, logs, figures)
+    figures["decode"] = {"asked": decode_asked(decode_config(args, out_dir)),
+                         "served": {name: served_decode(logs[name]).describe() for name in SERVERS if name in logs}}  # fmt: skip
+    failures = [not_started] if not_started else failures + judge(args, out_dir, requests, logs, figures)
     (out_dir / "report.json").write_text(json.dumps(
         {"tp": args.tp, "plan": args.plan.describe(), "requests": [r.to_json() for r in requests],
          "figures": figures, "failures": failures}, indent=1))  # fmt: skip

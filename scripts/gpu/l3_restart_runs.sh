@@ -2,7 +2,8 @@
 # Runs on one H200 (SMOKE_ONE_GPU=1, the one-GPU test mode of docs/gpu.md) or on a machine with
 # L3_TPS's largest CP size in GPUs, the project installed or staged: the served L3 restart
 # (scripts/glm5_cp_l3_restart_smoke.py, docs/hicache-storage.md "Served restart") on the tiny GLM-5,
-# dummy weights, the file backend, KV audits on, at each CP size of L3_TPS (default "2 4").
+# dummy weights, the file backend, KV audits on, the server's default decode (per owner under CUDA
+# graphs with bf16 KV, as the README launches it), at each CP size of L3_TPS (default "2 4").
 #
 #   SMOKE_ONE_GPU=1 bash scripts/gpu/l3_restart_runs.sh
 #
@@ -13,8 +14,12 @@
 #                    in any case)
 #   L3_BUDGET_S=S    every smoke stopped after S seconds (default 500)
 #   L3_DRY_RUN=1     print each smoke's servers and plan, launch nothing (no GPU, remote_env.sh not sourced)
-# Output: one "PASSED|FAILED l3_restart_cpN" line per CP size (hit tokens, restored rows, pool audit,
-# TTFT from L3 vs recomputed), logs and reports under $OUT (l3_logs.tgz, l3_reports.tgz).
+#   L3_DECODE=D      every server's --decode: server-default (default: no decode setting), per_owner or
+#                    gather (named in the servers' environment; gather serves without CUDA graphs)
+#   L3_CUDA_GRAPHS=G every server's --cuda-graphs: auto (default: graphs wherever decode runs per owner),
+#                    on or off
+# Output: one "PASSED|FAILED l3_restart_cpN" line per CP size (the decode the servers logged, hit tokens,
+# restored rows, pool audit, TTFT from L3 vs recomputed; a server that did not start: its error), logs and reports under $OUT (l3_logs.tgz, l3_reports.tgz).
 set -uo pipefail
 ONE_GPU="${SMOKE_ONE_GPU:-}"
 [[ -z "$ONE_GPU" || "$ONE_GPU" == 1 ]] || { echo "SMOKE_ONE_GPU must be 1 or unset" >&2; exit 2; }
@@ -32,6 +37,7 @@ run_one() {  # run_one TP
   timeout -s TERM -k 45 "$BUDGET_S" python3 scripts/glm5_cp_l3_restart_smoke.py --model-path "$MODEL" --tp "$1" \
     --load-format dummy --mem-fraction-static 0.85 --extra-server-args "--grammar-backend none" \
     --ignore-log-pattern "Can not initialize OpenAIServingResponses" \
+    --decode "${L3_DECODE:-server-default}" --cuda-graphs "${L3_CUDA_GRAPHS:-auto}" \
     --out-dir "$RUNS/$name" ${ONE_GPU:+--one-gpu} ${L3_DRY_RUN:+--dry-run} > "$OUT/$name.log" 2>&1
   echo "$name: exit $? ($(( $(date +%s) - start_s )) s)"
 }

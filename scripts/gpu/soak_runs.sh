@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The served soak (scripts/glm5_cp_hicache_soak.py; docs/gpu.md, "Soak") in one call on one H200, in
-# the one-GPU test mode: four shared-KV servers at once, tiny GLM-5, dummy weights, read audits and
-# tree dumps on, each under SOAK_DURATION_S of load with aborts and flushes:
+# the one-GPU test mode: four shared-KV servers at once, tiny GLM-5, dummy weights, the server's default
+# decode (per owner under CUDA graphs with bf16 KV, as the README launches it), read audits and tree
+# dumps on, each under SOAK_DURATION_S of load with aborts and flushes:
 #
 #   cp2_write_through   --tp 2, --hicache-write-policy write_through
 #   cp2_write_back      --tp 2, write_back
@@ -18,9 +19,13 @@
 #   SOAK_BUDGET_S=S     the whole call within S seconds (default 540): each soak is stopped (SIGTERM
 #                       stops its server) when it ends
 #   SOAK_ONLY="a b"     run only the soaks with these names
+#   SOAK_DECODE=D       every soak's --decode: server-default (default: no decode setting), per_owner or
+#                       gather (named in the servers' environment; gather serves without CUDA graphs)
+#   SOAK_CUDA_GRAPHS=G  every soak's --cuda-graphs: auto (default: graphs wherever decode runs per
+#                       owner), on or off
 #   SOAK_DRY_RUN=1      each soak prints its server command and plan, starts nothing (no GPU needed)
 #   SMOKE_ONE_GPU=0     every rank on its own GPU instead (4 GPUs for the CP 4 soak)
-# Output: per soak its VERDICT line and table row, then "SOAK VERDICT: ..." (every clean soak PASS, the
+# Output: per soak its VERDICT line (naming the decode its server logged) and table row, then "SOAK VERDICT: ..." (every clean soak PASS, the
 # plant FAIL); logs in $OUT/soak_logs.tgz, reports in $OUT/reports.tgz.
 set -uo pipefail
 DURATION="${SOAK_DURATION_S:-180}"
@@ -48,6 +53,7 @@ soak() {  # soak NAME TP ARGS...: one soak in the background, log under $OUT
   timeout -s TERM -k 45 "$left" python3 scripts/glm5_cp_hicache_soak.py --model-path "$MODEL" --tp "$tp" \
     --load-format dummy --mem-fraction-static 0.85 --startup-timeout 300 --duration-s "$DURATION" \
     --out-dir "$RUNS/$name" --name "$name" --ignore-log-pattern "Can not initialize OpenAIServingResponses" \
+    --decode "${SOAK_DECODE:-server-default}" --cuda-graphs "${SOAK_CUDA_GRAPHS:-auto}" \
     ${SOAK_DRY_RUN:+--dry-run} ${SMOKE_ONE_GPU:+--one-gpu} "$@" > "$OUT/$name.log" 2>&1 &
 }
 GRAMMAR="--extra-server-args=--grammar-backend none"

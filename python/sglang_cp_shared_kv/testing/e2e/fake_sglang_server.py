@@ -16,8 +16,9 @@ gives ``num_hidden_layers``, at most what a fixed KV budget (``FAKE_KV_BUDGET_BY
 shared-KV gather scratch's reservation as the plugin's runtime makes it (slot 0: the logical capacity,
 or one prefill batch where decode runs per owner, ``decodes_per_owner``; ``FAKE_SGLANG_NO_SCRATCH=1`` skips
 the reservation: a planted capacity bug; ``FAKE_SGLANG_FAIL_EVERY=N`` answers every Nth ``/generate``
-with HTTP 500: a planted server error); it logs sglang's "KV Cache is allocated" line and the
-runtime's slot-0 line per rank.
+with HTTP 500: a planted server error); it logs sglang's "KV Cache is allocated" line, the
+runtime's slot-0 and decode-path lines and, without ``--disable-cuda-graph``, sglang's end of graph
+capture per rank.
 Its cache is ``PrefixCacheModel``: whole pages, a device tier and (with HiCache) a host tier, LRU
 leaf-first eviction, device pages written through to host. Latency is a fixed cost per token
 computed, per token loaded from host and per output token, so a hit is visibly cheaper. It binds
@@ -135,6 +136,18 @@ def decodes_per_owner(args: argparse.Namespace) -> bool:
     path = current_settings().decode_path
     impl = hopper_nsa_decode_impl(["--kv-cache-dtype", args.kv_cache_dtype])
     return path == PER_OWNER or (path == AUTO and impl in AUTO_PER_OWNER_DECODE_IMPLS)
+
+
+def decode_line(args: argparse.Namespace) -> str:
+    """The decode path a shared-KV server's rank logs at startup (``per_owner_decode.attach``)."""
+    from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, current_settings
+    from sglang_cp_shared_kv.testing.e2e.server_process import hopper_nsa_decode_impl
+
+    impl = hopper_nsa_decode_impl(["--kv-cache-dtype", args.kv_cache_dtype])
+    if decodes_per_owner(args):
+        return f"CP shared KV: decode per owner with {impl} (local top-k + LSE merge, no page gather)"
+    return (f"CP shared KV: decode uses the page gather: {DECODE_PATH_ENV}={current_settings().decode_path} "
+            f"with --nsa-decode-backend {impl} (fake server)")  # fmt: skip
 
 
 def startup_problem(args: argparse.Namespace) -> Optional[str]:
@@ -325,6 +338,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if fake.scratch_slot0_tokens is not None:  # as the runtime logs it (gather_scratch.py)
             print(f"[{stamp} TP{rank}] CP shared KV gather scratch slot 0: {fake.scratch_slot0_tokens} logical "
                   "tokens x 1 layer (0.00 GB)")  # fmt: skip
+        if args.enable_nsa_prefill_cp_shared_kv:
+            print(f"[{stamp} TP{rank}] {decode_line(args)}")
+        if not args.disable_cuda_graph:  # as ModelRunner.init_device_graphs ends
+            print(f"[{stamp} TP{rank}] Capture cuda graph end. Time elapsed: 0.00 s. mem usage=0.00 GB. "
+                  "avail mem=0.00 GB.")  # fmt: skip
     print(f"fake sglang on {LOOPBACK}:{args.port}: max_total_num_tokens={fake.max_total_num_tokens}", flush=True)
     server.serve_forever()
     return 0

@@ -180,8 +180,19 @@ def ttft_comparison(plan: L3RestartPlan, requests: Sequence[ServedRequest]) -> D
     }
 
 
+def decode_text(decode: Dict[str, Any]) -> str:
+    """The decode the servers logged (``ServedDecode.describe`` by server name; one description when
+    they agree) and the one asked for."""
+    served = decode.get("served") or {}
+    if len(set(served.values())) == 1:
+        text = next(iter(served.values()))
+    else:
+        text = ", ".join(f"{name}: {served[name]}" for name in (WRITE, RECOMPUTE, RESTART) if name in served)
+    return f"decode {text or 'not logged'} (asked: {decode.get('asked', '?')})"
+
+
 def verdict_line(cp_size: int, failures: Sequence[str], figures: Dict[str, Any]) -> str:
-    """One line for a reader of a GPU call's tail."""
+    """One line for a reader of a GPU call's tail, naming the decode that served."""
     ttft = figures.get("ttft", {})
     timing = (f"TTFT ({ttft.get('label')}) from L3 {ttft.get('from_l3_ttft_ms')} ms vs recomputed "
               f"{ttft.get('recomputed_ttft_ms')} ms")  # fmt: skip
@@ -189,6 +200,7 @@ def verdict_line(cp_size: int, failures: Sequence[str], figures: Dict[str, Any])
     audits = (f"restored rows {restored.get('positions_differing', '?')} differing / "
               f"{restored.get('positions_checked', '?')}; pool {figures.get('pool_audit_wrong_rows', '?')} wrong rows / "
               f"{figures.get('pool_audit_positions', '?')}")  # fmt: skip
+    decode = decode_text(figures.get("decode", {}))
     if failures:
-        return f"FAILED l3_restart_cp{cp_size}: {len(failures)} failures, first: {failures[0][:200]}"
-    return f"PASSED l3_restart_cp{cp_size}: L3 tokens {figures.get('l3_tokens')}; {audits}; {timing}"
+        return f"FAILED l3_restart_cp{cp_size}, {decode}: {len(failures)} failures, first: {failures[0][:300]}"
+    return f"PASSED l3_restart_cp{cp_size}, {decode}: L3 tokens {figures.get('l3_tokens')}; {audits}; {timing}"

@@ -16,11 +16,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
+from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode, startup_error
 
 LOOPBACK = "127.0.0.1"
 SHARED_KV_FLAG = CP_SHARED_KV_FLAG
@@ -38,6 +39,10 @@ MTP_OPT_IN_ENV = MTP_ENV
 # ServeConfig.decode_path of a shared-KV server launched as a user would, with no decode setting in its
 # environment: the server's own default decides (what serving the default itself checks).
 SERVER_DEFAULT_DECODE = "server-default"
+# The soak's and the L3 restart smoke's --decode and --cuda-graphs (``add_decode_options``).
+DRIVER_DECODE_CHOICES = (SERVER_DEFAULT_DECODE, PER_OWNER, GATHER)
+AUTO_GRAPHS = "auto"
+CUDA_GRAPHS_CHOICES = (AUTO_GRAPHS, "on", "off")
 
 
 def hopper_nsa_decode_impl(server_args: Sequence[str]) -> str:
@@ -55,6 +60,74 @@ def default_decode_is_per_owner(server_args: Sequence[str]) -> bool:
 
     impl = hopper_nsa_decode_impl(server_args)
     return impl in AUTO_PER_OWNER_DECODE_IMPLS and "--speculative-algorithm" not in server_args
+
+
+def add_decode_options(parser) -> None:
+    """``--decode`` and ``--cuda-graphs`` of a driver serving one kind of shared-KV server (the soak,
+    the L3 restart smoke): by default what a user launches (``decode_setup`` says what each means)."""
+    parser.add_argument(
+        "--decode", choices=DRIVER_DECODE_CHOICES, default=SERVER_DEFAULT_DECODE,
+        help=f"the shared-KV decode path: {SERVER_DEFAULT_DECODE} (default: no decode setting, the server's "
+             f"own default, as the README launches it), {PER_OWNER} or {GATHER} (named in the environment, "
+             f"{DECODE_PATH_ENV})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cuda-graphs", choices=CUDA_GRAPHS_CHOICES, default=AUTO_GRAPHS,
+        help=f"decode CUDA graphs: {AUTO_GRAPHS} (default) keeps them wherever decode runs per owner (sglang's "
+             "own capture list) and passes --disable-cuda-graph where it gathers (--decode gather; the "
+             "server's default with fp8 KV or MTP); on / off ask for them (off: per owner, eagerly)",
+    )  # fmt: skip
+
+
+def decode_setup(decode: str, cuda_graphs: str, server_args: Sequence[str]) -> Tuple[str, bool]:
+    """(``ServeConfig.decode_path``, ``ServeConfig.cuda_graphs``) of a shared-KV server for a driver's
+    ``--decode`` and ``--cuda-graphs`` with these extra serve arguments; a ``ValueError`` naming a
+    combination the server's startup refuses (the gather under graphs; MTP with per-owner decode)."""
+    if decode not in DRIVER_DECODE_CHOICES or cuda_graphs not in CUDA_GRAPHS_CHOICES:
+        raise ValueError(f"--decode {decode!r} / --cuda-graphs {cuda_graphs!r}: not a choice")
+    if decode == GATHER:
+        if cuda_graphs == "on":
+            raise ValueError(f"--decode {GATHER} with --cuda-graphs on: the page gather cannot be replayed in "
+                             "CUDA graphs (the server requires --disable-cuda-graph)")  # fmt: skip
+        return GATHER, False
+    if decode == PER_OWNER:
+        if "--speculative-algorithm" in server_args:
+            raise ValueError(f"--decode {PER_OWNER} with --speculative-algorithm: the shared-KV server refuses MTP "
+                             "with per-owner decode (its draft steps gather)")  # fmt: skip
+        return PER_OWNER, cuda_graphs != "off"
+    per_owner = default_decode_is_per_owner(server_args)
+    if cuda_graphs == "on" and not per_owner:
+        raise ValueError(f"--cuda-graphs on with --decode {SERVER_DEFAULT_DECODE}: with these arguments (fp8 KV or "
+                         "MTP) the server's default decode gathers pages, which requires --disable-cuda-graph")  # fmt: skip
+    return SERVER_DEFAULT_DECODE, per_owner if cuda_graphs == AUTO_GRAPHS else cuda_graphs == "on"
+
+
+def decode_asked(config: ServeConfig) -> str:
+    """The decode a driver asked of a shared-KV server, for its verdict: the path, and graphs where
+    the path alone does not say."""
+    if config.decode_path == SERVER_DEFAULT_DECODE and config.cuda_graphs:
+        return SERVER_DEFAULT_DECODE
+    if config.decode_path == GATHER:
+        return GATHER
+    return f"{config.decode_path}, graphs {'on' if config.cuda_graphs else 'off'}"
+
+
+def served_decode_failures(config: ServeConfig, served: ServedDecode) -> List[str]:
+    """A started shared-KV server must log its decode path (every rank the same), the one asked for
+    where the driver named one, and capture decode CUDA graphs exactly when asked to."""
+    if not served.logged:
+        return ["decode: the server logged no decode path (no 'CP shared KV: decode ...' line)"]
+    failures = []
+    if served.per_owner_impls and served.gather_reasons:
+        failures.append(f"decode: the ranks disagree ({served.describe()})")
+    if config.decode_path == PER_OWNER and not served.per_owner:
+        failures.append(f"decode: asked {PER_OWNER}, the server logged {served.describe()}")
+    if config.decode_path == GATHER and served.per_owner_impls:
+        failures.append(f"decode: asked {GATHER}, the server logged {served.describe()}")
+    if served.graphs != config.cuda_graphs:
+        failures.append(f"decode: CUDA graphs asked {'on' if config.cuda_graphs else 'off'}, the server "
+                        f"{'captured them' if served.graphs else 'captured none'}")  # fmt: skip
+    return failures
 
 
 @dataclass(frozen=True)
@@ -133,6 +206,11 @@ class ServerError(RuntimeError):
     pass
 
 
+class ServerStartError(ServerError):
+    """The server exited, or never answered ``/health``, before it served anything; the message
+    quotes the error its log ends with (``SglangServer.wait_started``)."""
+
+
 # sglang 0.5.11 refuses a --port above 55535: it derives a gRPC port as port + 10000 (server_args.py).
 MAX_SGLANG_PORT = 65535 - 10000
 
@@ -194,6 +272,15 @@ class SglangServer:
                 pass
             time.sleep(2)
         raise ServerError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def wait_started(self, timeout_s: float) -> None:
+        """``wait_ready``, failing with a ``ServerStartError`` that quotes the server's own error
+        (``server_log.startup_error``), so a verdict can say why the server did not start."""
+        try:
+            self.wait_ready(timeout_s)
+        except ServerError as e:
+            lines = self.log_path.read_bytes().decode("utf-8", errors="replace").splitlines()
+            raise ServerStartError(f"server did not start: {startup_error(lines)} ({e})") from e
 
     def stop(self, grace_s: float = 30) -> None:
         if self.process is None:
@@ -298,12 +385,15 @@ def generate_greedy(
 def shared_kv_serve_config(args, port: int, extra_args: Sequence[str]) -> ServeConfig:
     """A shared-KV server from a driver's common options (``--model-path``, ``--tp``,
     ``--physical-tokens-per-rank``, ``--hicache-ratio``, ``--mem-fraction-static``,
-    ``--load-format``, ``--one-gpu``) and its own ``extra_args``: the soak and the L3 restart smoke."""
+    ``--load-format``, ``--one-gpu``, ``--decode``, ``--cuda-graphs``) and its own ``extra_args``:
+    the soak and the L3 restart smoke."""
     from sglang_cp_shared_kv.testing.e2e.one_gpu import with_one_gpu_args
 
     extra = with_one_gpu_args(extra_args) if args.one_gpu else list(extra_args)
+    decode_path, cuda_graphs = decode_setup(args.decode, args.cuda_graphs, extra)
     return ServeConfig(
         model_path=args.model_path, tp_size=args.tp, shared_kv=True, port=port,
         physical_tokens_per_rank=args.physical_tokens_per_rank, hicache_ratio=args.hicache_ratio,
         mem_fraction_static=args.mem_fraction_static, load_format=args.load_format, extra_args=extra,
+        decode_path=decode_path, cuda_graphs=cuda_graphs,
     )  # fmt: skip

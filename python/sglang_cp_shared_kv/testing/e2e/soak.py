@@ -390,7 +390,7 @@ def load_summary(outcomes: Sequence[RequestOutcome], flushes: Dict[str, int], ma
         "host_hit_tokens": sum(o.cached_host_tokens for o in outcomes),
         "requests_with_host_hits": sum(1 for o in outcomes if o.cached_host_tokens > 0),
         "max_concurrency": max_in_flight,
-        "flushes": dict(flushes),
+        "flushes": {"ok": 0, "refused": 0, "error": 0, **flushes},  # every answer, none without a load
         "http_5xx": sum(1 for o in outcomes if o.http_status is not None and o.http_status >= 500)
         + flushes.get("error", 0),
         "elapsed_s": round(elapsed_s, 1),
@@ -521,8 +521,9 @@ def soak_failures(e: SoakEvidence) -> List[str]:
     return failures
 
 
-def table_row(name: str, summary: Dict, evidence: SoakEvidence, failures: List[str]) -> str:
-    """One row of docs/gpu.md's soak table."""
+def table_row(name: str, summary: Dict, tree_checkpoints: int, decode: str, failures: List[str]) -> str:
+    """One row of docs/gpu.md's soak table (``summary``: ``load_summary`` and the HiCache figures;
+    ``decode``: what the server logged, ``ServedDecode.describe``)."""
     s = summary
     faults = s["aborted_by_fault"]
     return (
@@ -530,7 +531,7 @@ def table_row(name: str, summary: Dict, evidence: SoakEvidence, failures: List[s
         f"{s['prompt_tokens_sent']:,} / {s['output_tokens_received']:,} | {s['max_concurrency']} | "
         f"{faults[DISCONNECT_PREFILL]} / {faults[DISCONNECT_DECODE]} / {faults[ABORT_REQUEST]} | "
         f"{s['flushes']['ok']} / {s['flushes']['refused']} | {s.get('evicted_tokens', 0):,.0f} / "
-        f"{s.get('load_back_tokens', 0):,.0f} | {evidence.tree_checkpoints} | "
+        f"{s.get('load_back_tokens', 0):,.0f} | {tree_checkpoints} | {decode} | "
         f"{'PASS' if not failures else 'FAIL'} |"
     )
 
@@ -538,5 +539,5 @@ def table_row(name: str, summary: Dict, evidence: SoakEvidence, failures: List[s
 TABLE_HEADER = (
     "| run | requests (finished / aborted / lost) | prompt / output tokens | max concurrency | "
     "aborts prefill / decode / endpoint | flushes done / refused | evicted / loaded back tokens | "
-    "tree checkpoints | verdict |\n|---|---|---|---|---|---|---|---|---|"
+    "tree checkpoints | decode (served) | verdict |\n|---|---|---|---|---|---|---|---|---|---|"
 )

@@ -3,7 +3,9 @@ servers it would launch, and the GPU runner's dry run.
 
 What a user depends on: a served restart is PASSED only if every restart prompt's whole prefix came
 from L3, nothing came from L3 where nothing can be (a fresh directory, a server without storage),
-every page's two objects were stored, and the restored rows are the stored rows byte for byte.
+every page's two objects were stored, and the restored rows are the stored rows byte for byte. The
+servers serve the server's default decode unless told otherwise, the verdict names the decode they
+logged, and a server that does not start is a FAILED quoting its error.
 
 Planted and caught (each reverted): the hit check reading ``cached_tokens`` instead of the storage
 figure (a prefix recomputed, or loaded from host, then passed); ``storage_tokens`` returning the
@@ -12,6 +14,7 @@ details' ``host`` count (0 L3 tokens read as a hit); ``restored_row_check`` comp
 """
 
 import io
+import json
 import os
 import shutil
 import sys
@@ -34,7 +37,7 @@ from cp_shared_kv_smoke_hooks.kv_audit import write_pool_dump  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
 from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
 
-register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 PAGE = 64
 
@@ -115,6 +118,20 @@ class TestPlanAndVerdict(CustomTestCase):
     def test_too_few_stored_objects_fail(self):
         p = plan()
         self.assertEqual(len(l3_restart.stored_object_failures(p, p.stored_pages())), 1)  # KV without indexer
+
+    def test_the_verdict_names_the_decode_the_servers_logged(self):
+        """Seen failing before the verdict named the decode path."""
+        decode = {"asked": "server-default", "served": {WRITE: "per owner (fa3), graphs on",
+                                                        RECOMPUTE: "per owner (fa3), graphs on",
+                                                        RESTART: "per owner (fa3), graphs on"}}  # fmt: skip
+        line = l3_restart.verdict_line(4, [], {"decode": decode})
+        self.assertTrue(line.startswith("PASSED l3_restart_cp4, decode per owner (fa3), graphs on (asked: "
+                                        "server-default): L3 tokens"), line)  # fmt: skip
+        decode["served"][RESTART] = "gather, graphs off"
+        line = l3_restart.verdict_line(4, ["restart: decode: asked per_owner ..."], {"decode": decode})
+        self.assertIn("FAILED l3_restart_cp4, decode write: per owner (fa3), graphs on, recompute: per owner "
+                      "(fa3), graphs on, restart: gather, graphs off (asked: server-default): 1 failures", line)  # fmt: skip
+        self.assertIn("decode not logged (asked: gather)", l3_restart.verdict_line(2, ["x"], {"decode": {"asked": "gather"}}))
 
     def test_ttft_median_over_the_timed_prefixes_only(self):
         p = plan(prefixes=4)
@@ -215,6 +232,88 @@ class TestServersAndRunner(CustomTestCase):
         self.assertTrue(all("SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU=1" in s and "--tp 4 " in s for s in servers))
         self.assertEqual(sum("--hicache-storage-backend file" in s for s in servers), 2)
         self.assertEqual(len({s.split("file_path")[1] for s in servers if "file_path" in s}), 1)  # one directory
+
+    def dry_run_servers(self, *options):
+        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+        smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = io.StringIO()
+            with redirect_stdout(out):
+                rc = smoke.main(["--model-path", f"{tmp}/m", "--tp", "2", "--dry-run", "--out-dir", tmp, *options])
+        self.assertEqual(rc, 0)
+        servers = [line for line in out.getvalue().splitlines() if line.startswith("[")]
+        self.assertEqual(len(servers), 3)
+        return servers
+
+    def test_every_server_serves_the_servers_own_decode_by_default(self):
+        """No decode setting, no ``--disable-cuda-graph``: what a user launches. Seen failing while the
+        smoke served the gather (named, eager)."""
+        for server in self.dry_run_servers():
+            self.assertNotIn("SGLANG_CP_SHARED_KV_DECODE", server)
+            self.assertNotIn("--disable-cuda-graph ", server)
+
+    def test_decode_gather_is_named_and_eager_and_never_under_graphs(self):
+        """Seen failing before ``--decode`` existed (argparse refused it)."""
+        for server in self.dry_run_servers("--decode", "gather"):
+            self.assertIn("SGLANG_CP_SHARED_KV_DECODE=gather", server)
+            self.assertIn("--disable-cuda-graph ", server)
+        for server in self.dry_run_servers("--decode", "per_owner", "--cuda-graphs", "off"):
+            self.assertIn("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=0", server)
+            self.assertIn("--disable-cuda-graph ", server)
+        from contextlib import redirect_stderr
+
+        with redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+            self.dry_run_servers("--decode", "gather", "--cuda-graphs", "on")
+        self.assertIn("requires --disable-cuda-graph", err.getvalue())
+
+    def test_a_server_that_does_not_start_fails_quoting_its_error(self):
+        """With decode CUDA graphs turned off in the inherited environment, the server's default (per
+        owner, graphs kept) is refused at startup, as the real server refuses it: the verdict is FAILED
+        with that error and nothing else. Seen failing before: the failure said only "server exited
+        with code 1; see <log>", first of 21 failures (requests never sent, audits never run)."""
+        from sglang_cp_shared_kv.settings import GRAPH_DECODE_ENV
+        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+
+        smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {GRAPH_DECODE_ENV: "0"}):
+            out = io.StringIO()
+            with redirect_stdout(out):
+                rc = smoke.main(["--model-path", f"{tmp}/m", "--tp", "2", "--fake-server", "--out-dir", f"{tmp}/out",
+                                 "--startup-timeout", "60"])  # fmt: skip
+            report = json.loads(Path(tmp, "out", "report.json").read_text())
+        self.assertEqual(rc, 1)
+        verdict = [line for line in out.getvalue().splitlines() if line.startswith(("PASSED", "FAILED"))]
+        self.assertEqual(len(verdict), 1, out.getvalue()[-2000:])
+        self.assertTrue(verdict[0].startswith("FAILED l3_restart_cp2, decode not logged (asked: server-default): "
+                                              "1 failures, first: write server did not start: ValueError: "
+                                              "--disable-cuda-graph is required"), verdict[0])  # fmt: skip
+        self.assertEqual(len(report["failures"]), 1, report["failures"])
+
+    def runner_dry_run(self, **settings):
+        """The server lines of ``scripts/gpu/l3_restart_runs.sh`` with ``L3_DRY_RUN=1`` at CP 2."""
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "PYTHONPATH": str(REPO / "python"), "OUT": f"{tmp}/out", "L3_RUNS_DIR": f"{tmp}/runs",
+                   "SMOKE_MODEL_DIR": f"{tmp}/tiny", "L3_DRY_RUN": "1", "L3_TPS": "2", **settings}  # fmt: skip
+            proc = subprocess.run(["bash", "scripts/gpu/l3_restart_runs.sh"], cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=300)  # fmt: skip
+            self.assertFalse(list(Path(tmp, "runs").glob("*/server_*.log")), "a dry run started a server")
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+        servers = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        self.assertEqual(len(servers), 3, proc.stdout[-2000:])
+        return servers
+
+    def test_the_runner_serves_the_default_unless_l3_decode_says_otherwise(self):
+        """Seen failing (``L3_DECODE=gather`` served the default) before the runner passed it on."""
+        for server in self.runner_dry_run():
+            self.assertNotIn("SGLANG_CP_SHARED_KV_DECODE", server)
+            self.assertNotIn("--disable-cuda-graph ", server)
+            self.assertIn("--load-format dummy", server)
+        for server in self.runner_dry_run(L3_DECODE="gather"):
+            self.assertIn("SGLANG_CP_SHARED_KV_DECODE=gather", server)
+            self.assertIn("--disable-cuda-graph ", server)
 
 if __name__ == "__main__":
     unittest.main()

@@ -10,6 +10,7 @@ import logging
 import sys
 import types
 import unittest
+from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -128,6 +129,95 @@ class TestSmokeServerLog(CustomTestCase):
         ignored = scan_for_errors(self.lines, ignore=[r"load_back: FAILED"])
         self.assertNotIn("load-back failed", {f.kind for f in ignored})
         self.assertTrue(any(f.fatal for f in ignored))
+
+
+class TestStartupError(CustomTestCase):
+    """What a driver quotes when a server never answered ``/health`` (``server_log.startup_error``):
+    the cause, from a scheduler's traceback as sglang logs it, before the parent's own complaint.
+    Seen failing with the last traceback quoted instead of the first (the parent's "Initialization
+    failed"), and with another rank's log line taken for the exception line."""
+
+    def scheduler_crash(self):
+        from sglang.utils import get_exception_traceback
+
+        def crash():
+            try:
+                raise ValueError("--enable-nsa-prefill-cp-shared-kv requires --disable-cuda-graph")
+            except ValueError:
+                logging.getLogger("sglang.srt.managers.scheduler").error(
+                    f"Scheduler hit an exception: {get_exception_traceback()}"
+                )
+
+        return sglang_log_lines(crash)
+
+    def test_the_first_traceback_is_the_cause(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+
+        crash = self.scheduler_crash()
+        # Another rank logs while the traceback is written; then the parent gives up.
+        other_rank = "[2026-12-03 10:00:01 TP0] Load weight end. type=GlmMoeDsaForCausalLM"
+        lines = crash[:2] + [other_rank] + crash[2:] + [
+            "[2026-12-03 10:00:02] Received sigquit from a child process. It usually means the child failed.",
+            "Traceback (most recent call last):",
+            '  File "/usr/lib/python3/site-packages/sglang/srt/entrypoints/engine.py", line 1246, in _wait',
+            "    raise RuntimeError(",
+            "RuntimeError: Initialization failed. Please see the error messages above.",
+        ]  # fmt: skip
+        quoted = startup_error(lines)
+        self.assertTrue(quoted.startswith("ValueError: --enable-nsa-prefill-cp-shared-kv requires"), quoted)
+        self.assertIn("| RuntimeError: Initialization failed", quoted)
+        self.assertNotIn("Load weight end", quoted)
+
+    def test_without_a_traceback_the_error_lines_or_the_last_line(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+
+        lines = ["[2026-12-03 10:00:00] server_args=...", "[2026-12-03 10:00:09 TP1] NCCL error: unhandled system error",
+                 "[2026-12-03 10:00:10] shutting down"]  # fmt: skip
+        self.assertEqual(startup_error(lines), lines[1])
+        self.assertEqual(startup_error(lines[:1]), f"no error line in its log; its last line: {lines[0]}")
+        self.assertEqual(startup_error(["", "  "]), "its log is empty")
+
+
+class TestServedDecode(CustomTestCase):
+    """The decode path the soak and L3 restart verdicts name, read from the line the runtime's own
+    ``attach`` logs through sglang's logger (a reworded line fails here, not as "not logged" on a GPU)
+    and sglang's end of graph capture. Seen failing with the per-owner pattern not matching the
+    logged line (a space where the line has none) and with graphs read from a gather line."""
+
+    def startup_lines(self, impl, gather_reason, graphs):
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward
+
+        def emit():
+            with mock.patch.object(decode_forward, "PerOwnerDecode"), mock.patch.object(
+                decode_forward, "_deep_gemm_schedule"
+            ):
+                decode_forward.attach(None, impl, gather_reason)
+            if graphs:  # ModelRunner.init_device_graphs, sglang 0.5.11
+                logging.getLogger("sglang.srt.model_executor.model_runner").info(
+                    "Capture cuda graph end. Time elapsed: 12.34 s. mem usage=0.41 GB. avail mem=60.10 GB."
+                )
+
+        return sglang_log_lines(emit)
+
+    def test_per_owner_under_graphs(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import served_decode
+
+        served = served_decode(self.startup_lines("fa3", None, graphs=True) * 2)  # two ranks
+        self.assertEqual(served.describe(), "per owner (fa3), graphs on")
+        self.assertTrue(served.per_owner and served.logged)
+
+    def test_gather_eager_and_ranks_that_disagree(self):
+        from sglang_cp_shared_kv.testing.e2e.server_log import served_decode
+
+        gather = self.startup_lines("flashmla_kv", "SGLANG_CP_SHARED_KV_DECODE=gather", graphs=False)
+        served = served_decode(gather)
+        self.assertEqual(served.describe(), "gather, graphs off")
+        self.assertEqual(served.gather_reasons, ("SGLANG_CP_SHARED_KV_DECODE=gather",))
+        self.assertFalse(served.per_owner)
+        mixed = served_decode(self.startup_lines("fa3", None, graphs=False) + gather)
+        self.assertEqual(mixed.describe(), "per owner (fa3) and gather, graphs off")
+        self.assertFalse(mixed.per_owner)
+        self.assertEqual(served_decode(["[2026-12-03 10:00:00 TP0] Load weight end."]).describe(), "not logged")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Plan: deterministic from its seed, sized from the logical pool so every request 
 others' while the conversations overfill the host. Verdict on canned evidence: clean passes; a
 lost request, a server error, a dead rank, read-audit rows of another token, or tree dumps that
 differ across ranks each fail. The driver end to end against ``fake_sglang_server`` (no audits, no
-tree dumps there: those checks are reported as skipped) and its dry run.
+tree dumps there: those checks are reported as skipped) and its dry run: by default the server's own
+decode (no decode setting, CUDA graphs kept), ``--decode`` / ``--cuda-graphs`` for another, the verdict
+naming the decode the server logged, and a server that does not start failing with its own error.
 
 Planted checks: ``soak_failures`` without ``lost_request_failures`` fails
 ``test_a_lost_request_fails``; ``run_generate`` counting a disconnected stream as FINISHED fails the
@@ -261,6 +263,50 @@ class TestSoakDriver(CustomTestCase):
             self.assertIn(part, command)
         self.assertIn("logical device D=65536 host H=131072", text)
 
+    def dry_run_line(self, *options):
+        """The ``[name] ENV... sglang serve ...`` line of a dry run: (environment part, command part)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            rc, text = self.run_main(["--model-path", tmp, "--tp", "2", "--dry-run", "--out-dir", tmp, *options])
+        self.assertEqual(rc, 0, text[-2000:])
+        env, _, command = text.splitlines()[0].partition(" sglang serve ")
+        return env, command
+
+    def test_the_default_serves_the_servers_own_decode(self):
+        """What a user launches: no decode setting, no ``--disable-cuda-graph``, sglang's own capture
+        list. Seen failing before the drivers defaulted to it (the gather, named, and eager)."""
+        env, command = self.dry_run_line()
+        self.assertNotIn("SGLANG_CP_SHARED_KV_DECODE", env)  # neither the path nor its graph switch
+        self.assertNotIn("--disable-cuda-graph ", command + " ")
+        self.assertNotIn("--cuda-graph-bs", command)
+        self.assertIn("--enable-nsa-prefill-cp-shared-kv", command)
+
+    def test_decode_options_name_the_path_and_keep_the_startup_rules(self):
+        """Seen failing before ``--decode`` existed (argparse refused it)."""
+        env, command = self.dry_run_line("--decode", "gather")
+        self.assertIn("SGLANG_CP_SHARED_KV_DECODE=gather", env)
+        self.assertIn("--disable-cuda-graph ", command)
+        env, command = self.dry_run_line("--decode", "per_owner", "--cuda-graphs", "off")
+        self.assertIn("SGLANG_CP_SHARED_KV_DECODE=per_owner", env)
+        self.assertIn("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=0", env)
+        self.assertIn("--disable-cuda-graph ", command)
+        env, command = self.dry_run_line("--decode", "per_owner")
+        self.assertIn("SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH=1", env)
+        self.assertNotIn("--disable-cuda-graph ", command)
+        # The server's default gathers with fp8 KV: eager unless asked otherwise, refused with graphs.
+        _, command = self.dry_run_line("--extra-server-args", "--kv-cache-dtype fp8_e4m3")
+        self.assertIn("--disable-cuda-graph ", command)
+        for refused, rule in ((["--decode", "gather", "--cuda-graphs", "on"], "--disable-cuda-graph"),
+                              (["--cuda-graphs", "on", "--extra-server-args", "--kv-cache-dtype fp8_e4m3"],
+                               "--disable-cuda-graph"),
+                              (["--decode", "per_owner", "--extra-server-args", "--speculative-algorithm EAGLE"],
+                               "refuses MTP")):  # fmt: skip
+            with self.subTest(refused=refused), tempfile.TemporaryDirectory() as tmp:
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as exit_:
+                    self.run_main(["--model-path", tmp, "--dry-run", *refused])
+                self.assertEqual(exit_.exception.code, 2)
+                self.assertIn(rule, err.getvalue())
+
     def test_settings_too_big_for_the_pool_fail_before_a_server_starts(self):
         with tempfile.TemporaryDirectory() as tmp:
             err = io.StringIO()
@@ -290,8 +336,20 @@ class TestSoakDriver(CustomTestCase):
         self.assertEqual(s["flushes"]["ok"], 8)
         self.assertEqual(s["flushes_quiesced"], 4)  # every other flush waits for the requests to end
         self.assertGreater(s["max_concurrency"], 1)
-        self.assertIn("VERDICT: PASS soak cp2_write_through", text)
+        self.assertIn("VERDICT: PASS soak cp2_write_through, decode per owner (fa3), graphs on (asked: server-default)",
+                      text)  # fmt: skip
         self.assertIn("skipped: kv audits, tree dumps", text)
+        # The decode the fake logged (the verdict reads the log): seen failing before the verdict named it.
+        self.assertIn("| per owner (fa3), graphs on | PASS |", report["table_row"])
+        self.assertEqual(report["decode"]["asked"], "server-default")
+
+    def test_the_verdict_names_the_gather_when_it_served(self):
+        """Seen failing before the verdict named the decode path."""
+        with tempfile.TemporaryDirectory() as tmp:
+            rc, text = self.run_main(["--model-path", tmp, "--tp", "2", "--fake-server", "--decode", "gather",
+                                      "--duration-s", "20", "--max-requests", "20", "--out-dir", tmp])  # fmt: skip
+        self.assertEqual(rc, 0, text[-2000:])
+        self.assertIn("VERDICT: PASS soak cp2_write_through, decode gather, graphs off (asked: gather)", text)
 
     def test_server_errors_fail_the_soak_end_to_end(self):
         import os
@@ -311,29 +369,65 @@ class TestSoakDriver(CustomTestCase):
         self.assertIn("8 server errors (HTTP 5xx)", report["failures"])
         self.assertIn("VERDICT: FAIL soak cp2_write_through", text)
 
+    def test_a_server_that_does_not_start_fails_quoting_its_error(self):
+        """The fake server cannot bind its port (held here), so it exits with a traceback before
+        ``/health`` answers. The verdict must be FAIL with the server's own error, not a driver
+        traceback. Seen failing before the fix: ``KeyError: 'ok'`` in ``soak.table_row`` (no load,
+        so no flush counts)."""
+        import socket
+
+        from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, free_port
+
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as held:
+            held.bind((LOOPBACK, free_port()))  # sglang's port range: --port refuses the ephemeral top
+            rc, text = self.run_main(["--model-path", tmp, "--tp", "2", "--fake-server", "--port",
+                                      str(held.getsockname()[1]), "--out-dir", tmp])  # fmt: skip
+            report = json.loads((Path(tmp) / "report.json").read_text())
+        self.assertEqual(rc, 1, text[-2000:])
+        verdict = [line for line in text.splitlines() if line.startswith("VERDICT:")]
+        self.assertEqual(len(verdict), 1, text[-2000:])
+        self.assertTrue(verdict[0].startswith("VERDICT: FAIL soak cp2_write_through"), verdict[0])
+        self.assertIn("OSError: [Errno 98] Address already in use", verdict[0])
+        self.assertEqual(len(report["failures"]), 1, report["failures"])  # the cause alone, no fallout
+        self.assertIn("did not start", report["failures"][0])
+
 
 class TestSoakRunner(CustomTestCase):
-    def test_dry_run_of_one_soak(self):
-        """``scripts/gpu/soak_runs.sh`` with ``SOAK_DRY_RUN=1``: the selected soak's server command (one
-        GPU, CP 4, write_through, audits on, no plant) and its plan, nothing started."""
+    def dry_run(self, **settings):
+        """The one server line and the output of ``scripts/gpu/soak_runs.sh`` with ``SOAK_DRY_RUN=1``
+        for the soak ``cp4_write_through``; nothing started."""
         import os
         import subprocess
 
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), "OUT": f"{tmp}/out",
                    "SOAK_RUNS_DIR": f"{tmp}/runs", "SMOKE_MODEL_DIR": f"{tmp}/tiny", "SOAK_DRY_RUN": "1",
-                   "SOAK_ONLY": "cp4_write_through"}  # fmt: skip
+                   "SOAK_ONLY": "cp4_write_through", **settings}  # fmt: skip
             proc = subprocess.run(["bash", "scripts/gpu/soak_runs.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
                                   text=True, timeout=300)  # fmt: skip
             self.assertFalse(list(Path(tmp, "runs").glob("*/server.log")), "a dry run started a server")
         self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
         lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
         self.assertEqual(len(lines), 1, proc.stdout[-2000:])
+        return lines[0], proc.stdout
+
+    def test_dry_run_of_one_soak(self):
+        """The selected soak's server command (one GPU, CP 4, write_through, audits on, no plant, the
+        server's default decode: seen failing while the runner served the gather) and its plan."""
+        line, out = self.dry_run()
         for part in ("[cp4_write_through]", "SGLANG_CP_SHARED_KV_SMOKE_ONE_GPU=1", "--tp 4",
                      "--hicache-write-policy write_through", "--grammar-backend none", "--load-format dummy"):  # fmt: skip
-            self.assertIn(part, lines[0])
-        self.assertNotIn("SMOKE_PLANT", lines[0])
-        self.assertIn("logical device D=65536", proc.stdout)
+            self.assertIn(part, line)
+        self.assertNotIn("SMOKE_PLANT", line)
+        self.assertNotIn("SGLANG_CP_SHARED_KV_DECODE", line)
+        self.assertNotIn("--disable-cuda-graph ", line)
+        self.assertIn("logical device D=65536", out)
+
+    def test_soak_decode_serves_another_path(self):
+        """``SOAK_DECODE=gather``: named, eager (seen failing before the runner passed it on)."""
+        line, _ = self.dry_run(SOAK_DECODE="gather")
+        self.assertIn("SGLANG_CP_SHARED_KV_DECODE=gather", line)
+        self.assertIn("--disable-cuda-graph ", line)
 
 
 if __name__ == "__main__":
