@@ -28,7 +28,7 @@ from bench_cp_hicache_transfer import (  # noqa: E402
     CacheTimer,
     build_stock_and_cp_stacks,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group  # noqa: E402
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -27,8 +27,8 @@ import dataclasses
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import settle_write_acks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_INDEX_HEAD_DIM,
     NSA_PAGE_SIZE as PAGE,
     HiCacheServerArgs,
@@ -36,7 +36,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     unpinned_host_pools,
     TINY_NSA,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
 TARGET_MS_AT_100K = 1.0
 HICACHE_RATIO = 1.1

@@ -1,7 +1,7 @@
 """Per-scheduler-step HiCache overhead with writes in flight: stock HiRadixCache vs CpHiRadixCache at cp
 1/2/4 over gloo on the CPU, in ms per step and collectives per step.
 
-One simulated scheduler step, on every rank of the group (one process per rank, testing/multi_rank.py):
+One simulated scheduler step, on every rank of the group (one process per rank, sglang_cp_shared_kv_testing/multi_rank.py):
 
 1. ``check_hicache_events`` (write acks of the previous step's write-through, load acks);
 2. ``match_prefix`` of a request: a shared 4-page prefix (locked, like a long-lived system prompt) plus
@@ -50,7 +50,7 @@ def _count_collectives(counter: dict) -> None:
 
 def build_stack(kind, cp_size, cp_rank, group, pages=PAGES):
     """The benchmark's stack for one rank: stock (a pool as large as the group's) or ours."""
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         TINY_NSA,
         build_cp_hicache_stack,
         build_stock_hicache_stack,
@@ -71,7 +71,7 @@ def make_step(stack):
     """Insert and lock the shared prefix; return ``step(i)``, one simulated scheduler step."""
     import torch
 
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import NSA_PAGE_SIZE as PAGE
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import NSA_PAGE_SIZE as PAGE
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -124,7 +124,7 @@ def _rank(rank, world_size, rounds, block, warmup, pages):
 
 
 def main(argv=None):
-    from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+    from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()  # a no-op where the real sgl_kernel loads (GPU machines)
 

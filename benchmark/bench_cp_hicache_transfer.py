@@ -33,14 +33,14 @@ import time
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_PAGE_SIZE as PAGE_SIZE,
     build_cp_hicache_stack,
     build_stock_hicache_stack,
     glm5_nsa,
     host_rows_as_wide_as_device_rows,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
 TARGET_TIME_RATIO = 1.25
 TARGET_CPU_RATIO = 1.5

@@ -6,7 +6,7 @@ at ``--tp``, HiCache write-through, ``--chunked-prefill-size``, ``--max-total-to
 Reported, off vs on:
 
 * ``headline``: agents re-reading long shared documents in multi-turn conversations
-  (``testing/e2e/serving_workload.py``), with a working set sized from the reported pools:
+  (``sglang_cp_shared_kv_testing/e2e/serving_workload.py``), with a working set sized from the reported pools:
   phase ``device`` larger than the stock device pool and within the shared-KV logical pool,
   phase ``host`` larger than both, within the shared-KV host pool. Cache hit rate (device, host;
   from each request's ``meta_info`` and, as a cross-check, from ``/metrics``), mean / p99 TTFT,
@@ -60,18 +60,18 @@ sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV
-from sglang_cp_shared_kv.testing.e2e.one_gpu import ONE_GPU_BUDGET_TOLERANCE, one_gpu_env, with_one_gpu_args
-from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
-from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
-from sglang_cp_shared_kv.testing.e2e.serving_workload import (
+from sglang_cp_shared_kv_testing.e2e.one_gpu import ONE_GPU_BUDGET_TOLERANCE, one_gpu_env, with_one_gpu_args
+from sglang_cp_shared_kv_testing.e2e.pd_generate import generate_greedy_pd, latency_summary
+from sglang_cp_shared_kv_testing.e2e.pd_pair import PDPairConfig
+from sglang_cp_shared_kv_testing.e2e.serving_workload import (
     POOL_HEADROOM,
     RequestSample,
     phase_summary,
     progress_line,
     size_workloads,
 )
-from sglang_cp_shared_kv.testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics
-from sglang_cp_shared_kv.testing.e2e.server_process import (
+from sglang_cp_shared_kv_testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics
+from sglang_cp_shared_kv_testing.e2e.server_process import (
     SERVER_DEFAULT_DECODE,
     ServeConfig,
     ServerError,
@@ -84,7 +84,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (
 PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
 PROMPT_TOKENS = "sglang:prompt_tokens_total"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
+FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv_testing.e2e.fake_sglang_server"]
 MODES = {"off": False, "on": True}
 PARTS = ("headline", "single", "ttft", "tpot", "pd", "capacity")  # single = ttft + tpot
 SERVER_SETUPS = ("eager", "as-launched")
@@ -426,9 +426,9 @@ def run_server(args, mode: str, shared_kv: bool, parts: List[str], workloads, cu
 
 def run_capacity(args) -> Dict[str, Any]:
     """Both servers sized by memory alone; the figures and the verdict of the documented formula."""
-    from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
-    from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
-    from sglang_cp_shared_kv.testing.e2e.smoke_report import (
+    from sglang_cp_shared_kv_testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+    from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines
+    from sglang_cp_shared_kv_testing.e2e.smoke_report import (
         capacity_failures,
         capacity_figures,
         scratch_share_failures,

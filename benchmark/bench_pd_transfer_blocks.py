@@ -10,7 +10,7 @@ allocator's default, no two of them are adjacent: one block per page per layer.
 
 Two modes:
 
-``count`` (CPU, sglang installed): runs the real transfer path (``testing/fake_pd_transfer.py``:
+``count`` (CPU, sglang installed): runs the real transfer path (``sglang_cp_shared_kv_testing/fake_pd_transfer.py``:
 the scheduler's ``send_kv_chunk``, the stock sender bookkeeping and transfer worker, the stock
 grouping, our subclasses) over a recording engine, for a fresh request whose pages come from the
 real allocators (ours on the prefill, stock's on the decode, or scattered decode pages), and prints
@@ -213,7 +213,7 @@ def count_real_blocks(cp_size: int, prompt_tokens: int, pair: str, decode_pages:
     import numpy as np
     import torch
 
-    from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
+    from sglang_cp_shared_kv_testing import fake_pd_transfer as pd
 
     pages = -(-prompt_tokens // PAGE)
     rng = np.random.default_rng(seed)

@@ -72,7 +72,7 @@ def _case(cp_size, prefix_tokens, dtype_name, chunk_tokens, device, timed, act_q
         copy_index_k_rows,
         copy_kv_rows,
     )
-    from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+    from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
     layout = CpSharedKVLayout(cp_size, 0, PAGE)
     total_pages = (prefix_tokens + chunk_tokens) // PAGE
@@ -204,8 +204,8 @@ def main() -> int:
 
         torch.cuda.set_device(0)
     else:
-        from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch as act_quant
-        from sglang_cp_shared_kv.testing.nsa_cpu_kernels import cpu_kernels
+        from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch as act_quant
+        from sglang_cp_shared_kv_testing.nsa_cpu_kernels import cpu_kernels
 
         context = cpu_kernels()
     timed = _timer(args.device, repeats, warmup)

@@ -75,7 +75,7 @@ def parse_args(argv=None):
 
 class Kernels:
     def __init__(self, device: str, topk: int):
-        from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+        from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 
         self.device, self.topk, self.ref = device, topk, ref
         if device == "cuda":

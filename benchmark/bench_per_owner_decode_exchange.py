@@ -44,7 +44,7 @@ def _rank(rank, args, rendezvous, out_path):
         merge_by_scaled_sum,
         process_group_collectives,
     )
-    from sglang_cp_shared_kv.testing.decode_step_bytes import (
+    from sglang_cp_shared_kv_testing.decode_step_bytes import (
         GLM5_FP8,
         candidate_bytes_per_token_layer,
         merge_bytes_per_token_layer,

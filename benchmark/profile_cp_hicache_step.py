@@ -21,7 +21,7 @@ from bench_cp_hicache_step_overhead import build_stack, make_step  # noqa: E402
 
 
 def profile(kind: str, cp_size: int, cp_rank: int, steps: int, warmup: int, top: int) -> float:
-    from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+    from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
     step = make_step(build_stack(kind, cp_size, cp_rank, single_process_group()))
     for i in range(warmup):

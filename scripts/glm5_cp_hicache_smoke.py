@@ -3,7 +3,7 @@
 
 Launches ``sglang serve`` on 127.0.0.1 once per mode (shared KV off, on, or both), sends a planned
 sequence of repeated-prefix greedy requests that forces host backup, device eviction and host
-load-back (see ``sglang_cp_shared_kv.testing.e2e.request_plan``), and reports per request the
+load-back (see ``sglang_cp_shared_kv_testing.e2e.request_plan``), and reports per request the
 greedy tokens, the tokens served from device / host and the HiCache metric deltas; per run the
 capacity figures, the TTFT of long prefixes served from host vs recomputed, and every error line
 of the server log. Greedy outputs are reported, not judged (stock sglang's NSA kernels are not
@@ -12,7 +12,7 @@ on any failure, 2 on bad arguments.
 
 ``--decode per-owner`` / ``per-owner-graphs`` runs the shared-KV server's decode per owner (eagerly,
 or under CUDA graphs), ``--prefetch-slot-tokens auto`` turns its layer-ahead prefetch on, and
-``--one-gpu`` puts every rank of every server on device 0 (test-only: ``testing/e2e/one_gpu.py``).
+``--one-gpu`` puts every rank of every server on device 0 (test-only: ``sglang_cp_shared_kv_testing/e2e/one_gpu.py``).
 
 ``--mtp`` serves both servers with MTP (EAGLE with the model's NextN layer, 3 steps, top-k 1, 4 draft
 tokens; the model needs a NextN layer: ``make_tiny_glm5_config.py --nextn``) and the shared-KV
@@ -45,15 +45,15 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
 )
 from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare, value_audit_compare  # noqa: E402
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.request_plan import (
+from sglang_cp_shared_kv_testing.e2e.request_plan import (
     RequestPlan,
     build_plan,
     check_plan_fits_model,
     parse_token_id_range,
 )
-from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
-from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
-from sglang_cp_shared_kv.testing.e2e.server_process import (
+from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines, scan_for_errors
+from sglang_cp_shared_kv_testing.e2e.server_metrics import HiCacheCounters, parse_metrics
+from sglang_cp_shared_kv_testing.e2e.server_process import (
     MAX_SGLANG_PORT,
     MTP_OPT_IN_ENV,
     SERVER_DEFAULT_DECODE,
@@ -63,7 +63,7 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (
     free_port,
     generate_greedy,
 )
-from sglang_cp_shared_kv.testing.e2e.smoke_report import (
+from sglang_cp_shared_kv_testing.e2e.smoke_report import (
     RequestRecord,
     RunReport,
     accept_length_summary,
@@ -79,9 +79,9 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
 )
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV
-from sglang_cp_shared_kv.testing.e2e import teacher_forced
-from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
-from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
+from sglang_cp_shared_kv_testing.e2e import teacher_forced
+from sglang_cp_shared_kv_testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
+from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import check_model_has_nextn
 
 # sglang 0.5.11 forces page_size 64 for DSA models on CUDA (server_args.py).
 NSA_CUDA_PAGE_SIZE = 64
@@ -514,7 +514,7 @@ def stock_figures_for(args, reports: List[RunReport]) -> Optional[Dict]:
 
 def scratch_share_checks(args, reports: List[RunReport]) -> None:
     """Shared KV's pool per rank = stock's less the gather scratch's share (where a stock run is known)."""
-    from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+    from sglang_cp_shared_kv_testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
 
     stock = stock_figures_for(args, reports)
     config = Path(args.model_path) / "config.json"

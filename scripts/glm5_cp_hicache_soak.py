@@ -8,7 +8,7 @@ for another), the KV audits on (the read audits on every forward: the scratch re
 forward gathers pages, the decode read audit where decode runs per owner, graph replays included;
 pool dumps of a sample of requests, checked against themselves, since layer-0 rows are a function
 of token and position) and the plugin's tree dump, and drives it from ``--clients`` threads on loopback for ``--duration-s`` seconds or
-``--max-requests`` items (``testing/e2e/soak.py`` says what the plan holds: multi-turn conversations
+``--max-requests`` items (``sglang_cp_shared_kv_testing/e2e/soak.py`` says what the plan holds: multi-turn conversations
 over long prefixes sized from the server's logical pool, so the device evicts, the host backs up,
 evicts and loads back; clients that disconnect in prefill or decode; ``/abort_request``;
 ``/flush_cache`` while requests run, or right after they end). Before each flush and at the end,
@@ -51,11 +51,11 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     decode_read_audit,
     kv_audit_compare,
 )
-from sglang_cp_shared_kv.testing.e2e import soak  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.request_plan import model_context_len, parse_token_id_range  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode, scan_for_errors, served_decode  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e import soak  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.request_plan import model_context_len, parse_token_id_range  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.server_log import ServedDecode, scan_for_errors, served_decode  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.server_metrics import HiCacheCounters, parse_metrics  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.server_process import (  # noqa: E402
     MAX_SGLANG_PORT,
     SERVER_DEFAULT_DECODE,
     ServeConfig,
@@ -69,12 +69,12 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     served_decode_failures,
     shared_kv_serve_config,
 )
-from sglang_cp_shared_kv.testing.e2e.smoke_report import hicache_failures, log_failures  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.smoke_report import hicache_failures, log_failures  # noqa: E402
 
 SOAK_PLANTS = ("skip-load-ack", "load-back-wrong-page", "read-wrong-owner")
 # Log lines our own faults cause: sglang logs a client's disconnect as an http_server error.
 FAULT_LOG_PATTERNS = (r"Request is disconnected from the client side",)
-FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
+FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv_testing.e2e.fake_sglang_server"]
 CHECK_TIMEOUT_S = 30  # each check after the load: a hung server must not eat the call's budget
 
 
@@ -114,7 +114,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="server log, audits, tree dumps, report.json")
     p.add_argument("--dry-run", action="store_true", help="print the server command and the plan, start nothing")
     p.add_argument("--fake-server", action="store_true",
-                   help="test-only: drive testing/e2e/fake_sglang_server.py instead (no audits, no tree dumps)")
+                   help="test-only: drive sglang_cp_shared_kv_testing/e2e/fake_sglang_server.py instead (no audits, no tree dumps)")
     args = p.parse_args(argv)
     if args.port is not None and not 0 < args.port <= MAX_SGLANG_PORT:
         p.error(f"--port must be in 1..{MAX_SGLANG_PORT} (sglang also uses port + 10000)")

@@ -3,7 +3,7 @@
 
 At one CP size (``--tp``), three shared-KV servers with HiCache and the decode a user gets
 (``--decode server-default``: no decode setting, no ``--disable-cuda-graph`` where the default
-decodes per owner; ``--decode`` / ``--cuda-graphs`` ask for another; ``testing/e2e/l3_restart.py``
+decodes per owner; ``--decode`` / ``--cuda-graphs`` ask for another; ``sglang_cp_shared_kv_testing/e2e/l3_restart.py``
 says what each serves and what is judged):
 
   1. ``write`` (``--hicache-storage-backend file`` on ``<out>/storage``, empty) and ``recompute`` (no
@@ -45,13 +45,13 @@ SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
 from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.request_plan import parse_token_id_range  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors, served_decode  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e import l3_restart  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.one_gpu import one_gpu_env  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.request_plan import parse_token_id_range  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.server_log import scan_for_errors, served_decode  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.server_process import (  # noqa: E402
     ServeConfig,
     ServerError,
     ServerStartError,
@@ -64,10 +64,10 @@ from sglang_cp_shared_kv.testing.e2e.server_process import (  # noqa: E402
     served_decode_failures,
     shared_kv_serve_config,
 )
-from sglang_cp_shared_kv.testing.e2e.smoke_report import log_failures  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.smoke_report import log_failures  # noqa: E402
 
 NSA_CUDA_PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
-FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv.testing.e2e.fake_sglang_server"]
+FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv_testing.e2e.fake_sglang_server"]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SERVERS = (WRITE, RECOMPUTE, RESTART)
 
@@ -99,7 +99,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="logs, pool dumps, storage dir, report.json")
     p.add_argument("--dry-run", action="store_true", help="print the servers' commands and the plan, launch nothing")
     p.add_argument("--fake-server", action="store_true",
-                   help="test-only: launch testing/e2e/fake_sglang_server.py instead (it stores nothing: only "
+                   help="test-only: launch sglang_cp_shared_kv_testing/e2e/fake_sglang_server.py instead (it stores nothing: only "
                         "its start and the verdict's form mean anything)")
     args = p.parse_args(argv)
     try:

@@ -16,9 +16,9 @@ Per mode (shared KV off, on, or both: off first) it launches on 127.0.0.1 the pr
 (``--tp`` ``--prefill-tp``, ``--disaggregation-mode prefill``, HiCache host caching) on
 ``--prefill-gpus``, then the stock decode server (``--tp`` ``--decode-tp``, CUDA graphs on) on
 ``--decode-gpu``, and sends the single-server smoke's request plan (repeated prefixes that force host
-backup, device eviction and load-back on the prefill server, see ``testing/e2e/request_plan.py``)
+backup, device eviction and load-back on the prefill server, see ``sglang_cp_shared_kv_testing/e2e/request_plan.py``)
 through the pair, with no router: each request goes to both servers with one bootstrap room
-(``testing/e2e/pd_generate.py``). Reported per request: greedy tokens, tokens the prefill served
+(``sglang_cp_shared_kv_testing/e2e/pd_generate.py``). Reported per request: greedy tokens, tokens the prefill served
 from device / host, TTFT and TPOT at the client; per run: HiCache counter deltas of the prefill
 server, TTFT of prefixes served from host vs recomputed, median TTFT / TPOT, every error line of
 either server's log. Exits 1 on any failure, 2 on bad arguments.
@@ -35,7 +35,7 @@ gives both servers the unit-gain dummy init (``SGLANG_CP_SHARED_KV_SMOKE_DUMMY_I
 computes tokens 2.. with its own weights), unless ``--dummy-init stock``.
 
 ``--one-gpu`` (test-only): both servers of a pair and every prefill rank on device 0 of
-``CUDA_VISIBLE_DEVICES=0`` (the smoke plugin's one-GPU hook, ``testing/e2e/one_gpu.py``); the KV
+``CUDA_VISIBLE_DEVICES=0`` (the smoke plugin's one-GPU hook, ``sglang_cp_shared_kv_testing/e2e/one_gpu.py``); the KV
 goes from prefill to decode through mooncake over TCP on loopback, as between two GPUs.
 
 ``--mtp``: MTP on both servers of each pair (EAGLE with the model's NextN layer, 3/1/4, and the
@@ -70,25 +70,25 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
 
 DRAFT_PLANTS = ("draft-wrong-owner", "draft-stale-load-back")
-from sglang_cp_shared_kv.testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
-from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
-from sglang_cp_shared_kv.testing.e2e.pd_pair import PDPairConfig
-from sglang_cp_shared_kv.testing.e2e.request_plan import (
+from sglang_cp_shared_kv_testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
+from sglang_cp_shared_kv_testing.e2e.pd_generate import generate_greedy_pd, latency_summary
+from sglang_cp_shared_kv_testing.e2e.pd_pair import PDPairConfig
+from sglang_cp_shared_kv_testing.e2e.request_plan import (
     RequestPlan,
     build_plan,
     check_plan_fits_model,
     longest_request_tokens,
     parse_token_id_range,
 )
-from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines, scan_for_errors
-from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
-from sglang_cp_shared_kv.testing.e2e.server_process import (
+from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines, scan_for_errors
+from sglang_cp_shared_kv_testing.e2e.server_metrics import HiCacheCounters, parse_metrics
+from sglang_cp_shared_kv_testing.e2e.server_process import (
     MAX_SGLANG_PORT,
     ServerError,
     SglangServer,
     free_port,
 )
-from sglang_cp_shared_kv.testing.e2e.smoke_report import (
+from sglang_cp_shared_kv_testing.e2e.smoke_report import (
     RequestRecord,
     RunReport,
     accept_length_summary,
@@ -101,7 +101,7 @@ from sglang_cp_shared_kv.testing.e2e.smoke_report import (
     request_failures,
     ttft_summary,
 )
-from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_has_nextn
+from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import check_model_has_nextn
 
 NSA_CUDA_PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
 SGLANG_NSA_CP_TP_SIZE = 8  # what sglang 0.5.11 requires for NSA prefill CP without the plugin's flag

@@ -9,7 +9,7 @@
 Writes config.json, generation_config.json, tokenizer.json and tokenizer_config.json (no weights),
 then loads the directory offline with transformers and sglang's ModelConfig and checks sglang
 classifies it as an NSA (DSA) MLA model. Default: the tiny GLM-5 (hidden 1024, see
-sglang_cp_shared_kv.testing.e2e.tiny_glm5). ``--glm5-width``: every width of GLM-5 (hidden 6144,
+sglang_cp_shared_kv_testing.e2e.tiny_glm5). ``--glm5-width``: every width of GLM-5 (hidden 6144,
 real attention, indexer, experts and vocabulary, see ...e2e.glm5_width) with as many layers as fit
 ``--tp`` H200s next to a KV pool of ``--physical-tokens-per-rank`` (or ``--num-layers``).
 ``--nextn``: the tiny GLM-5 with GLM-5's NextN (MTP) layer, ``num_nextn_predict_layers: 1``, so
@@ -24,8 +24,8 @@ import argparse
 import json
 import sys
 
-from sglang_cp_shared_kv.testing.e2e import glm5_width
-from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_dir, write_model_dir, write_tiny_glm5_model
+from sglang_cp_shared_kv_testing.e2e import glm5_width
+from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import check_model_dir, write_model_dir, write_tiny_glm5_model
 
 
 def main(argv=None) -> int:

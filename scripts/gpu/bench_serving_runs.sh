@@ -52,7 +52,7 @@ if [[ "$part" == capacity-sweep ]]; then
     BENCH_TP=$tp BENCH_RUNS_DIR="$RUNS/capacity_cp$tp" OUT="$OUT/capacity_cp$tp" \
       timeout -s TERM -k 30 $(( left - 20 )) bash "$0" both capacity "$@" | grep -E "^\[capacity|^capacity|exit"
   done
-  python3 -m sglang_cp_shared_kv.testing.e2e.capacity_sweep "${results[@]}" | tee "$OUT/capacity_sweep.md"
+  python3 -m sglang_cp_shared_kv_testing.e2e.capacity_sweep "${results[@]}" | tee "$OUT/capacity_sweep.md"
   exit "${PIPESTATUS[0]}"
 fi
 TP="${BENCH_TP:-2}"
@@ -65,7 +65,7 @@ one_gpu=()
 if [[ -n "${SMOKE_ONE_GPU:-}" ]]; then
   [[ "$part" == headline || "$part" == capacity ]] || { echo "SMOKE_ONE_GPU: parts headline and capacity only" >&2; exit 2; }
   MODEL="${BENCH_MODEL_DIR:-/tmp/tiny-glm5}"
-  MEM="$(python3 -c "import sys; sys.path.insert(0, 'python'); from sglang_cp_shared_kv.testing.e2e.one_gpu import per_rank_mem_fraction as f; print(f(0.85, $TP))")"
+  MEM="$(python3 -c "import sys; sys.path.insert(0, 'python'); from sglang_cp_shared_kv_testing.e2e.one_gpu import per_rank_mem_fraction as f; print(f(0.85, $TP))")"
   one_gpu=(--one-gpu)
 fi
 mkdir -p "$OUT" "$RUNS"

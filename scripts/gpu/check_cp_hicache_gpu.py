@@ -37,7 +37,7 @@ owned KV rows and indexer pages whose bytes differ. Checked too: every writer pa
 once, the full prefix restored on every reader, identical trees, each position restored by exactly
 one rank. Host layouts: ``file`` every one of the io backend, ``mooncake`` the page-first ones
 (its zero-copy path). ``file`` writes under a fresh temporary directory; ``mooncake`` starts its own
-``mooncake_master`` on loopback (``--mooncake-port``; ``testing/mooncake_master.py``) and stops it.
+``mooncake_master`` on loopback (``--mooncake-port``; ``sglang_cp_shared_kv_testing/mooncake_master.py``) and stops it.
 ``--device cpu --storage file`` runs the direct/layer_first configuration (a CPU test does).
 
 Prints one line per configuration (and per plant) and ``mismatches = N`` (unplanted runs only);
@@ -111,7 +111,7 @@ def planted_draft_bug(stack, plant):
     from unittest import mock
 
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import draft_load_one_page_off
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import draft_load_one_page_off
 
     controller = stack.controller
     if plant == "stale":
@@ -129,7 +129,7 @@ def planted_draft_bug(stack, plant):
 
 def configurations(args):
     from sglang_cp_shared_kv.server_args import STORAGE_BACKEND_LAYOUTS
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import HOST_LAYOUTS
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import HOST_LAYOUTS
 
     for kv_format in args.kv_formats:
         for cp_size in args.cp_sizes:
@@ -162,7 +162,7 @@ def _sync(device: str) -> None:
 def run_configuration(args, rank, group, cp_size, kv_format, backend, host_layout, seed, plant=None):
     """One configuration on this rank (with a planted draft bug, or none); returns the rank's numbers
     (rank 0 aggregates)."""
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         build_cp_hicache_stack,
         glm5_nsa,
         host_rows_as_wide_as_device_rows,
@@ -189,7 +189,7 @@ def _round_trip(args, stack, cp_size, seed):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         SequenceBytes,
         clear_device_pool,
         settle_write_acks,
@@ -290,7 +290,7 @@ def storage_extra_config(args, index: int) -> str:
     if args.storage == "file":
         return json.dumps({"file_path": os.path.join(args.storage_dir, f"cfg{index}"),
                            "prefetch_threshold": PAGE})  # fmt: skip
-    from sglang_cp_shared_kv.testing.mooncake_master import client_extra_config
+    from sglang_cp_shared_kv_testing.mooncake_master import client_extra_config
 
     return client_extra_config(args.mooncake_port, prefetch_threshold=PAGE)
 
@@ -301,7 +301,7 @@ def storage_round_trip(args, rank, groups, index, cp_size, kv_format, backend, h
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         SequenceBytes,
         build_cp_hicache_stack,
         glm5_nsa,
@@ -522,7 +522,7 @@ def storage_service(args):
         finally:
             shutil.rmtree(args.storage_dir, ignore_errors=True)
     elif args.storage == "mooncake":
-        from sglang_cp_shared_kv.testing.mooncake_master import start_master, stop_master
+        from sglang_cp_shared_kv_testing.mooncake_master import start_master, stop_master
 
         master = start_master(args.mooncake_port, args.mooncake_port + 1)
         try:
@@ -534,7 +534,7 @@ def storage_service(args):
 
 
 def main(argv=None) -> int:
-    from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, run_ranks
+    from sglang_cp_shared_kv_testing.multi_rank import RanksFailed, run_ranks
 
     args = parse_args(argv)
     start = time.time()

@@ -16,7 +16,7 @@ cp size and decode impl (``--decode-impls``):
   (``per_owner_decode.SERVED_DECODE_IMPLS``), must equal the torch reference's natural-log LSE.
 
 ``--hooked-cp-sizes`` (default 2,4) then runs decode steps through sglang's own decode methods with
-our hooks applied (``testing/per_owner_decode_hooked.py``: metadata hook, per layer
+our hooks applied (``sglang_cp_shared_kv_testing/per_owner_decode_hooked.py``: metadata hook, per layer
 ``get_indexer_metadata`` + ``Indexer._get_topk_paged`` or a ``skip_topk`` layer reusing the
 indices, ``forward_decode`` with its owner-filtered store, ``get_key_buffer`` and the impl's kernel
 call), three layers, two steps, a padded request, one gloo rank per process sharing the device,
@@ -31,7 +31,7 @@ Kernels: ``deep_gemm.fp8_paged_mqa_logits`` (indexer); attention ``sgl_kernel.fl
 with ``indices`` (``flashmla_kv``), ``sgl_kernel.flash_mla.flash_mla_sparse_fwd`` (``flashmla_sparse``),
 sglang's fa3 ``flash_attn_with_kvcache`` (``fa3``); ``sgl_kernel.fast_topk_v2`` (sglang's top-k).
 deep_gemm and FlashMLA are used when they import on CUDA and otherwise replaced by their torch
-reference (``testing/nsa_decode_reference.py``), with the reason printed; fa3 cases are SKIPPED,
+reference (``sglang_cp_shared_kv_testing/nsa_decode_reference.py``), with the reason printed; fa3 cases are SKIPPED,
 with the reason printed, when fa3 does not run (its kernel library is not always installed).
 ``--device cpu`` uses the references.
 
@@ -41,7 +41,7 @@ with the reason printed, when fa3 does not run (its kernel library is not always
   wrong-owner    every rank attends the selected candidates of the next rank's share
 
 ``--sync-debug``: the hooked part counts every host wait for the GPU in its decode steps
-(``torch.cuda.set_sync_debug_mode``, ``testing/cuda_sync_counter.py``); the plugin's own count must be
+(``torch.cuda.set_sync_debug_mode``, ``sglang_cp_shared_kv_testing/cuda_sync_counter.py``); the plugin's own count must be
 0 (``no_syncs_of_ours``); gloo's host staging of the exchanges is exempted as deliberate.
 
 GPU (after the staging in docs/gpu.md; about 2 minutes, most of it process start-up):
@@ -59,7 +59,7 @@ import math
 import sys
 import time
 
-from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import DECODE_IMPLS, KV_DTYPE_OF_IMPL
+from sglang_cp_shared_kv_testing.nsa_decode_kernel_calls import DECODE_IMPLS, KV_DTYPE_OF_IMPL
 
 PLANTS = ("none", "drop-partial", "lse-base", "wrong-owner")
 # Natural-log LSE of a kernel vs the float32 reference, per KV dtype. fp8: FlashMLA's fp8 decode
@@ -119,8 +119,8 @@ class Kernels:
 
 
 def _reference_attention():
-    from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
-    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+    from sglang_cp_shared_kv_testing import nsa_decode_kernel_calls as calls
+    from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 
     def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
         out, lse = ref.sparse_mla_decode_reference(q, ref.kv_rows_as_float(rows), indices, sm_scale)
@@ -136,7 +136,7 @@ def _reference_attention():
 
 
 def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
-    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+    from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 
     names, skipped = {}, {}
 
@@ -176,7 +176,7 @@ def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
             get_mla_metadata,
         )
 
-        from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
+        from sglang_cp_shared_kv_testing import nsa_decode_kernel_calls as calls
 
         def flashmla_kv(q, rows, indices, sm_scale, seq_lens):
             cache_seqlens = seq_lens.clamp(max=TOPK).to(torch_int32())
@@ -195,13 +195,13 @@ def pick_kernels(device: str, decode_impls=DECODE_IMPLS) -> Kernels:
     except Exception as error:  # noqa: BLE001
         names["attention (flashmla)"] = f"torch reference (flash_mla not importable: {error!r})"
     if "fa3" in attention:
-        from sglang_cp_shared_kv.testing.per_owner_decode_hooked import real_fa3_problem
+        from sglang_cp_shared_kv_testing.per_owner_decode_hooked import real_fa3_problem
 
         problem = real_fa3_problem(device)
         if problem is None:
             from sglang.srt.layers.attention import nsa_backend
 
-            from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import fa3_call
+            from sglang_cp_shared_kv_testing.nsa_decode_kernel_calls import fa3_call
 
             attention["fa3"] = lambda q, rows, indices, sm_scale, seq_lens: fa3_call(
                 nsa_backend.flash_attn_with_kvcache, q, rows, indices, sm_scale, seq_lens
@@ -238,7 +238,7 @@ def build_pool(generator, batch, device, kv_dtype="fp8"):
     request)."""
     import torch
 
-    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+    from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 
     rows = batch.logical_pages * PAGE
     kv = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
@@ -266,7 +266,7 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
     from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
         SERVED_DECODE_IMPLS,
     )
-    from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
+    from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 
     from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
     from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
@@ -274,7 +274,7 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
         replicated_topk_positions,
         same_selection_up_to_ties,
     )
-    from sglang_cp_shared_kv.testing.per_owner_decode_cases import per_owner_topk, random_batch
+    from sglang_cp_shared_kv_testing.per_owner_decode_cases import per_owner_topk, random_batch
 
     device = args.device
     g = torch.Generator().manual_seed(args.seed * 100 + cp_size)
@@ -409,7 +409,7 @@ def hooked_scenario(args, decode_impl: str):
     """The scenario the hooked section runs: the given requests, one of a single page (a rank owns
     none of its rows) and a padded one; a top-k layer, a ``skip_topk`` layer, a top-k layer; two
     decode steps."""
-    from sglang_cp_shared_kv.testing.per_owner_decode_hooked import Scenario
+    from sglang_cp_shared_kv_testing.per_owner_decode_hooked import Scenario
 
     return Scenario(
         seq_lens=tuple(args.seq_lens) + (40,), topk=TOPK, kv_dtype=KV_DTYPE_OF_IMPL[decode_impl],
@@ -423,7 +423,7 @@ def run_hooked_case(args, cp_size: int, kernels: Kernels) -> dict:
     ``forward_decode`` (store, ``get_key_buffer``, the impl's kernel) with our hooks, on ``cp_size``
     gloo ranks, for each checked decode impl, against the replicated pool (this process's
     kernels). Returns {impl: passed}."""
-    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
     impls = [impl for impl in args.decode_impls if impl in kernels.attention]
     start = time.monotonic()

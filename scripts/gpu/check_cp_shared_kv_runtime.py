@@ -6,7 +6,7 @@ rank holds a real ``NSATokenToKVPool`` shard (page 64, bf16 576-wide rows and fp
 sglang's own ``set_mla_kv_buffer`` and ``Indexer._store_index_k_cache`` with our hooks applied, then
 reads through the hooked getters what the kernels would read; everything is compared bit for bit
 with a replicated pool written by the same sglang code without hooks
-(``sglang_cp_shared_kv.testing.runtime_check``: fresh prefill, chunked prefill over a cached prefix
+(``sglang_cp_shared_kv_testing.runtime_check``: fresh prefill, chunked prefill over a cached prefix
 with padding, decode with a padded request).
 
 Each case runs twice: ``serial`` (one scratch slot, each layer gathered after its store) and
@@ -25,7 +25,7 @@ CPU:
 
 On CUDA the real kernels run: Triton ``quantize_k_cache_separate`` + ``set_mla_kv_buffer_triton``,
 the JIT ``fused_store_index_k_cache`` (the indexer's CUDA branch), Triton ``GetKAndS``. On CPU those
-are replaced by the torch stand-ins of ``testing/nsa_cpu_kernels.py`` and the indexer store takes
+are replaced by the torch stand-ins of ``sglang_cp_shared_kv_testing/nsa_cpu_kernels.py`` and the indexer store takes
 sglang's non-CUDA branch (``act_quant`` + ``set_index_k_scale_buffer``).
 Prints ``ran``, ``rows compared``, ``mismatches`` (clean cases) and ``plants caught``; exits
 non-zero unless every clean case ran with 0 mismatches and every plant run was caught.
@@ -46,7 +46,7 @@ wrote.
 ``--sync-debug`` runs every forward (the peer-page plan and table remap, every layer's hooked stores,
 the prefetch, the hooked getters' reads) under ``torch.cuda.set_sync_debug_mode("warn")`` and
 attributes each synchronizing CUDA call to our code, the check's own stand-ins and comparisons, or
-stock sglang (``testing/cuda_sync_counter.py``; the replica's stores are stock sglang). The gloo
+stock sglang (``sglang_cp_shared_kv_testing/cuda_sync_counter.py``; the replica's stores are stock sglang). The gloo
 transport's host bounce in ``peer_page_gather`` is the test transport (ranks sharing one GPU), not
 the NCCL path, and is exempted (counted separately). Prints ``syncs on our path = N``; with
 ``--sync-debug`` the run fails unless N is 0.
@@ -68,14 +68,14 @@ def _cases(args):
     """``(cp_size, dtype, mode, plant)`` in the order every rank runs them."""
     cases = [(c, d, m, None) for c in args.cp_sizes for d in args.dtypes for m in ("serial", "prefetch")]
     if args.plants:
-        from sglang_cp_shared_kv.testing.runtime_check import PLANTS
+        from sglang_cp_shared_kv_testing.runtime_check import PLANTS
 
         for plant in PLANTS:
             if plant == "prefetch_without_waiting_for_reads" and args.device != "cuda":
                 continue
             cases.append((args.cp_sizes[0], args.dtypes[-1], "prefetch", plant))
         if args.draft:
-            from sglang_cp_shared_kv.testing.runtime_check import DRAFT_PLANTS
+            from sglang_cp_shared_kv_testing.runtime_check import DRAFT_PLANTS
 
             cases += [(args.cp_sizes[0], args.dtypes[-1], "serial", plant) for plant in DRAFT_PLANTS]
     return cases
@@ -86,8 +86,8 @@ def _rank_main(rank, world_size, args):
     import torch
     import torch.distributed as dist
 
-    from sglang_cp_shared_kv.testing import runtime_check
-    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+    from sglang_cp_shared_kv_testing import runtime_check
+    from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
     if args.device == "cuda":
         from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
@@ -185,7 +185,7 @@ def main() -> int:
     args.cp_sizes = sorted(int(x) for x in args.cp_sizes.split(","))
     args.dtypes = args.dtypes.split(",")
 
-    from sglang_cp_shared_kv.testing.multi_rank import launch
+    from sglang_cp_shared_kv_testing.multi_rank import launch
 
     start = time.time()
     # One torch thread per CPU rank (ranks share the cores); a hung rank fails the run at the deadline.

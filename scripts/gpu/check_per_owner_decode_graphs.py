@@ -1,6 +1,6 @@
 """Capture per-owner NSA decode in a CUDA graph and replay it with new contents, on ONE GPU.
 
-CP ranks are emulated in one process (``testing/per_owner_decode_graph_emulation.py``): each rank's
+CP ranks are emulated in one process (``sglang_cp_shared_kv_testing/per_owner_decode_graph_emulation.py``): each rank's
 shard and static owner tables (``OwnerTableBuffers``, the buffers the server's graphs read) live
 side by side and the exchanges are device ops inside the graph (NCCL cannot put two ranks on one
 GPU, gloo cannot be captured). Per decode impl (``--decode-impls``, default all three served per
@@ -12,7 +12,7 @@ owner) and cp size:
 2. load batch B (other lengths, pages and contents; same batch size), refresh, replay.
 
 Each impl uses its KV row format and its attention call as the runtime makes it
-(``testing/nsa_decode_kernel_calls.py``), with the LSE read in the base per-owner decode declares
+(``sglang_cp_shared_kv_testing/nsa_decode_kernel_calls.py``), with the LSE read in the base per-owner decode declares
 for it (``per_owner_decode.SERVED_DECODE_IMPLS``):
 
 * ``flashmla_kv``: fp8 656-byte rows, ``flash_mla_with_kvcache`` with ``indices``, natural LSE;
@@ -29,7 +29,7 @@ replicated pool (selection equal up to ties, outputs within 2e-2 relative L2, bf
 static buffer not refreshed on replay); the check must then FAIL on batch B, for every impl.
 
 Then (``--hooked-cp-sizes``, default 2) one decode layer per impl runs through sglang's own decode
-methods with our hooks, on gloo ranks sharing the device (``testing/per_owner_decode_hooked.py``),
+methods with our hooks, on gloo ranks sharing the device (``sglang_cp_shared_kv_testing/per_owner_decode_hooked.py``),
 through the decode-graph hooks: owner tables built at "capture" from capture-time contents, the
 batch copied into the backend's static metadata, the replay hook's refresh, the layer over the
 static tables (not captured: gloo cannot be). It must match the replicated pool, and must NOT once
@@ -55,7 +55,7 @@ import argparse
 import sys
 import time
 
-from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import DECODE_IMPLS
+from sglang_cp_shared_kv_testing.nsa_decode_kernel_calls import DECODE_IMPLS
 
 PLANTS = ("none", "stale-tables")
 HEADS = 64
@@ -108,13 +108,13 @@ def cuda_kernels(decode_impls=DECODE_IMPLS):
     import torch
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 
-    from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
-    from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import (
+    from sglang_cp_shared_kv_testing import nsa_decode_kernel_calls as calls
+    from sglang_cp_shared_kv_testing.per_owner_decode_graph_emulation import (
         PAGE,
         GraphKernels,
         ImplAttention,
     )
-    from sglang_cp_shared_kv.testing.per_owner_decode_hooked import real_fa3_problem
+    from sglang_cp_shared_kv_testing.per_owner_decode_hooked import real_fa3_problem
 
     num_sms = deep_gemm.get_num_sms()
 
@@ -166,8 +166,8 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
     from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
         same_selection_up_to_ties,
     )
-    from sglang_cp_shared_kv.testing import cpu_graph_recorder
-    from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
+    from sglang_cp_shared_kv_testing import cpu_graph_recorder
+    from sglang_cp_shared_kv_testing import per_owner_decode_graph_emulation as emu
 
     device = args.device
     g = torch.Generator().manual_seed(args.seed * 100 + cp_size)
@@ -246,8 +246,8 @@ def run_hooked(args, cp_size, kernels) -> list:
     and our hooks, every scenario on the same ``cp_size`` gloo ranks (one start-up)."""
     import torch
 
-    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
-    from sglang_cp_shared_kv.testing.nsa_decode_kernel_calls import KV_DTYPE_OF_IMPL
+    from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv_testing.nsa_decode_kernel_calls import KV_DTYPE_OF_IMPL
 
     start = time.monotonic()
     cases = [(impl, mode, should_pass)
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
+    from sglang_cp_shared_kv_testing import per_owner_decode_graph_emulation as emu
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu")

@@ -30,7 +30,7 @@ def _rank_main(rank, world_size, args):
     from sglang.jit_kernel.fused_store_index_cache import can_use_nsa_fused_store
     from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
     from sglang_cp_shared_kv.model_executor import peer_page_plan
-    from sglang_cp_shared_kv.testing import runtime_check
+    from sglang_cp_shared_kv_testing import runtime_check
 
     torch.cuda.set_device(0)
     if rank == 0:
@@ -73,7 +73,7 @@ def main() -> int:
     parser.add_argument("--upload-delay-ms", type=float, default=100.0)
     parser.add_argument("--timeout-s", type=int, default=90)
     args = parser.parse_args()
-    from sglang_cp_shared_kv.testing.multi_rank import launch
+    from sglang_cp_shared_kv_testing.multi_rank import launch
 
     outcomes = launch(_rank_main, 2, (args,), timeout_s=args.timeout_s, deadline_s=args.timeout_s,
                       threads_per_rank=None)  # fmt: skip

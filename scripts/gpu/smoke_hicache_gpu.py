@@ -62,7 +62,7 @@ class Checks:
 
 
 def check_imports():
-    from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+    from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
     shim_active = sgl_kernel_cpu_shim.install()
     import sgl_kernel.kvcacheio  # noqa: F401
@@ -93,12 +93,12 @@ class RoundTrip:
     host pools and the ``HybridCacheController``); this smoke drives the controller directly."""
 
     def __init__(self, kv_format, io_backend, host_layout, layers, pages, override_host_row=True):
-        from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+        from sglang_cp_shared_kv_testing.cp_hicache_stack import (
             build_stock_hicache_stack,
             glm5_nsa,
             host_rows_as_wide_as_device_rows,
         )
-        from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+        from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
         widen = host_rows_as_wide_as_device_rows() if override_host_row else contextlib.nullcontext()
         with widen:
@@ -205,7 +205,7 @@ def check_transfer_kv_direct(kind):
     def run():
         from sgl_kernel.kvcacheio import transfer_kv_direct
 
-        from sglang_cp_shared_kv.testing.sgl_kernel_cpu_shim import transfer_kv_direct_reference
+        from sglang_cp_shared_kv_testing.sgl_kernel_cpu_shim import transfer_kv_direct_reference
 
         generator = torch.Generator().manual_seed(7)
         layers, pages = 3, 24

@@ -129,7 +129,7 @@ def child(view: str) -> None:
     site.addsitedir(view)
     sys.path.insert(0, str(REPO / "python"))
 
-    from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+    from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
     sgl_kernel_cpu_shim.install()
     report = {"missing": None, "other_errors": []}

@@ -8,7 +8,7 @@ candidates and partials (``attention_lse_merge.process_group_collectives``). ``s
 turns sync debugging off for exactly that bounce and restores the previous mode (``exempted`` counts
 the bounces); it does nothing without CUDA.
 
-It lives in the product, not in ``testing/``: the gather and the merge enter it on every bounce
+It lives in the product, not in the tests' package (``sglang_cp_shared_kv_testing``): the gather and the merge enter it on every bounce
 over a gloo group, with no debug switch (on NCCL, the serving transport, they never bounce), and
 product code imports no test helper (``test_module_structure``).
 """

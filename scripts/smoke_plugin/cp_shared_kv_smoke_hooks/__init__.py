@@ -18,7 +18,7 @@ sets for those servers alone:
   matches it (the read audits stay).
 * ``SMOKE_PLANT_ENV=<bug>``: a deliberate bug (``planted_bugs``), to show the oracle catches it.
 * ``SMOKE_ONE_GPU_ENV=1``: every rank of the server on device 0, each its own NCCL host
-  (``one_gpu``; the launcher's side: ``sglang_cp_shared_kv.testing.e2e.one_gpu``).
+  (``one_gpu``; the launcher's side: ``sglang_cp_shared_kv_testing.e2e.one_gpu``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import signal
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-from sglang_cp_shared_kv.testing.e2e.one_gpu import ONE_GPU_PLUGIN_ENV
+from sglang_cp_shared_kv_testing.e2e.one_gpu import ONE_GPU_PLUGIN_ENV
 
 SMOKE_DUMMY_INIT_ENV = "SGLANG_CP_SHARED_KV_SMOKE_DUMMY_INIT"
 SMOKE_LIFT_TP_RULE_ENV = "SGLANG_CP_SHARED_KV_SMOKE_LIFT_TP_RULE"

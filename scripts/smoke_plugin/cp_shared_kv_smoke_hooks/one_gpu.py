@@ -16,7 +16,7 @@ detected") unless each looks like its own host: before any communicator exists, 
 process sets its own ``NCCL_HOSTID`` (unique per server and rank: it carries the process id, and
 two servers may share the GPU), and NCCL then connects the ranks through its socket transport over
 loopback (``NCCL_SOCKET_IFNAME=lo``). NVLink multicast stays off. The server arguments and the
-environment the launcher adds are in ``sglang_cp_shared_kv.testing.e2e.one_gpu``.
+environment the launcher adds are in ``sglang_cp_shared_kv_testing.e2e.one_gpu``.
 """
 
 from __future__ import annotations

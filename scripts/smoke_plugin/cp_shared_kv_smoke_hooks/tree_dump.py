@@ -8,7 +8,7 @@ all handle: ``/server_info`` reaches every scheduler as a ``GetInternalStateReq`
 TP group and handled in the same loop iteration everywhere (``Scheduler.recv_requests``). So the
 hook runs after ``Scheduler.get_internal_state`` and writes ``<dir>/tree/tree.rank<r>.<seq>.json``:
 
-* ``shared``: what must be equal on every rank (compared by ``testing/e2e/soak.compare_tree_dumps``);
+* ``shared``: what must be equal on every rank (compared by ``sglang_cp_shared_kv_testing/e2e/soak.compare_tree_dumps``);
 * ``rank_local``: this rank's own host slots and free pool sizes (reported only; they differ by design).
 
 Node ids are left out: they are equal on the ranks of one server, but not across the one-process

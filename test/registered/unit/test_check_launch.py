@@ -24,7 +24,7 @@ from sglang_cp_shared_kv.settings import (
     GRAPH_DECODE_ENV,
     PREFETCH_SLOT_TOKENS_ENV,
 )
-from sglang_cp_shared_kv.testing.server_args_cases import Glm5LikeModelDir, ServerArgsHooksApplied
+from sglang_cp_shared_kv_testing.server_args_cases import Glm5LikeModelDir, ServerArgsHooksApplied
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 

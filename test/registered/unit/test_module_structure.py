@@ -30,30 +30,35 @@ PACKAGE = "sglang_cp_shared_kv"
 ROOT = Path(__file__).resolve().parents[3] / "python" / PACKAGE
 
 
+TEST_SUPPORT = "sglang_cp_shared_kv_testing"  # the tests' package, beside the product's
+
+
 def product_modules():
-    """Module name -> parsed source, ``testing`` (test helpers) left out."""
+    """Module name -> parsed source of every module of the product package."""
     modules = {}
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT.parent).with_suffix("")
         name = ".".join(rel.parts)
         if name.endswith(".__init__"):
             name = name[: -len(".__init__")]
-        if f"{PACKAGE}.testing" in name:
-            continue
         modules[name] = ast.parse(path.read_text())
     return modules
+
+
+def _ours(module: str, package: str = PACKAGE) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def imports_of(tree):
     """Every package module imported anywhere in the module, function bodies included."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
+        if isinstance(node, ast.ImportFrom) and node.module and (_ours(node.module) or _ours(node.module, TEST_SUPPORT)):
             found.add(node.module)
             for alias in node.names:
                 found.add(f"{node.module}.{alias.name}")
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith(PACKAGE)}
+            found |= {a.name for a in node.names if _ours(a.name) or _ours(a.name, TEST_SUPPORT)}
     return found
 
 
@@ -84,8 +89,16 @@ class TestModuleStructure(CustomTestCase):
 
     def test_product_code_imports_no_test_helper(self):
         for name, tree in self.modules.items():
-            helpers = {m for m in imports_of(tree) if f"{PACKAGE}.testing" in m}
+            helpers = {m for m in imports_of(tree) if _ours(m, TEST_SUPPORT)}
             self.assertEqual(helpers, set(), name)
+
+    def test_the_product_package_holds_no_test_support(self):
+        """The shims, fakes, simulations and drivers live in their own package beside the product
+        (a built wheel carries the product alone, ``pyproject.toml``)."""
+        self.assertFalse((ROOT / "testing").exists())
+        self.assertTrue((ROOT.parent / TEST_SUPPORT / "__init__.py").is_file())
+        pyproject = (ROOT.parents[1] / "pyproject.toml").read_text()
+        self.assertIn(f'exclude = ["{TEST_SUPPORT}", "{TEST_SUPPORT}.*"]', pyproject)
 
     def test_the_flag_is_spelled_once(self):
         spelled = [

@@ -48,7 +48,7 @@ LAUNCHER = textwrap.dedent(
     import multiprocessing
     import os
 
-    from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+    from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
     FLAG = "--enable-nsa-prefill-cp-shared-kv"
 

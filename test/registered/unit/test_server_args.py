@@ -21,7 +21,7 @@ from sglang_cp_shared_kv.server_args import (
     CP_SHARED_KV_ENV,
     CP_SHARED_KV_FLAG,
 )
-from sglang_cp_shared_kv.testing.server_args_cases import (
+from sglang_cp_shared_kv_testing.server_args_cases import (
     CP_ON,
     GLM5_LIKE_CONFIG,
     ServerArgsHooksApplied,
@@ -283,7 +283,7 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
     def test_the_extra_config_is_read_as_sglangs_hicache_reads_it(self):
         """Startup reads the extra config with a copy of sglang's parse (sglang's own sits in a
         module that loads GPU kernels): both give the same config or raise the same error."""
-        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+        from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
         sgl_kernel_cpu_shim.install()
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
@@ -456,8 +456,8 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         """The allowed list against sglang itself: each layout through the two NSA host pool
         constructors (KV, then indexer K) on a tiny CPU pool."""
         from sglang_cp_shared_kv.server_args import NSA_HICACHE_MEM_LAYOUTS
-        from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack
-        from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+        from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack
+        from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
         allowed = set()
         for layout in ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"):

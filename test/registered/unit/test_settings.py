@@ -15,7 +15,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv import settings as s
-from sglang_cp_shared_kv.testing.server_args_cases import CP_ON, ServerArgsHooksApplied
+from sglang_cp_shared_kv_testing.server_args_cases import CP_ON, ServerArgsHooksApplied
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
 

@@ -39,8 +39,8 @@ from sglang_cp_shared_kv.server_args import (
     speculative_problems,
 )
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
-from sglang_cp_shared_kv.testing.server_args_cases import CP_ON as CP_FLAGS
-from sglang_cp_shared_kv.testing.server_args_cases import (
+from sglang_cp_shared_kv_testing.server_args_cases import CP_ON as CP_FLAGS
+from sglang_cp_shared_kv_testing.server_args_cases import (
     Glm5LikeModelDir,
     ServerArgsHooksApplied,
     runtime_server_args,

@@ -6,7 +6,7 @@ import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()
 
@@ -21,7 +21,7 @@ from sglang_cp_shared_kv.disaggregation.mooncake.conn import (  # noqa: E402
     CpSharedKVMooncakeKVManager,
     CpSharedKVMooncakeKVSender,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 

@@ -14,7 +14,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
+from sglang_cp_shared_kv_testing import fake_pd_transfer as pd
 
 from sglang.srt.disaggregation.base.conn import KVArgs  # noqa: E402  (after the CPU shim)
 from sglang.srt.disaggregation.common.conn import CommonKVManager  # noqa: E402

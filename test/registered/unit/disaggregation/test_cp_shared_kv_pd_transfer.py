@@ -16,7 +16,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.disaggregation.mooncake import conn as shared_kv_conn
 from sglang_cp_shared_kv.disaggregation.page_pairing import OwnedPagePairs
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
+from sglang_cp_shared_kv_testing import fake_pd_transfer as pd
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 

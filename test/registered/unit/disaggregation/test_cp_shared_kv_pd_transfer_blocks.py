@@ -1,7 +1,7 @@
 """Transfer blocks of a shared-KV PD prefill: few large blocks, engine calls of bounded size, and still
 every byte at the decode.
 
-Through the real transfer path (``testing/fake_pd_transfer.py``: ``send_kv_chunk``, the stock sender
+Through the real transfer path (``sglang_cp_shared_kv_testing/fake_pd_transfer.py``: ``send_kv_chunk``, the stock sender
 bookkeeping and transfer worker, stock ``group_concurrent_contiguous``, our subclasses) and the real
 allocators. Planted bugs, each seen failing (then reverted): the allocator ignoring
 ``owner_run_pages`` (placement ``j % cp_size``) fails ``test_pd_prefill_sends_runs_of_pages``,
@@ -36,7 +36,7 @@ from sglang_cp_shared_kv.mem_cache.owner_run_placement import (
     PD_PREFILL_OWNER_RUN_PAGES,
     owner_run_pages,
 )
-from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
+from sglang_cp_shared_kv_testing import fake_pd_transfer as pd
 
 register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 

@@ -3,7 +3,7 @@ request on every prefill rank and on decode, and only that request: a later requ
 decode instance arrives whole.
 
 Real stock transfer worker, sender bookkeeping, ``send_kv_chunk`` and status logic over CPU pools
-(``testing/fake_pd_transfer.py``); faults are injected on ONE prefill rank (the engine refusing calls
+(``sglang_cp_shared_kv_testing/fake_pd_transfer.py``); faults are injected on ONE prefill rank (the engine refusing calls
 into one part of the decode's buffers, as mooncake does on a full TCP queue, or pages that cannot be
 paired). Before the fix (``disaggregation/mooncake/request_failures.py``), each case failed:
 
@@ -24,7 +24,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.disaggregation.mooncake import conn as shared_kv_conn
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.testing import fake_pd_transfer as pd
+from sglang_cp_shared_kv_testing import fake_pd_transfer as pd
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 

@@ -8,13 +8,13 @@ import unittest
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     clear_device_pool,
     count_owned_pattern_mismatches,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 

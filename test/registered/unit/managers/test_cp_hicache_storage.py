@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     KV_FORMATS,
     SequenceBytes,
     build_cp_hicache_stack,
@@ -34,7 +34,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     tree_signature,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import (
     StorageNamespace,
     chain_seed,

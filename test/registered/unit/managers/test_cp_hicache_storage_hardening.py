@@ -36,7 +36,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import page_hash_chain
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -52,7 +52,7 @@ def _rank(rank, world_size, root):
     import torch
     import torch.distributed as dist
 
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         SequenceBytes,
         build_cp_hicache_stack,
         settle_write_acks,
@@ -259,7 +259,7 @@ class TestStorageHardeningAcrossRanks(CustomTestCase):
         cls.root = tempfile.mkdtemp(prefix="cp-hicache-l3-hardening-")
         cls.reports = run_ranks(
             _rank, 2, args=(cls.root,), timeout_s=120, start_method="forkserver",
-            preload=["sglang_cp_shared_kv.testing.cp_hicache_stack"],
+            preload=["sglang_cp_shared_kv_testing.cp_hicache_stack"],
         )  # fmt: skip
 
     @classmethod

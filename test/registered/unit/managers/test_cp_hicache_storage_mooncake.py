@@ -8,7 +8,7 @@ owns: KV zero-copy from its ``page_first_direct`` host pool, the indexer as ``Po
 and restores it into fresh CP 3 stacks, whose owners differ for pages 2 and 3, through
 ``prefetch_from_storage_cp`` (every rank queries every page, reads its own); every restored KV row
 and indexer page must equal what was written. The child is bounded in time and stops the master
-(which also dies with the child: parent-death signal; ``testing/mooncake_master.py``).
+(which also dies with the child: parent-death signal; ``sglang_cp_shared_kv_testing/mooncake_master.py``).
 
 Skipped, with the reason, where it cannot run: no ``mooncake`` package (``pip install
 mooncake-transfer-engine-non-cuda`` on a CPU machine; the CUDA wheel needs libcuda), its system
@@ -34,7 +34,7 @@ import unittest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.mooncake_master import (
+from sglang_cp_shared_kv_testing.mooncake_master import (
     client_extra_config,
     master_binary,
     start_master,
@@ -107,8 +107,8 @@ def child_round_trip() -> dict:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import page_hash_chain, storage_keys
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack
-    from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack
+    from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
     seq = list(range(3000, 3000 + PAGES * PAGE))
     extra = client_extra_config(MASTER_PORT, prefetch_threshold=PAGE)

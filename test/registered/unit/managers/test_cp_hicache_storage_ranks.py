@@ -25,7 +25,7 @@ import unittest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -37,7 +37,7 @@ def _rank(rank, world_size, directory):
     import torch.distributed as dist
 
     from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import page_hash_chain, storage_keys
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         build_cp_hicache_stack,
         SequenceBytes,
         settle_write_acks,
@@ -120,7 +120,7 @@ class TestStorageAgreementAcrossRanks(CustomTestCase):
         cls.directory = tempfile.mkdtemp(prefix="cp-hicache-l3-ranks-")
         cls.reports = run_ranks(
             _rank, 2, args=(cls.directory,), timeout_s=120, start_method="forkserver",
-            preload=["sglang_cp_shared_kv.testing.cp_hicache_stack"],
+            preload=["sglang_cp_shared_kv_testing.cp_hicache_stack"],
         )  # fmt: skip
 
     @classmethod

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()  # before hiradix_cache imports memory_pool_host
 
@@ -31,7 +31,7 @@ from sglang_cp_shared_kv.managers import prefill_load_back_quota  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 

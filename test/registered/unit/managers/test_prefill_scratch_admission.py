@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()
 
@@ -38,7 +38,7 @@ from sglang_cp_shared_kv.managers import prefill_scratch_admission  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 

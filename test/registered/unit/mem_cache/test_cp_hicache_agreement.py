@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 
@@ -46,7 +46,7 @@ def _rank(rank, world_size):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         settle_write_acks,
         build_cp_hicache_stack,
         owned_host_slots_in_tree,

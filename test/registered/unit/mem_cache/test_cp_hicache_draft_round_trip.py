@@ -1,7 +1,7 @@
 """The MTP draft pool through CP HiCache: a prefix served from host leaves the draft pool exactly as
 the target's, i.e. as a recomputed prefix would.
 
-Every rank's view of a CP group is a real ``CpHiRadixCache`` (``testing/cp_hicache_stack.py``) with
+Every rank's view of a CP group is a real ``CpHiRadixCache`` (``sglang_cp_shared_kv_testing/cp_hicache_stack.py``) with
 a one-layer draft ``NSATokenToKVPool`` (the NextN layer's: KV and indexer K, the target's shard size)
 registered through sglang's own ``Scheduler._maybe_register_hicache_draft`` with the plugin's AROUND
 hook, as on a shared-KV server. Each view is fed the same calls in one process: insert, back up,
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     TINY_NSA,
     build_stock_hicache_stack,
@@ -47,7 +47,7 @@ from sglang_cp_shared_kv.testing.cp_hicache_stack import (
     unpinned_host_pools,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
 # After the stack module, which installs the sgl_kernel CPU shim.
 from sglang_cp_shared_kv.managers.cp_hicache_draft_pool import build_draft_host_pools  # noqa: E402

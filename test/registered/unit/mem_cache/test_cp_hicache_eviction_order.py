@@ -1,7 +1,7 @@
 """CpHiRadixCache evicts (device and host) in exactly the order of the per-call heap it used before
 ``EvictionCandidates``, for every eviction policy sglang 0.5.11 offers and every write policy.
 
-Each case runs one seeded simulation workload twice (``testing/eviction_log.py``): once with the cache
+Each case runs one seeded simulation workload twice (``sglang_cp_shared_kv_testing/eviction_log.py``): once with the cache
 as it is, once with ``evict`` / ``evict_host`` replaced by the per-call-heap oracle below. Every device
 eviction, write-back and host eviction is logged in order, and the two logs must be equal.
 """
@@ -11,19 +11,19 @@ import types
 import unittest
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
-from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import settle_write_acks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
     build_cp_hicache_stack,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.cp_hicache_simulation import WRITE_POLICIES
-from sglang_cp_shared_kv.testing.eviction_log import (
+from sglang_cp_shared_kv_testing.cp_hicache_simulation import WRITE_POLICIES
+from sglang_cp_shared_kv_testing.eviction_log import (
     EVICTION_POLICIES,
     first_divergence,
     run_logged,

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.completion_skew import StrictLateEvent
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing.completion_skew import StrictLateEvent
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -29,7 +29,7 @@ def _rank(rank, world_size):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
         build_cp_hicache_stack,
         settle_write_acks,
         tree_signature,

@@ -8,15 +8,15 @@ import unittest
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import settle_write_acks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     clear_device_pool,
     count_owned_pattern_mismatches,
     tree_signature,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci

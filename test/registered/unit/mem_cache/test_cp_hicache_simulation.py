@@ -12,17 +12,17 @@ import unittest
 
 import numpy as np
 
-from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
+from sglang_cp_shared_kv_testing.cp_hicache_simulation import (
     WRITE_POLICIES,
     SimulationScenario,
     SimulationViolation,
     run_simulation,
 )
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     draft_load_one_page_off,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -247,7 +247,7 @@ class TestSimulationScriptArguments(CustomTestCase):
 
     @classmethod
     def setUpClass(cls):
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         cls.script = load_script("scripts/simulate_cp_hicache.py")
 
@@ -275,7 +275,7 @@ class TestSimulationScriptArguments(CustomTestCase):
         import io
         from unittest import mock
 
-        from sglang_cp_shared_kv.testing.cp_hicache_simulation import SimulationReport
+        from sglang_cp_shared_kv_testing.cp_hicache_simulation import SimulationReport
 
         for argv, expected in (([], False), (["--eagle-keys"], True)):
             ran = []

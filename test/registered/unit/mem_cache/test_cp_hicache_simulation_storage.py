@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import unittest
 
-from sglang_cp_shared_kv.testing.cp_hicache_simulation import (
+from sglang_cp_shared_kv_testing.cp_hicache_simulation import (
     WRITE_POLICIES,
     SimulationScenario,
     SimulationViolation,

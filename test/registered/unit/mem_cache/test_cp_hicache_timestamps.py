@@ -4,19 +4,19 @@ touched, and evicts in the same order as with a clock read per node (stock's), f
 import unittest
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
-from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import settle_write_acks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
     build_cp_hicache_stack,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache as cp_module
-from sglang_cp_shared_kv.testing.cp_hicache_simulation import WRITE_POLICIES
-from sglang_cp_shared_kv.testing.eviction_log import (
+from sglang_cp_shared_kv_testing.cp_hicache_simulation import WRITE_POLICIES
+from sglang_cp_shared_kv_testing.eviction_log import (
     EVICTION_POLICIES,
     counting_clock,
     first_divergence,

@@ -9,13 +9,13 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import settle_write_acks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     HiCacheServerArgs,
     build_cp_hicache_stack,
     unpinned_host_pools,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams

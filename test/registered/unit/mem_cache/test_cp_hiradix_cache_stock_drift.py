@@ -12,7 +12,7 @@ import re
 import unittest
 from types import SimpleNamespace
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()
 

@@ -11,13 +11,13 @@ import numpy as np
 import torch.distributed as dist
 
 # First: installs the CPU kernel shim that importing sglang's memory pools needs.
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_PAGE_SIZE as PAGE,
     build_cp_hicache_stack,
     settle_write_acks,
 )
 from sglang_cp_shared_kv.mem_cache.cp_host_slot_ledger import CpHostSlotLedger
-from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, run_ranks, single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import RanksFailed, run_ranks, single_process_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci

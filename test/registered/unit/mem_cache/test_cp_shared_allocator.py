@@ -24,7 +24,7 @@ from sglang_cp_shared_kv.mem_cache.allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
     _owner_quotas,
 )
-from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
+from sglang_cp_shared_kv_testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 

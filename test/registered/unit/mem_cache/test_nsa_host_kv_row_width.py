@@ -4,7 +4,7 @@ import unittest
 
 import torch
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()
 
@@ -14,11 +14,11 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from sglang.test.test_utils import CustomTestCase  # noqa: E402
 
 from sglang_cp_shared_kv.mem_cache import nsa_host_kv_row_width  # noqa: E402
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (  # noqa: E402
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (  # noqa: E402
     HiCacheServerArgs,
     unpinned_host_pools,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 

@@ -37,17 +37,17 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
 )
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from
-from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     CpSharedKVRuntime,
     mark_dummy_run,
 )
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
-from sglang_cp_shared_kv.testing.page_mirror import mirrored
-from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
-from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites, mirrored_cp_stack
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.page_mirror import mirrored
+from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
+from sglang_cp_shared_kv_testing.scheduler_writes import SchedulerWrites, mirrored_cp_stack
 
 register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 

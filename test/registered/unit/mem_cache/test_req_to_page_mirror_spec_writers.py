@@ -1,7 +1,7 @@
 """The host mirror of req_to_token stays equal to the device table through sglang's EAGLE writers.
 
 sglang's own speculative functions run on small batches over a real radix cache / chunk cache and
-our allocator, with the mirror hooks applied (``testing/spec_scheduler_writes.py``): spec v1's
+our allocator, with the mirror hooks applied (``sglang_cp_shared_kv_testing/spec_scheduler_writes.py``): spec v1's
 ``_draft_preprocess_decode``, ``prepare_for_verify`` and ``verify`` (acceptance through the
 target's logits, the accepted tokens' rewrite, the frees of rejected draft pages, a request
 finishing inside it), and spec v2's ``prepare_for_decode`` with the reads of its draft steps and
@@ -26,8 +26,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_spec_writers as spec_writers
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim, spec_scheduler_writes
-from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim, spec_scheduler_writes
+from sglang_cp_shared_kv_testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
 

@@ -36,10 +36,10 @@ from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror, mirror_of
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from, path_pages, value_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
-from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
-from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites, mirrored_cp_stack
+from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.scheduler_writes import SchedulerWrites, mirrored_cp_stack
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 

@@ -28,8 +28,8 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge imp
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     all_gather_candidates,
 )
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
-from sglang_cp_shared_kv.testing.nsa_decode_reference import sparse_mla_decode_reference
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing.nsa_decode_reference import sparse_mla_decode_reference
 
 register_cpu_ci(est_time=80, suite="stage-a-test-cpu")
 

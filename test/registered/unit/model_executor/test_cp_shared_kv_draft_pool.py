@@ -17,7 +17,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()
 
@@ -31,7 +31,7 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (  # noqa: E
     runtime_of,
 )
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch  # noqa: E402
-from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool  # noqa: E402
+from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 

@@ -22,8 +22,8 @@ from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
-from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
-from sglang_cp_shared_kv.testing.server_args_cases import runtime_server_args
+from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
+from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -409,7 +409,7 @@ class TestHookTargets(CustomTestCase):
         attach, which runs the runtime, the draft's and per-owner decode's steps in its own order
         (planted, caught: per-owner decode's attach registered as a second AFTER hook again)."""
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+        from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
         registered = []

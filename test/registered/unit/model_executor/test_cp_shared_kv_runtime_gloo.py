@@ -3,7 +3,7 @@
 2 and 4 ranks joined by a gloo group each hold a CPU ``NSATokenToKVPool`` shard, run sglang's own
 stores with our hooks (Triton kernels swapped for torch) through prefill, chunked prefill on a
 cached prefix, and decode, and compare every read and every stored row with a replicated pool
-(``sglang_cp_shared_kv.testing.runtime_check``).
+(``sglang_cp_shared_kv_testing.runtime_check``).
 
 The layer-ahead prefetch runs on a second gloo group over the same ranks (two scratch slots), on
 4 layers of which layer 2 skips the indexer (``skip_topk``), with the cached prefix page loaded
@@ -19,9 +19,9 @@ import torch.distributed as dist
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.peer_page_prefetch import create_prefetch_group
-from sglang_cp_shared_kv.testing import runtime_check
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
-from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+from sglang_cp_shared_kv_testing import runtime_check
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
 register_cpu_ci(est_time=140, suite="stage-a-test-cpu")
 

@@ -26,7 +26,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge impor
     select_global,
     topk_columns,
 )
-from sglang_cp_shared_kv.testing.per_owner_decode_cases import (
+from sglang_cp_shared_kv_testing.per_owner_decode_cases import (
     emulated_local_logits,
     per_owner_topk,
     random_batch,

@@ -39,9 +39,9 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
     PerOwnerDecode,
     serves_physical,
 )
-from sglang_cp_shared_kv.testing.device_sync_recorder import DeviceSyncRecorder
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
+from sglang_cp_shared_kv_testing.device_sync_recorder import DeviceSyncRecorder
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 

@@ -21,7 +21,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
 )
 from sglang_cp_shared_kv.model_executor.scratch_sizing import configured_prefetch_slot_tokens
 from sglang_cp_shared_kv.model_executor.startup_wiring import reserve_scratch_before_pool_sizing
-from sglang_cp_shared_kv.testing.runtime_check import KV_DIMS, make_nsa_pool
+from sglang_cp_shared_kv_testing.runtime_check import KV_DIMS, make_nsa_pool
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 

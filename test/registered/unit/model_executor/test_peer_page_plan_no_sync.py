@@ -25,8 +25,8 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import forward_dispatch
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
-from sglang_cp_shared_kv.testing.device_sync_recorder import DeviceSyncRecorder
-from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
+from sglang_cp_shared_kv_testing.device_sync_recorder import DeviceSyncRecorder
+from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 

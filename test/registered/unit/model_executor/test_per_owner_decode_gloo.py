@@ -31,7 +31,7 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
 register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
@@ -141,8 +141,8 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
     def _runtime(self, kv_dtype="fp8"):
         from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
         from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
-        from sglang_cp_shared_kv.testing.multi_rank import single_process_group
-        from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+        from sglang_cp_shared_kv_testing.multi_rank import single_process_group
+        from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
         pool = make_nsa_pool(2 * PAGE, kv_dtype, 1, "cpu")
         scratch = make_nsa_pool(2 * PAGE, kv_dtype, 1, "cpu")
@@ -197,8 +197,8 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         from sglang_cp_shared_kv.model_executor.per_owner_decode import (
             decode_forward as per_owner_decode,
         )
-        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
         env = {} if mode is None else {per_owner_decode.DECODE_PATH_ENV: mode}

@@ -37,10 +37,10 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables imp
 from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
-from sglang_cp_shared_kv.testing import cpu_graph_recorder
+from sglang_cp_shared_kv_testing import cpu_graph_recorder
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, runtime_problems
-from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
-from sglang_cp_shared_kv.testing.server_args_cases import runtime_server_args
+from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
+from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 

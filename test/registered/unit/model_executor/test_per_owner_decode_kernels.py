@@ -1,7 +1,7 @@
 """The fused per-owner decode kernels (Triton; what CUDA decode runs) equal their torch references.
 
 On CPU the kernels run in Triton's interpreter, in a fresh process (``TRITON_INTERPRET`` is read
-when triton is first imported): ``testing/per_owner_decode_kernel_cases.py`` compares the candidate
+when triton is first imported): ``sglang_cp_shared_kv_testing/per_owner_decode_kernel_cases.py`` compares the candidate
 gather, this rank's share of the global selection (many exact ties at the k-th score across ranks,
 requests shorter than k and empty, k = 2048 above the kernel's block) and the scaled partial (empty
 LSEs of +inf, -inf and NaN, an all-empty token, NaN in an empty partial's output).
@@ -15,14 +15,14 @@ import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
+from sglang_cp_shared_kv_testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
 
 class TestFusedKernelsMatchTheTorchReference(CustomTestCase):
     def test_in_the_triton_interpreter(self):
-        result = run_interpreted(["-m", "sglang_cp_shared_kv.testing.per_owner_decode_kernel_cases"], 600)
+        result = run_interpreted(["-m", "sglang_cp_shared_kv_testing.per_owner_decode_kernel_cases"], 600)
         self.assertTrue(result["gather_equal"], result)
         for selection in result["selections"]:
             self.assertTrue(selection["equal"], selection)

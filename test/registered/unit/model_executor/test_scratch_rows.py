@@ -19,10 +19,10 @@ from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, create_gather_scratch
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
-from sglang_cp_shared_kv.testing.page_mirror import mirrored
-from sglang_cp_shared_kv.testing.runtime_check import PAGE_SIZE, make_nsa_pool
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
+from sglang_cp_shared_kv_testing.page_mirror import mirrored
+from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 

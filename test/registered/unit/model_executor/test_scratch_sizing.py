@@ -33,7 +33,7 @@ from sglang_cp_shared_kv.model_executor.scratch_sizing import (
     prefill_batch_scratch_pages,
     scratch_sizing,
 )
-from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 

@@ -7,7 +7,7 @@ AROUND by ``draft_decode_steps.plan_draft_steps``) and runs each step through
 ``ModelRunner.forward`` (hooked BEFORE by ``select_draft_step_plan``) -> ``forward_decode`` ->
 ``model.forward``; its ``ForwardBatch`` comes from ``prepare_for_v2_draft`` (forward mode DECODE,
 the committed ``seq_lens_cpu`` of ``prepare_for_decode``, the step locs copied from
-``req_to_token`` at ``seq_len + step``). The story (``testing/spec_v2_draft_steps.py``) runs all of
+``req_to_token`` at ``seq_len + step``). The story (``sglang_cp_shared_kv_testing/spec_v2_draft_steps.py``) runs all of
 that, with a stand-in model, step backends and tree kernel, in a subprocess (Triton's CPU
 interpreter for the loc kernel). Every expectation below is computed here from the story's rows
 and lengths, not read from the plugin.
@@ -24,8 +24,8 @@ import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import spec_v2_draft_steps as story
-from sglang_cp_shared_kv.testing.triton_interpreted import run_interpreted
+from sglang_cp_shared_kv_testing import spec_v2_draft_steps as story
+from sglang_cp_shared_kv_testing.triton_interpreted import run_interpreted
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 

@@ -6,13 +6,13 @@ Planted once: counting the node's logical pages instead of this rank's host slot
 ``write_reserved`` failed ``test_round_trip_is_scraped_per_rank`` (6 backed-up pages, not 3).
 
 The gathered-bytes counter on a path that moves bytes: two gloo ranks run the runtime check's
-forwards (prefill, chunked prefill on a cached prefix, decode; ``testing/runtime_check.py``) with the
+forwards (prefill, chunked prefill on a cached prefix, decode; ``sglang_cp_shared_kv_testing/runtime_check.py``) with the
 metrics installed, and each rank's scraped ``peer_page_gathered_bytes_total`` must equal the bytes
 its gather collectives actually received from the other rank (counted at the collectives, not from
 the plan's arithmetic). Planted: ``received_bytes`` returning 0 (the counter then stays 0 while
 pages move) and counting the rank's own slice too; both failed ``test_gathered_bytes_are_the_bytes_received``.
 
-The exchange counter on per-owner decode (``testing/per_owner_decode_hooked.py``, two gloo ranks, two
+The exchange counter on per-owner decode (``sglang_cp_shared_kv_testing/per_owner_decode_hooked.py``, two gloo ranks, two
 steps of three layers, the middle one reusing the top-k): one exchange per top-k selection and one
 per output merge, on every rank. Planted: the merge not counted (4 instead of 10): caught.
 """
@@ -29,12 +29,12 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.observability import cp_shared_kv_metrics
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     settle_write_acks,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks, single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks, single_process_group
 
 register_cpu_ci(est_time=50, suite="stage-a-test-cpu")
 
@@ -211,8 +211,8 @@ def _gather_rank(rank, world_size):
     import torch.distributed as dist
 
     from sglang_cp_shared_kv.model_executor import peer_page_gather
-    from sglang_cp_shared_kv.testing import runtime_check
-    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+    from sglang_cp_shared_kv_testing import runtime_check
+    from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
     registry = CollectorRegistry()
     cp_shared_kv_metrics.uninstall()
@@ -243,7 +243,7 @@ PER_OWNER_LAYERS, PER_OWNER_STEPS = ("topk", "skip", "topk"), 2
 
 
 def _per_owner_rank(rank, world_size):
-    from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+    from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
     registry = CollectorRegistry()
     cp_shared_kv_metrics.uninstall()

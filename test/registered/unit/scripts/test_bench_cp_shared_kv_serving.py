@@ -1,6 +1,6 @@
 """benchmark/bench_cp_shared_kv_serving.py --dry-run, end to end against the fake sglang server.
 
-The dry run starts the fake server (``testing/e2e/fake_sglang_server.py``) with the exact command
+The dry run starts the fake server (``sglang_cp_shared_kv_testing/e2e/fake_sglang_server.py``) with the exact command
 lines the benchmark would give ``sglang serve``, runs every part (headline phases, single-request
 costs, the PD pair) and writes results.json, the markdown page and the plot. The test replays the
 headline workload through the fake's own cache model (``PrefixCacheModel``), sizing it from the
@@ -22,9 +22,9 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import PrefixCacheModel
-from sglang_cp_shared_kv.testing.e2e.server_process import ServerError
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing.e2e.fake_sglang_server import PrefixCacheModel
+from sglang_cp_shared_kv_testing.e2e.server_process import ServerError
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=150, suite="stage-a-test-cpu")
 
@@ -152,7 +152,7 @@ class TestServingBenchmarkRunner(CustomTestCase):
         import os
         import subprocess
 
-        from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+        from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
@@ -223,7 +223,7 @@ class TestServingBenchmarkPerOwnerDecode(CustomTestCase):
     def test_a_graph_server_with_graphs_off_fails(self):
         from unittest import mock
 
-        from sglang_cp_shared_kv.testing.e2e.server_process import ServeConfig
+        from sglang_cp_shared_kv_testing.e2e.server_process import ServeConfig
 
         graphs_off = {"SGLANG_CP_SHARED_KV_DECODE": "per_owner", "SGLANG_CP_SHARED_KV_DECODE_CUDA_GRAPH": "0"}
         with mock.patch.object(ServeConfig, "env", lambda self: dict(graphs_off) if self.shared_kv else {}):
@@ -271,7 +271,7 @@ class TestServeConfigDecodePath(CustomTestCase):
     are refused here before anything starts."""
 
     def config(self, **kwargs):
-        from sglang_cp_shared_kv.testing.e2e.server_process import ServeConfig
+        from sglang_cp_shared_kv_testing.e2e.server_process import ServeConfig
 
         base = dict(model_path="/m", tp_size=2, shared_kv=True, port=30000, physical_tokens_per_rank=4096,
                     hicache_ratio=None)  # fmt: skip
@@ -309,7 +309,7 @@ class TestServingBenchmarkCapacity(CustomTestCase):
         import os
         from unittest import mock
 
-        from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import NO_SCRATCH_ENV
+        from sglang_cp_shared_kv_testing.e2e.fake_sglang_server import NO_SCRATCH_ENV
 
         bench = load_script("benchmark/bench_cp_shared_kv_serving.py")
         with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.e2e import capacity_sweep
+from sglang_cp_shared_kv_testing.e2e import capacity_sweep
 
 register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
 
@@ -84,8 +84,8 @@ class TestFakeServerPerOwnerPools(CustomTestCase):
         prefill-sized one (context + one chunk) leaves a pool, and the fake logs its size as the
         runtime does, so the benchmark judges the pool against that reservation."""
         from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, PER_OWNER
-        from sglang_cp_shared_kv.testing.e2e import fake_sglang_server as fake
-        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+        from sglang_cp_shared_kv_testing.e2e import fake_sglang_server as fake
+        from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines
 
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "max_position_embeddings": 4096}))

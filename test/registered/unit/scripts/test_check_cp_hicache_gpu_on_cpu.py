@@ -14,10 +14,10 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 # Installs the CPU stand-in of sgl_kernel (sglang's host pools import it) before the controller.
-from sglang_cp_shared_kv.testing import cp_hicache_stack  # noqa: F401  isort: skip
+from sglang_cp_shared_kv_testing import cp_hicache_stack  # noqa: F401  isort: skip
 from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController  # isort: skip
 
 register_cpu_ci(est_time=55, suite="stage-a-test-cpu")
@@ -67,7 +67,7 @@ class TestCheckCpHicacheGpuOnCpu(CustomTestCase):
 
     def _rank0(self, cp_size: int, *options, plant=None):
         """Rank 0's numbers for one configuration, as a rank of a one-process group."""
-        from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+        from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
         args = self.check.parse_args(["--device", "cpu", "--kv-formats", "bf16", *options])
         self.assertIsInstance(args, argparse.Namespace)

@@ -12,7 +12,7 @@ import unittest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=240, suite="stage-a-test-cpu")
 

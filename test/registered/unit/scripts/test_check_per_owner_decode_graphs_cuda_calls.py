@@ -19,9 +19,9 @@ import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
-from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 

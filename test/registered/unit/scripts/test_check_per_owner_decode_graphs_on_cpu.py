@@ -19,8 +19,8 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.per_owner_decode_graph_emulation import reference_kernels
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing.per_owner_decode_graph_emulation import reference_kernels
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
 
@@ -47,7 +47,7 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
         """--padded-rows (the served crash replayed batch 6 in the graph of 8: two padded rows on
         every rank, owned by none): the layer stays right with 0 and 3 of them, and a stale table
         still fails with 3."""
-        from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
+        from sglang_cp_shared_kv_testing import per_owner_decode_graph_emulation as emu
 
         for padded_rows in (0, 3):
             with self.subTest(padded_rows=padded_rows), mock.patch.object(
@@ -75,7 +75,7 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
                 self.assertEqual(self._run(impl, "stale-tables"), [True, False])
 
     def test_summary_counts_skipped_impls_and_nothing_checked_fails(self):
-        from sglang_cp_shared_kv.testing import per_owner_decode_graph_emulation as emu
+        from sglang_cp_shared_kv_testing import per_owner_decode_graph_emulation as emu
 
         def without_fa3(decode_impls):
             kernels = reference_kernels([i for i in decode_impls if i != "fa3"])

@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import kv_audit_compare  # noqa: E402
 from cp_shared_kv_smoke_hooks.kv_audit import write_pool_dump  # noqa: E402
 
-from sglang_cp_shared_kv.testing.e2e import l3_restart  # noqa: E402
-from sglang_cp_shared_kv.testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e import l3_restart  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -199,9 +199,9 @@ class TestServersAndRunner(CustomTestCase):
         from sglang.srt.server_args import prepare_server_args
 
         from sglang_cp_shared_kv.server_args import register_server_args_hooks
-        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import write_tiny_glm5_model
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
         with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ):
@@ -219,7 +219,7 @@ class TestServersAndRunner(CustomTestCase):
                     self.assertEqual(server.attn_cp_size, 4)
 
     def test_the_dry_run_prints_three_servers_on_one_directory(self):
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
         with tempfile.TemporaryDirectory() as tmp:
@@ -234,7 +234,7 @@ class TestServersAndRunner(CustomTestCase):
         self.assertEqual(len({s.split("file_path")[1] for s in servers if "file_path" in s}), 1)  # one directory
 
     def dry_run_servers(self, *options):
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
         with tempfile.TemporaryDirectory() as tmp:
@@ -273,7 +273,7 @@ class TestServersAndRunner(CustomTestCase):
         with that error and nothing else. Seen failing before: the failure said only "server exited
         with code 1; see <log>", first of 21 failures (requests never sent, audits never run)."""
         from sglang_cp_shared_kv.settings import GRAPH_DECODE_ENV
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         smoke = load_script("scripts/glm5_cp_l3_restart_smoke.py", "l3_smoke")
         with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {GRAPH_DECODE_ENV: "0"}):

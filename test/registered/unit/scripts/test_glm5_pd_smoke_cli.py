@@ -19,7 +19,7 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import ScriptCliCase
+from sglang_cp_shared_kv_testing.repo_scripts import ScriptCliCase
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -142,7 +142,7 @@ class TestPDSmokeCli(ScriptCliCase, CustomTestCase):
         pair (the decode receives the draft pool and runs the draft); the plants go to the shared-KV
         prefill only; a draft plant needs --mtp, --mtp a NextN layer. Planted and caught: the recipe
         left off the decode command (a decode without a draft pool receives no draft rows)."""
-        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+        from sglang_cp_shared_kv_testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
 
         commands, _ = self.dry_run("--mtp", "--audit", "--plant", "draft-wrong-owner", model_dir=self.nextn_dir)
         self.assertEqual(len(commands), 4)
@@ -163,7 +163,7 @@ class TestPDSmokeCli(ScriptCliCase, CustomTestCase):
         from sglang.srt.server_args import ServerArgs, prepare_server_args
 
         from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         commands, _ = self.dry_run("--shared-kv", "on")
         saved_env = dict(os.environ)

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e.pd_generate import generate_greedy_pd, latency_summary
+from sglang_cp_shared_kv_testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 
 register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
 

@@ -17,7 +17,7 @@ from unittest import mock
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import ScriptCliCase
+from sglang_cp_shared_kv_testing.repo_scripts import ScriptCliCase
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -85,7 +85,7 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
         from sglang.srt.server_args import prepare_server_args
 
         from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         commands, _ = self.dry_run_commands("--shared-kv", "both")
         saved_env = dict(os.environ)
@@ -112,7 +112,7 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
         """--mtp: GLM-5's MTP recipe (EAGLE, 3 steps, top-k 1, 4 draft tokens) on both servers, which
         still differ by the shared-KV flag only; the opt-in variable on both; without --mtp neither.
         Planted and caught: the MTP arguments given to the shared-KV server only."""
-        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+        from sglang_cp_shared_kv_testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
 
         commands, _ = self.dry_run_commands("--mtp", "--audit", "--plant", "draft-stale-load-back", model_dir=self.nextn_dir)
         (env_off, off), (env_on, on) = commands["shared-kv-off"], commands["shared-kv-on"]
@@ -134,7 +134,7 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
         from sglang.srt.server_args import prepare_server_args
 
         from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         commands, _ = self.dry_run_commands("--mtp", model_dir=self.nextn_dir)
         saved_env = dict(os.environ)

@@ -22,7 +22,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import per_owner_decode_cases as cases
+from sglang_cp_shared_kv_testing import per_owner_decode_cases as cases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import decode_read_audit, planted_bugs  # noqa: E402

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import runtime_check
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing import runtime_check
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import kv_audit, planted_bugs  # noqa: E402
@@ -49,7 +49,7 @@ def _rank(rank, world_size, audit_dir, plant):
         peer_page_reads,
     )
     from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
-    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+    from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
     os.environ[CP_SHARED_KV_ENV] = "1"
     HookRegistry.reset()

@@ -277,7 +277,7 @@ class TestDraftAuditVerdicts(CustomTestCase):
 class TestPoolDumpWithADraftPool(CustomTestCase):
     def test_dump_holds_the_draft_rows_and_the_cached_tokens(self):
         from cp_shared_kv_smoke_hooks import kv_audit
-        from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+        from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
         pool, draft = make_nsa_pool(4 * PAGE, "bf16", 2, "cpu"), make_nsa_pool(4 * PAGE, "bf16", 1, "cpu")
         for p in (pool, draft):

@@ -1,5 +1,5 @@
 """The smoke's plant ``draft-stale-load-back`` on the real CP HiCache stack (cp 2, every rank's view
-in one process, ``testing/cp_hicache_stack.py``): with the plant's hooks applied, a host load-back
+in one process, ``sglang_cp_shared_kv_testing/cp_hicache_stack.py``): with the plant's hooks applied, a host load-back
 restores the target's pages and leaves the draft KV and indexer K of the loaded-back prefix stale;
 without them both come back. Then the same rows through the smoke's pool dumps and the cached-prefix
 ledger: the planted load-back fails it, the clean one passes (the GPU serve run relies on exactly
@@ -15,15 +15,15 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     build_cp_hicache_stack,
     clear_device_pool,
     count_owned_pattern_mismatches,
     settle_write_acks,
     write_owned_pattern,
 )
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey

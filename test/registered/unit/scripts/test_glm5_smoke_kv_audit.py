@@ -134,7 +134,7 @@ class TestSmokeKvAudit(CustomTestCase):
         from unittest import mock
 
         from cp_shared_kv_smoke_hooks import kv_audit
-        from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+        from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
         pool = make_nsa_pool(4 * PAGE, "bf16", LAYERS, "cpu")
         for buf in pool.kv_buffer:
@@ -165,7 +165,7 @@ class TestSmokeKvAudit(CustomTestCase):
         from unittest import mock
 
         from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_LAYERS_ENV, kv_audit
-        from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+        from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
         pool = make_nsa_pool(4 * PAGE, "bf16", 3, "cpu")
         for buf in pool.kv_buffer:

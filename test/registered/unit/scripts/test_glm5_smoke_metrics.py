@@ -95,7 +95,7 @@ class TestSmokeMetrics(CustomTestCase):
         cls.tmp.cleanup()
 
     def test_counters_sum_over_ranks_and_gauges_stay_per_rank(self):
-        from sglang_cp_shared_kv.testing.e2e.server_metrics import (
+        from sglang_cp_shared_kv_testing.e2e.server_metrics import (
             HiCacheCounters,
             max_total_num_tokens,
             parse_metrics,
@@ -112,7 +112,7 @@ class TestSmokeMetrics(CustomTestCase):
         self.assertEqual(max_total_num_tokens(snapshot), MAX_TOTAL_NUM_TOKENS)
 
     def test_deltas_between_two_scrapes(self):
-        from sglang_cp_shared_kv.testing.e2e.server_metrics import HiCacheCounters, parse_metrics
+        from sglang_cp_shared_kv_testing.e2e.server_metrics import HiCacheCounters, parse_metrics
 
         after = HiCacheCounters.of(parse_metrics(self.text))
         before = HiCacheCounters.of(parse_metrics(""))  # a fresh server exposes no samples yet

@@ -4,7 +4,7 @@ import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e.request_plan import (
+from sglang_cp_shared_kv_testing.e2e.request_plan import (
     REPLAY,
     ROUND1,
     ROUND2,

@@ -1,7 +1,7 @@
 """CPU dry run of the smoke's request plan on the real CP HiCache: backup, eviction and load-back happen.
 
 One CP rank's view (rank 0 of 8) of the real ``CpHiRadixCache`` with its allocator, NSA device pool
-and NSA host pools (``testing/cp_hicache_stack.py``) receives the plan's requests through the calls
+and NSA host pools (``sglang_cp_shared_kv_testing/cp_hicache_stack.py``) receives the plan's requests through the calls
 sglang's scheduler makes for one request at a time: match (all but the last prompt token), lock, host
 load-back, allocate (evicting if short), insert the finished sequence, unlock, and the write / load
 acknowledgement checks. Model compute is left out; the cache's decisions are what the plan is for.
@@ -20,10 +20,10 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.cp_hicache_stack import settle_write_acks
-from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
-from sglang_cp_shared_kv.testing.e2e.request_plan import REPLAY, ROUND1, ROUND2, build_plan
+from sglang_cp_shared_kv_testing.cp_hicache_stack import settle_write_acks
+from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.e2e.request_plan import REPLAY, ROUND1, ROUND2, build_plan
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 

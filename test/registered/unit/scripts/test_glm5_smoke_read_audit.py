@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import runtime_check
-from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+from sglang_cp_shared_kv_testing import runtime_check
+from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import kv_audit, planted_bugs  # noqa: E402
@@ -82,8 +82,8 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
     from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang_cp_shared_kv.model_executor import forward_dispatch
-    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub
-    from sglang_cp_shared_kv.testing.page_mirror import mirrored
+    from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub
+    from sglang_cp_shared_kv_testing.page_mirror import mirrored
 
     cp_size = runtime.layout.cp_size
     req_to_token = torch.zeros((2, 4 * PAGE), dtype=torch.int32)
@@ -115,7 +115,7 @@ def _decode_with_dummy_refs(runtime, act_quant) -> None:
 
 def _rank(rank, world_size, dtype_name, audit_dir, plant, prefetch=False, audit_layers=None):
     from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_LAYERS_ENV
-    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
+    from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
     if audit_layers is not None:
         os.environ[SMOKE_AUDIT_LAYERS_ENV] = str(audit_layers)

@@ -4,10 +4,10 @@ import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e.request_plan import REPLAY, ROUND2, build_plan
-from sglang_cp_shared_kv.testing.e2e.server_log import CapacityLines, LogFinding
-from sglang_cp_shared_kv.testing.e2e.server_process import GenerateResult
-from sglang_cp_shared_kv.testing.e2e.smoke_report import (
+from sglang_cp_shared_kv_testing.e2e.request_plan import REPLAY, ROUND2, build_plan
+from sglang_cp_shared_kv_testing.e2e.server_log import CapacityLines, LogFinding
+from sglang_cp_shared_kv_testing.e2e.server_process import GenerateResult
+from sglang_cp_shared_kv_testing.e2e.smoke_report import (
     RequestRecord,
     RunReport,
     accept_length_summary,

@@ -18,8 +18,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
-from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
-from sglang_cp_shared_kv.testing.e2e.smoke_report import capacity_failures, scratch_share_failures
+from sglang_cp_shared_kv_testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+from sglang_cp_shared_kv_testing.e2e.smoke_report import capacity_failures, scratch_share_failures
 
 register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
 
@@ -61,8 +61,8 @@ class TestScratchShare(CustomTestCase):
         """With decode per owner slot 0 is a fixed, prefill-sized reservation: the server's own log
         line gives its size, and the pool sized after that reservation passes, while a pool
         sized after the full-capacity reservation (the old rule) fails."""
-        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
-        from sglang_cp_shared_kv.testing.e2e.smoke_report import capacity_figures
+        from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines
+        from sglang_cp_shared_kv_testing.e2e.smoke_report import capacity_figures
 
         cp, dtype, cell = 8, "fp8", 78 * kv_bytes_per_token_per_layer("fp8")
         budget = 30 << 30
@@ -90,7 +90,7 @@ class TestScratchShare(CustomTestCase):
         still fails. Seen failing with the tolerance not widening the bounds."""
         import math
 
-        from sglang_cp_shared_kv.testing.e2e.one_gpu import ONE_GPU_BUDGET_TOLERANCE
+        from sglang_cp_shared_kv_testing.e2e.one_gpu import ONE_GPU_BUDGET_TOLERANCE
 
         cell, stock, served = 4 * kv_bytes_per_token_per_layer("bf16"), 10_009_600, 9_981_248
         shared_figures = {"physical_device_tokens_per_rank": [served], "scratch_slot0_tokens_per_rank": [139264]}
@@ -108,8 +108,8 @@ class TestScratchShare(CustomTestCase):
         import tempfile
         from pathlib import Path
 
-        from sglang_cp_shared_kv.testing.e2e.smoke_report import RunReport
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.e2e.smoke_report import RunReport
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         smoke = load_script("scripts/glm5_cp_hicache_smoke.py")
         with tempfile.TemporaryDirectory() as tmp:

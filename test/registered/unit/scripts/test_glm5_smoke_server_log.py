@@ -14,7 +14,7 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -85,7 +85,7 @@ class TestSmokeServerLog(CustomTestCase):
         cls.pools = pools
 
     def test_capacity_lines_give_the_pools_sglang_built(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+        from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines
 
         capacity = parse_capacity_lines(self.lines)
         device, host, indexer = self.pools["device"], self.pools["host"], self.pools["indexer"]
@@ -100,7 +100,7 @@ class TestSmokeServerLog(CustomTestCase):
         # The gather scratch is an NSATokenToKVPool too and logs the same line, after the pool.
         import re
 
-        from sglang_cp_shared_kv.testing.e2e.server_log import parse_capacity_lines
+        from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines
 
         pool_line = next(l for l in self.lines if "KV Cache is allocated" in l)
         scratch_line = re.sub(r"#tokens: \d+", f"#tokens: {2 * self.pools['device'].size}", pool_line)
@@ -108,7 +108,7 @@ class TestSmokeServerLog(CustomTestCase):
         self.assertEqual(capacity.device_pool_tokens, {TP_RANK: self.pools["device"].size})
 
     def test_errors_are_found_with_their_rank_and_startup_lines_are_not(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors, tp_rank_of
+        from sglang_cp_shared_kv_testing.e2e.server_log import scan_for_errors, tp_rank_of
 
         findings = scan_for_errors(self.lines)
         fatal = [f for f in findings if f.fatal]
@@ -124,7 +124,7 @@ class TestSmokeServerLog(CustomTestCase):
                 self.assertEqual(tp_rank_of(line), TP_RANK)
 
     def test_ignore_patterns_silence_known_lines(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import scan_for_errors
+        from sglang_cp_shared_kv_testing.e2e.server_log import scan_for_errors
 
         ignored = scan_for_errors(self.lines, ignore=[r"load_back: FAILED"])
         self.assertNotIn("load-back failed", {f.kind for f in ignored})
@@ -151,7 +151,7 @@ class TestStartupError(CustomTestCase):
         return sglang_log_lines(crash)
 
     def test_the_first_traceback_is_the_cause(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+        from sglang_cp_shared_kv_testing.e2e.server_log import startup_error
 
         crash = self.scheduler_crash()
         # Another rank logs while the traceback is written; then the parent gives up.
@@ -169,7 +169,7 @@ class TestStartupError(CustomTestCase):
         self.assertNotIn("Load weight end", quoted)
 
     def test_without_a_traceback_the_error_lines_or_the_last_line(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import startup_error
+        from sglang_cp_shared_kv_testing.e2e.server_log import startup_error
 
         lines = ["[2026-12-03 10:00:00] server_args=...", "[2026-12-03 10:00:09 TP1] NCCL error: unhandled system error",
                  "[2026-12-03 10:00:10] shutting down"]  # fmt: skip
@@ -200,14 +200,14 @@ class TestServedDecode(CustomTestCase):
         return sglang_log_lines(emit)
 
     def test_per_owner_under_graphs(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import served_decode
+        from sglang_cp_shared_kv_testing.e2e.server_log import served_decode
 
         served = served_decode(self.startup_lines("fa3", None, graphs=True) * 2)  # two ranks
         self.assertEqual(served.describe(), "per owner (fa3), graphs on")
         self.assertTrue(served.per_owner and served.logged)
 
     def test_gather_eager_and_ranks_that_disagree(self):
-        from sglang_cp_shared_kv.testing.e2e.server_log import served_decode
+        from sglang_cp_shared_kv_testing.e2e.server_log import served_decode
 
         gather = self.startup_lines("flashmla_kv", "SGLANG_CP_SHARED_KV_DECODE=gather", graphs=False)
         served = served_decode(gather)

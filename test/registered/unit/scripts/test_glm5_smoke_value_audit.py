@@ -29,8 +29,8 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
-from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import planted_bugs, value_audit, value_audit_compare  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing import per_owner_decode_hooked as hooked
+from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
 register_cpu_ci(est_time=45, suite="stage-a-test-cpu")
 

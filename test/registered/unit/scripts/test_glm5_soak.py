@@ -1,4 +1,4 @@
-"""The served soak's plan, verdict and driver, on the CPU (``testing/e2e/soak.py``, ``scripts/glm5_cp_hicache_soak.py``).
+"""The served soak's plan, verdict and driver, on the CPU (``sglang_cp_shared_kv_testing/e2e/soak.py``, ``scripts/glm5_cp_hicache_soak.py``).
 
 Plan: deterministic from its seed, sized from the logical pool so every request fits beside the
 others' while the conversations overfill the host. Verdict on canned evidence: clean passes; a
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e import soak
-from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT, load_script
+from sglang_cp_shared_kv_testing.e2e import soak
+from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT, load_script
 
 register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
@@ -354,7 +354,7 @@ class TestSoakDriver(CustomTestCase):
     def test_server_errors_fail_the_soak_end_to_end(self):
         import os
 
-        from sglang_cp_shared_kv.testing.e2e.fake_sglang_server import FAIL_EVERY_ENV
+        from sglang_cp_shared_kv_testing.e2e.fake_sglang_server import FAIL_EVERY_ENV
 
         os.environ[FAIL_EVERY_ENV] = "5"
         try:
@@ -376,7 +376,7 @@ class TestSoakDriver(CustomTestCase):
         so no flush counts)."""
         import socket
 
-        from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, free_port
+        from sglang_cp_shared_kv_testing.e2e.server_process import LOOPBACK, free_port
 
         with tempfile.TemporaryDirectory() as tmp, socket.socket() as held:
             held.bind((LOOPBACK, free_port()))  # sglang's port range: --port refuses the ephemeral top

@@ -1,6 +1,6 @@
 """The soak's tree dump (smoke plugin ``tree_dump.py``) on the real CP HiCache, and the skip-load-ack plant.
 
-Two CP ranks' views (rank 0 and 1 of 2) of the real ``CpHiRadixCache`` (``testing/cp_hicache_stack.py``,
+Two CP ranks' views (rank 0 and 1 of 2) of the real ``CpHiRadixCache`` (``sglang_cp_shared_kv_testing/cp_hicache_stack.py``,
 one process) receive the same calls: insert a sequence, back it up to host, evict it from device, match
 it on host and load it back. Their dumps must be equal in every shared field; with the
 ``skip-load-ack`` plant on rank 1's ``loading_check`` the load's lock stays on rank 1, and the
@@ -25,10 +25,10 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
-from sglang_cp_shared_kv.testing.e2e import soak
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
-from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
+from sglang_cp_shared_kv_testing.e2e import soak
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts" / "smoke_plugin"))
 from cp_shared_kv_smoke_hooks import planted_bugs, tree_dump  # noqa: E402
@@ -144,7 +144,7 @@ class TestPluginWiring(CustomTestCase):
         import cp_shared_kv_smoke_hooks as plugin
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         dump = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
         pool = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
@@ -166,7 +166,7 @@ class TestPluginWiring(CustomTestCase):
     def test_the_plant_wraps_the_cp_loading_check(self):
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         with applied_hooks(lambda registry: planted_bugs.register_hooks(registry, "skip-load-ack")):
             self.assertIn("sglang_cp_shared_kv.mem_cache.cp_hiradix_cache.CpHiRadixCache.loading_check",

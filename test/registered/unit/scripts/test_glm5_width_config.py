@@ -17,8 +17,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes
-from sglang_cp_shared_kv.testing.e2e import glm5_width
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing.e2e import glm5_width
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
 

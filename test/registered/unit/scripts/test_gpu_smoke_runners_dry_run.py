@@ -32,8 +32,8 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.e2e import glm5_width
-from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+from sglang_cp_shared_kv_testing.e2e import glm5_width
+from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
@@ -101,7 +101,7 @@ class TestServeRunnerDryRun(CustomTestCase):
         """Modes mtp / mtp-plants: every server gets GLM-5's MTP recipe and the opt-in, the model
         directory has its NextN layer, a spec v1 run turns the overlap scheduler off, the plants are
         set on the shared-KV servers only and all judged against the stock MTP reference."""
-        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+        from sglang_cp_shared_kv_testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
 
         cases = (("mtp", "ref_mtp_bf16 on_mtp_bf16_spec_v1 on_mtp_fp8"),
                  ("mtp-plants", "plant_draft-wrong-owner plant_draft-stale-load-back"))  # fmt: skip
@@ -387,7 +387,7 @@ class TestPdRunnerDryRun(CustomTestCase):
         self.check_pair(servers, 4, "0,1,2,3", "4,5,6,7", 4, (0.35, 0.75))
 
     def test_mtp_dry_run_pairs_serve_the_nextn_model_with_mtp(self):
-        from sglang_cp_shared_kv.testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
+        from sglang_cp_shared_kv_testing.e2e.server_process import MTP_OPT_IN_ENV, MTP_SERVER_ARGS
 
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)

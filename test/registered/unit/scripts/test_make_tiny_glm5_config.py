@@ -9,7 +9,7 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.testing.repo_scripts import load_script
+from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -82,7 +82,7 @@ class TestMakeTinyGlm5Config(CustomTestCase):
             self.assertEqual(draft.num_nextn_predict_layers, 1)
 
     def test_check_rejects_a_config_sglang_would_not_run_as_nsa(self):
-        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import check_model_dir, write_tiny_glm5_model
+        from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import check_model_dir, write_tiny_glm5_model
 
         broken = {
             "index_head_dim is 64": {"index_head_dim": 64},  # NSATokenToKVPool asserts 128

@@ -62,12 +62,12 @@ class TestOneGpuHook(CustomTestCase):
         os.environ.update(self.saved_env)
 
     def test_every_rank_gets_device_0_and_its_own_nccl_host(self):
-        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+        from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
         sgl_kernel_cpu_shim.install()  # the scheduler module imports sgl_kernel (no CUDA driver here)
         from sglang.srt.managers import scheduler as sched
 
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         real_init = sched.Scheduler.__init__
         init, configure = Recorder(real_init), Recorder(sched.configure_scheduler_process)
@@ -102,7 +102,7 @@ class TestOneGpuHook(CustomTestCase):
         import cp_shared_kv_smoke_hooks as plugin
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         targets = {"sglang.srt.managers.scheduler.Scheduler.__init__",
                    "sglang.srt.managers.scheduler.configure_scheduler_process"}  # fmt: skip
@@ -123,9 +123,9 @@ class TestSglangAcceptsOneGpuServers(CustomTestCase):
         from sglang.srt.server_args import prepare_server_args
 
         from sglang_cp_shared_kv.server_args import register_server_args_hooks
-        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-        from sglang_cp_shared_kv.testing.repo_scripts import load_script
+        from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import write_tiny_glm5_model
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
         smoke = load_script("scripts/glm5_cp_hicache_smoke.py", "glm5_smoke")
         saved = dict(os.environ)
@@ -160,8 +160,8 @@ class TestDecodeTableAudit(CustomTestCase):
         from cp_shared_kv_smoke_hooks import decode_read_audit, planted_bugs
 
         from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
-        from sglang_cp_shared_kv.testing import per_owner_decode_cases as cases
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing import per_owner_decode_cases as cases
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         g = torch.Generator().manual_seed(5)
         batch = cases.random_batch(g, 3, 64, [700, 64, 40, 1, 300], [False, False, False, True, False])
@@ -216,7 +216,7 @@ class TestReadAuditSkipsPlanlessForwards(CustomTestCase):
 
 class TestVerdicts(CustomTestCase):
     def test_capacity_fails_when_ranks_disagree(self):
-        from sglang_cp_shared_kv.testing.e2e.smoke_report import capacity_failures
+        from sglang_cp_shared_kv_testing.e2e.smoke_report import capacity_failures
 
         self.assertIn("differ", capacity_failures(True, 2, {"physical_device_tokens_per_rank": [4096, 4160]})[0])
         self.assertEqual(capacity_failures(True, 2, {"physical_device_tokens_per_rank": [4096],
@@ -301,7 +301,7 @@ class TestOneGpuPoolsSizedByMemory(CustomTestCase):
         tiny GLM-5: about 10 and 12.5 GB at CP 2 and 4 from their pools; over 14.3 GB at CP 8,
         where 0.85 / 8 left no pool), every CP size must get a positive pool and all pools with
         the loads must stay within 0.85 of the GPU. Seen failing with the plain share 0.85 / 8."""
-        from sglang_cp_shared_kv.testing.e2e.one_gpu import per_rank_mem_fraction
+        from sglang_cp_shared_kv_testing.e2e.one_gpu import per_rank_mem_fraction
 
         free_before_gb = 136.0
         for cp, loads_gb in ((2, (10.3,)), (4, (12.5,)), (8, (14.3, 18.0, 22.0))):

@@ -12,7 +12,7 @@ import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
-from sglang_cp_shared_kv.testing.decode_step_bytes import (
+from sglang_cp_shared_kv_testing.decode_step_bytes import (
     GLM5_FP8,
     DecodeShapes,
     candidate_bytes_per_token_layer,
@@ -22,7 +22,7 @@ from sglang_cp_shared_kv.testing.decode_step_bytes import (
     step_bytes_table,
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import local_candidates
-from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
 

@@ -14,8 +14,8 @@ import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode
-from sglang_cp_shared_kv.testing.e2e.server_process import (
+from sglang_cp_shared_kv_testing.e2e.server_log import ServedDecode
+from sglang_cp_shared_kv_testing.e2e.server_process import (
     SERVER_DEFAULT_DECODE,
     ServeConfig,
     decode_asked,

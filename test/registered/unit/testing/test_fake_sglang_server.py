@@ -18,7 +18,7 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e import fake_sglang_server as fake_server
+from sglang_cp_shared_kv_testing.e2e import fake_sglang_server as fake_server
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
 

@@ -11,7 +11,7 @@ from multi_rank_probes import rank_one_raises, sum_of_ranks
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, launch, run_ranks
+from sglang_cp_shared_kv_testing.multi_rank import RanksFailed, launch, run_ranks
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 

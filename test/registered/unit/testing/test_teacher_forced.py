@@ -1,4 +1,4 @@
-"""Teacher-forced scoring (``testing/e2e/teacher_forced``): texts, the client against sglang's
+"""Teacher-forced scoring (``sglang_cp_shared_kv_testing/e2e/teacher_forced``): texts, the client against sglang's
 ``/generate`` answer shape, and the verdict against the stock server's pass-to-pass spread.
 
 Seen failing: with the continuation's logprobs taken from the front of ``input_token_logprobs``
@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.testing.e2e import teacher_forced
-from sglang_cp_shared_kv.testing.e2e.request_plan import build_plan
+from sglang_cp_shared_kv_testing.e2e import teacher_forced
+from sglang_cp_shared_kv_testing.e2e.request_plan import build_plan
 
 register_cpu_ci(est_time=5, suite="stage-a-test-cpu")
 

@@ -1,6 +1,6 @@
 """A stand-in for ``sglang serve`` on loopback, for the serving benchmark's dry run on a CPU.
 
-  python -m sglang_cp_shared_kv.testing.e2e.fake_sglang_server <the arguments of sglang serve>
+  python -m sglang_cp_shared_kv_testing.e2e.fake_sglang_server <the arguments of sglang serve>
 
 It takes the command line the benchmark would give sglang (``--port``, ``--tp``,
 ``--max-total-tokens``, ``--enable-nsa-prefill-cp-shared-kv``, ``--enable-hierarchical-cache``,
@@ -131,7 +131,7 @@ def decodes_per_owner(args: argparse.Namespace) -> bool:
     from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
     from sglang_cp_shared_kv.settings import AUTO, PER_OWNER, current_settings
 
-    from sglang_cp_shared_kv.testing.e2e.server_process import hopper_nsa_decode_impl
+    from sglang_cp_shared_kv_testing.e2e.server_process import hopper_nsa_decode_impl
 
     path = current_settings().decode_path
     impl = hopper_nsa_decode_impl(["--kv-cache-dtype", args.kv_cache_dtype])
@@ -141,7 +141,7 @@ def decodes_per_owner(args: argparse.Namespace) -> bool:
 def decode_line(args: argparse.Namespace) -> str:
     """The decode path a shared-KV server's rank logs at startup (``per_owner_decode.attach``)."""
     from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, current_settings
-    from sglang_cp_shared_kv.testing.e2e.server_process import hopper_nsa_decode_impl
+    from sglang_cp_shared_kv_testing.e2e.server_process import hopper_nsa_decode_impl
 
     impl = hopper_nsa_decode_impl(["--kv-cache-dtype", args.kv_cache_dtype])
     if decodes_per_owner(args):
@@ -178,7 +178,7 @@ def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, O
         return args.max_total_tokens, None
     from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes, slot0_scratch_tokens
     from sglang_cp_shared_kv.model_executor.scratch_sizing import default_prefill_scratch_tokens
-    from sglang_cp_shared_kv.testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
+    from sglang_cp_shared_kv_testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
 
     dtype = "fp8" if args.kv_cache_dtype.startswith("fp8") else "bf16"
     cell = layers * kv_bytes_per_token_per_layer(dtype)

@@ -33,15 +33,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import (
+from sglang_cp_shared_kv_testing.cp_hicache_simulation_invariants import (
     RankInvariants,
     digest,
     first_difference,
     shared_state,
 )
-from sglang_cp_shared_kv.testing.completion_skew import skew_completions
-from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.completion_skew import skew_completions
+from sglang_cp_shared_kv_testing.cp_hicache_simulation_workload import CpHiCacheWorkload
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
     HiCacheStack,
     build_cp_hicache_stack,
@@ -50,7 +50,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import FINISHED_COLLECTIVE
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
-from sglang_cp_shared_kv.testing.multi_rank import RanksFailed, launch
+from sglang_cp_shared_kv_testing.multi_rank import RanksFailed, launch
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 

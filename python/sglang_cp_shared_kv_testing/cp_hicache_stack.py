@@ -45,7 +45,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()  # a no-op where the real sgl_kernel loads (GPU machines)
 
@@ -61,7 +61,7 @@ from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
 )
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
-from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks  # noqa: E402
+from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 # NSATokenToKVPool requires page_size 64 and index_head_dim 128 (outside ROCm).
 NSA_PAGE_SIZE = 64

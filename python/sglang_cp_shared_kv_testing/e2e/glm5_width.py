@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import tiny_glm5_config
+from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import tiny_glm5_config
 
 GIB = 1 << 30
 # GLM-5's widths (transformers 5.6 GlmMoeDsaConfig defaults = zai-org/GLM-5's config.json).

@@ -2,8 +2,8 @@
 
 ``CudaSyncCounter`` turns on ``torch.cuda.set_sync_debug_mode("warn")`` for the block and catches each
 "synchronizing CUDA operation" warning with the Python stack that raised it. The innermost frame in
-our package or in sglang decides whose sync it is: ``ours`` (``sglang_cp_shared_kv`` outside
-``testing/``), ``harness`` (``sglang_cp_shared_kv/testing``: the check's own stand-ins) or ``stock``
+our packages or in sglang decides whose sync it is: ``ours`` (``sglang_cp_shared_kv``), ``harness``
+(``sglang_cp_shared_kv_testing``: the check's own stand-ins) or ``stock``
 (sglang). Syncs exempted with ``model_executor.sync_debug.sync_debug_exempt`` are not seen. Without
 CUDA the counter records nothing (``available`` is False).
 """
@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import torch
 
 _SYNC_WARNING = "synchronizing CUDA operation"
-_OURS, _HARNESS, _STOCK = "/sglang_cp_shared_kv/", "/sglang_cp_shared_kv/testing/", "/sglang/"
+_OURS, _HARNESS, _STOCK = "/sglang_cp_shared_kv/", "/sglang_cp_shared_kv_testing/", "/sglang/"
 
 
 class CudaSyncCounter:

@@ -10,8 +10,8 @@ must be equal exactly, the scaled partials within two bf16 roundings.
 On CPU the kernels run in Triton's interpreter, which reads ``TRITON_INTERPRET`` when triton is
 first imported, so run this module in a fresh process:
 
-    TRITON_INTERPRET=1 python -m sglang_cp_shared_kv.testing.per_owner_decode_kernel_cases
-    python -m sglang_cp_shared_kv.testing.per_owner_decode_kernel_cases --device cuda
+    TRITON_INTERPRET=1 python -m sglang_cp_shared_kv_testing.per_owner_decode_kernel_cases
+    python -m sglang_cp_shared_kv_testing.per_owner_decode_kernel_cases --device cuda
 
 It prints one JSON object; ``"passed"`` says whether every comparison held.
 """

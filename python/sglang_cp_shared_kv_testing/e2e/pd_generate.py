@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, GenerateResult, stream_chunks
+from sglang_cp_shared_kv_testing.e2e.server_process import LOOPBACK, GenerateResult, stream_chunks
 
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
 

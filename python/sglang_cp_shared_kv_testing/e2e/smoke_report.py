@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang_cp_shared_kv.testing.e2e.request_plan import RequestPlan, round_pairs
-from sglang_cp_shared_kv.testing.e2e.server_log import CapacityLines, LogFinding
+from sglang_cp_shared_kv_testing.e2e.request_plan import RequestPlan, round_pairs
+from sglang_cp_shared_kv_testing.e2e.server_log import CapacityLines, LogFinding
 
 
 @dataclass

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from sglang_cp_shared_kv.testing.e2e.server_process import LOOPBACK, MTP_OPT_IN_ENV, MTP_SERVER_ARGS, ServeConfig
+from sglang_cp_shared_kv_testing.e2e.server_process import LOOPBACK, MTP_OPT_IN_ENV, MTP_SERVER_ARGS, ServeConfig
 
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 MOONCAKE_FORCE_TCP_ENV = "MC_FORCE_TCP"

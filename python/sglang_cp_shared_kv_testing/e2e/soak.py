@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from sglang_cp_shared_kv.testing.e2e.server_process import stream_chunks
+from sglang_cp_shared_kv_testing.e2e.server_process import stream_chunks
 
 GENERATE, FLUSH = "generate", "flush"
 NO_FAULT = "none"

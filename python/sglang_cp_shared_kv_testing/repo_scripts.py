@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(relative_path: str, module_name: str | None = None) -> ModuleType:
@@ -34,7 +34,7 @@ class ScriptCliCase:
     def setUpClass(cls):
         import tempfile
 
-        from sglang_cp_shared_kv.testing.e2e.tiny_glm5 import write_tiny_glm5_model
+        from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import write_tiny_glm5_model
 
         super().setUpClass()
         cls.script = load_script(cls.SCRIPT, cls.SCRIPT_MODULE)

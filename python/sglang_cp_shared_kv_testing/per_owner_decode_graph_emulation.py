@@ -42,9 +42,9 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
     OwnerForward,
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs import OwnerTableBuffers
-from sglang_cp_shared_kv.testing import nsa_decode_kernel_calls as calls
-from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
-from sglang_cp_shared_kv.testing.per_owner_decode_hooked import KV_DIM, pool_rows
+from sglang_cp_shared_kv_testing import nsa_decode_kernel_calls as calls
+from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv_testing.per_owner_decode_hooked import KV_DIM, pool_rows
 
 PAGE = 64
 INDEX_HEADS = 32

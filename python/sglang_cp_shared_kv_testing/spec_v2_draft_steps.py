@@ -62,7 +62,7 @@ class _StepBackend:
 
     def init_forward_metadata(self, forward_batch) -> None:
         from sglang_cp_shared_kv.model_executor import forward_dispatch
-        from sglang_cp_shared_kv.testing.runtime_check import nsa_metadata_for
+        from sglang_cp_shared_kv_testing.runtime_check import nsa_metadata_for
 
         seq_lens = forward_batch.seq_lens_cpu
         table = forward_batch.req_to_token_pool.req_to_token[
@@ -155,8 +155,8 @@ def run() -> dict:
     from sglang_cp_shared_kv.model_executor import draft_decode_steps
     from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
     from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
-    from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-    from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+    from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+    from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
     torch.manual_seed(0)
     shard = make_nsa_pool(PHYSICAL_PAGES * PAGE, "bf16", 1, "cpu")
@@ -266,7 +266,7 @@ def run() -> dict:
 
 
 def main() -> None:
-    from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+    from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
     sgl_kernel_cpu_shim.install()
     print(json.dumps(run()))

@@ -7,7 +7,7 @@ rank's device pool from its startup line ("KV Cache is allocated. #tokens": phys
 entry per distinct size. A row is judged here as the benchmark judges it: every rank the same pool,
 and the run's own failures (logical = cp x physical; physical = stock's less the scratch's share).
 
-  python -m sglang_cp_shared_kv.testing.e2e.capacity_sweep RUN_DIR/results.json ...
+  python -m sglang_cp_shared_kv_testing.e2e.capacity_sweep RUN_DIR/results.json ...
 """
 
 from __future__ import annotations

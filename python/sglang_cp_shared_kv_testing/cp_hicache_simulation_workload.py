@@ -52,9 +52,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache import common
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_cp_shared_kv.testing.cp_hicache_simulation_invariants import write_owned_kv
-from sglang_cp_shared_kv.testing.cp_hicache_stack import HiCacheStack
-from sglang_cp_shared_kv.testing.scheduler_writes import host_write_path
+from sglang_cp_shared_kv_testing.cp_hicache_simulation_invariants import write_owned_kv
+from sglang_cp_shared_kv_testing.cp_hicache_stack import HiCacheStack
+from sglang_cp_shared_kv_testing.scheduler_writes import host_write_path
 
 # (operation, relative weight). Drain and flush are rare: they empty the cache.
 OPERATIONS: Tuple[Tuple[str, float], ...] = (

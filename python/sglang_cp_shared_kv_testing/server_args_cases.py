@@ -94,7 +94,7 @@ class ServerArgsHooksApplied:
 
     def setUp(self):
         from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
-        from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+        from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         super().setUp()
         saved = os.environ.pop(CP_SHARED_KV_ENV, None)

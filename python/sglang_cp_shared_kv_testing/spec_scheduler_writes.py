@@ -36,8 +36,8 @@ from unittest import mock
 import torch
 
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
-from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import SimRequest
-from sglang_cp_shared_kv.testing.scheduler_writes import SchedulerWrites, host_write_path
+from sglang_cp_shared_kv_testing.cp_hicache_simulation_workload import SimRequest
+from sglang_cp_shared_kv_testing.scheduler_writes import SchedulerWrites, host_write_path
 
 PAGE = 64
 NUM_STEPS = 3  # speculative_num_steps
@@ -307,7 +307,7 @@ def _stack(cache: str, physical_pages: int = 40):
     from sglang.srt.mem_cache.chunk_cache import ChunkCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sglang_cp_shared_kv.testing.scheduler_writes import mirrored_cp_stack
+    from sglang_cp_shared_kv_testing.scheduler_writes import mirrored_cp_stack
 
     # The scheduler builds an EAGLE server's radix tree with bigram keys (is_eagle); ChunkCache has none.
     cache_class = {"radix": RadixCache, "chunk": ChunkCache}[cache]
@@ -393,7 +393,7 @@ SCENARIOS = ("radix-v1", "radix-v2", "chunk-v1", "chunk-v2")
 
 
 def run(skip_hook: Optional[str], scenarios) -> Dict[str, dict]:
-    from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
+    from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
     report = {}
     with applied_hooks(_register(skip_hook)):
@@ -414,7 +414,7 @@ def main(argv=None) -> None:
     )  # fmt: skip
     args = parser.parse_args(argv)
 
-    from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+    from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
     sgl_kernel_cpu_shim.install()
     report = {"clean": run(None, SCENARIOS)}

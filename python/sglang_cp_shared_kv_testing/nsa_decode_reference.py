@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from sglang_cp_shared_kv.testing.nsa_cpu_kernels import FP8, quantize_k_cache_separate_torch
+from sglang_cp_shared_kv_testing.nsa_cpu_kernels import FP8, quantize_k_cache_separate_torch
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
-from sglang_cp_shared_kv.testing.e2e.server_log import ServedDecode, startup_error
+from sglang_cp_shared_kv_testing.e2e.server_log import ServedDecode, startup_error
 
 LOOPBACK = "127.0.0.1"
 SHARED_KV_FLAG = CP_SHARED_KV_FLAG
@@ -387,7 +387,7 @@ def shared_kv_serve_config(args, port: int, extra_args: Sequence[str]) -> ServeC
     ``--physical-tokens-per-rank``, ``--hicache-ratio``, ``--mem-fraction-static``,
     ``--load-format``, ``--one-gpu``, ``--decode``, ``--cuda-graphs``) and its own ``extra_args``:
     the soak and the L3 restart smoke."""
-    from sglang_cp_shared_kv.testing.e2e.one_gpu import with_one_gpu_args
+    from sglang_cp_shared_kv_testing.e2e.one_gpu import with_one_gpu_args
 
     extra = with_one_gpu_args(extra_args) if args.one_gpu else list(extra_args)
     decode_path, cuda_graphs = decode_setup(args.decode, args.cuda_graphs, extra)

@@ -19,12 +19,12 @@ from sglang.srt.mem_cache import radix_cache as stock_radix_module
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache as cp_module
-from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-from sglang_cp_shared_kv.testing.cp_hicache_stack import (
+from sglang_cp_shared_kv_testing.cp_hicache_simulation_workload import CpHiCacheWorkload
+from sglang_cp_shared_kv_testing.cp_hicache_stack import (
     NSA_PAGE_SIZE,
     build_cp_hicache_stack,
 )
-from sglang_cp_shared_kv.testing.multi_rank import single_process_group
+from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
 # Every policy RadixCache.__init__ accepts in sglang 0.5.11.
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")

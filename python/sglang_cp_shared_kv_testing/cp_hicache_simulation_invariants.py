@@ -40,18 +40,18 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
 sgl_kernel_cpu_shim.install()
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of  # noqa: E402
-from sglang_cp_shared_kv.testing.scheduler_writes import mirror_mismatches  # noqa: E402
+from sglang_cp_shared_kv_testing.scheduler_writes import mirror_mismatches  # noqa: E402
 
 if TYPE_CHECKING:
-    from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import CpHiCacheWorkload
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import HiCacheStack
+    from sglang_cp_shared_kv_testing.cp_hicache_simulation_workload import CpHiCacheWorkload
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import HiCacheStack
 
 # NSA indexer K per token: 128 fp8 values in the page's value block, one fp32 scale in its scale block.
 _INDEX_VALUE_BYTES = 128

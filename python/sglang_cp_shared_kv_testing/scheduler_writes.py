@@ -61,7 +61,7 @@ class SchedulerWrites:
     def admit(self, tokens: List[int], extra_key: Optional[str] = None):
         """A new request: match (at most len - 1 tokens, the request's ``extra_key`` namespace, as
         ``Req.init_next_round_input`` does), lock, load back a host hit."""
-        from sglang_cp_shared_kv.testing.cp_hicache_simulation_workload import SimRequest
+        from sglang_cp_shared_kv_testing.cp_hicache_simulation_workload import SimRequest
 
         req = (self.request_class or SimRequest)(self.next_rid, list(tokens), 0, self.pool)
         req.extra_key = extra_key
@@ -173,7 +173,7 @@ def mirrored_cp_stack(
 
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
     from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
-    from sglang_cp_shared_kv.testing.cp_hicache_stack import TINY_NSA, nsa_pool
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import TINY_NSA, nsa_pool
 
     pool = nsa_pool(TINY_NSA, physical_pages * page_size, "cpu")
     allocator = CPSharedPagedTokenToKVPoolAllocator(

@@ -42,9 +42,9 @@ import torch
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     same_selection_up_to_ties,
 )
-from sglang_cp_shared_kv.testing import nsa_decode_reference as ref
-from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
-from sglang_cp_shared_kv.testing.per_owner_decode_cases import random_batch
+from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv_testing.cuda_sync_counter import CudaSyncCounter
+from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
 
 HEADS, INDEX_HEADS, PAGE = 64, 32, 64
 SM_SCALE = 576**-0.5
@@ -240,7 +240,7 @@ def kernels_in_this_process(stack: ExitStack, device: str) -> dict:
     else:
         names["attention (flashmla)"] = "torch reference (cpu)"
     if not real_flash_mla:
-        from sglang_cp_shared_kv.testing import sgl_kernel_cpu_shim
+        from sglang_cp_shared_kv_testing import sgl_kernel_cpu_shim
 
         sgl_kernel_cpu_shim.install()
         module = _reference_flash_mla()
@@ -420,9 +420,9 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
     )
     from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
     from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
-    from sglang_cp_shared_kv.testing.hook_sandbox import applied_hooks
-    from sglang_cp_shared_kv.testing.nsa_cpu_kernels import cpu_kernels
-    from sglang_cp_shared_kv.testing.runtime_check import make_nsa_pool
+    from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+    from sglang_cp_shared_kv_testing.nsa_cpu_kernels import cpu_kernels
+    from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -542,7 +542,7 @@ def smoke_plugin_hooks(scenario: Scenario) -> tuple:
         return ()
     from pathlib import Path
 
-    from sglang_cp_shared_kv.testing.repo_scripts import REPO_ROOT
+    from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
     plugin_dir = str(REPO_ROOT / "scripts" / "smoke_plugin")
     if plugin_dir not in sys.path:
@@ -708,7 +708,7 @@ def run_rank_scenarios(rank: int, world_size: int, scenarios, device: str) -> li
 
 def run_ranks_for(cp_size: int, scenarios, device: str, timeout_s: float = 600) -> list:
     """Every rank's results of each scenario: [rank][scenario]."""
-    from sglang_cp_shared_kv.testing.multi_rank import run_ranks
+    from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 
     return run_ranks(run_rank_scenarios, cp_size, (list(scenarios), device), timeout_s=timeout_s)
 

@@ -97,8 +97,8 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_prefetch_slot,
 )
 from sglang_cp_shared_kv.model_executor.scratch_rows import BatchRowMaps
-from sglang_cp_shared_kv.testing.cuda_sync_counter import CudaSyncCounter
-from sglang_cp_shared_kv.testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
+from sglang_cp_shared_kv_testing.cuda_sync_counter import CudaSyncCounter
+from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
 
 PAGE_SIZE = 64
 KV_DIMS = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 656)}

@@ -1,1 +1,0 @@
-"""Helpers for running the plugin's tests and simulations on machines without CUDA."""
