@@ -122,8 +122,8 @@ class TestReadmeNamesWhatExists(CustomTestCase):
         missing = []
         for page in _doc_pages():
             for module in re.findall(r"python3? -m (sglang_cp_shared_kv[\w.]*)", _read(page)):
-                relative = module.split(".", 1)[1].replace(".", os.sep) if "." in module else ""
-                base = os.path.join(PACKAGE_DIR, relative)
+                # the product package or the tests' package beside it, both under python/
+                base = os.path.join(os.path.dirname(PACKAGE_DIR), *module.split("."))
                 if not (os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__main__.py"))):
                     missing.append((page, module))
         self.assertEqual(missing, [])
