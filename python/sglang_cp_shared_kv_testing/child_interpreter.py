@@ -9,16 +9,21 @@ whatever ``python3`` the PATH finds first, often one without sglang: the test co
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
 
 
 def put_this_interpreter_first_on_path() -> Path:
-    """A private folder with ``python3`` and ``python`` links to ``sys.executable``, first on PATH
-    for this process and everything it starts; returns the folder."""
+    """A private folder with ``python3`` and ``python`` scripts that exec ``sys.executable``, first
+    on PATH for this process and everything it starts; returns the folder. Scripts, not symlinks: a
+    venv's interpreter finds its venv from the path it is started by, and a link in another folder
+    would start the base interpreter without the venv's packages."""
     folder = Path(tempfile.mkdtemp(prefix="cp-shared-kv-tests-python-"))
     for name in ("python3", "python"):
-        (folder / name).symlink_to(sys.executable)
+        script = folder / name
+        script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        script.chmod(0o755)
     os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
     return folder

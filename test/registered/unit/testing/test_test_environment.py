@@ -2,8 +2,10 @@
 
 * Children run this interpreter: with a PATH whose first ``python3`` is another interpreter (a venv's
   Python started without the venv activated), ``put_this_interpreter_first_on_path`` makes the
-  children's ``python3`` this one. Seen failing (the other interpreter answered) with the helper
-  leaving PATH alone, which is how 20 runner dry-run tests failed before it existed.
+  children's ``python3`` this one, venv and packages included. Seen failing with the helper leaving
+  PATH alone (the other interpreter answered, as 20 runner dry-run tests failed before it), and with
+  links to ``sys.executable`` instead of scripts (a link outside the venv starts the base
+  interpreter, without sglang).
 * ``--tier fast`` collects only files registered at ``est_time`` <= 20 s: a slow file (the runners'
   dry runs, 300 s) is left out, a fast one kept, and without the option both are collected. Seen
   failing with the option's hook returning None for every path.
@@ -22,7 +24,8 @@ from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 
-WHICH_PYTHON3 = "import shutil, os; print(os.path.realpath(shutil.which('python3')))"
+# What a child's python3 is: its installation (a venv's prefix) and whether it imports sglang.
+WHICH_PYTHON3 = "import sys, importlib.util; print(sys.prefix, importlib.util.find_spec('sglang') is not None)"
 
 
 class TestChildInterpreter(CustomTestCase):
@@ -40,12 +43,11 @@ class TestChildInterpreter(CustomTestCase):
                 f"print(subprocess.run(['python3', '-c', {WHICH_PYTHON3!r}], capture_output=True, text=True).stdout)"
             )
             out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        self.assertEqual(out.stdout.strip(), os.path.realpath(sys.executable), out.stderr[-2000:])
+        self.assertEqual(out.stdout.strip(), f"{sys.prefix} True", out.stderr[-2000:])
 
     def test_this_test_process_already_has_it(self):
-        import shutil
-
-        self.assertEqual(os.path.realpath(shutil.which("python3")), os.path.realpath(sys.executable))
+        out = subprocess.run(["python3", "-c", WHICH_PYTHON3], capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.stdout.strip(), f"{sys.prefix} True", out.stderr[-2000:])
 
 
 class TestFastTier(CustomTestCase):
