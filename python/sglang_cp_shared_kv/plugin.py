@@ -12,6 +12,10 @@ builds anything. Two tiers of hooks:
   spawned scheduler processes inherit it. With the flag off no runtime hook exists, so the serving
   path is stock sglang.
 
+Every hook of both tiers, and every other change the plugin makes in sglang, is a row of
+``sglang_surface.SGLANG_SURFACE``; ``register`` first checks that the targets of the tiers it
+registers exist in the installed sglang and stops the process naming those that do not.
+
 No test-only hook lives here: the end-to-end smoke brings its own test plugin
 (``scripts/smoke_plugin``), visible only to the servers it launches.
 """
@@ -26,14 +30,18 @@ from sglang_cp_shared_kv.server_args import (
     cp_shared_kv_enabled_in_env,
     register_server_args_hooks,
 )
+from sglang_cp_shared_kv.sglang_surface import require_hook_targets
 
 logger = logging.getLogger(__name__)
 
 
-def register() -> None:
-    register_server_args_hooks(HookRegistry)
-    if cp_shared_kv_enabled_in_env():
-        register_runtime_hooks(HookRegistry)
+def register(registry=HookRegistry) -> None:
+    flag_on = cp_shared_kv_enabled_in_env()
+    # Before any registration: stop here, not start with hooks sglang could not apply.
+    require_hook_targets(flag_on)
+    register_server_args_hooks(registry)
+    if flag_on:
+        register_runtime_hooks(registry)
 
 
 def register_runtime_hooks(registry=HookRegistry) -> None:
