@@ -22,8 +22,9 @@ verdict line names the decode the servers logged; a server that never answers ``
 FAILED quoting that server's error. Exits 1 on a failure, 2 on bad arguments.
 
 The Mooncake backend is not served here: Mooncake Store keeps objects in the memory segments its
-clients (the servers) contribute, so stopping the writing server drops what it stored; a restart
-needs a storage process outliving both servers (docs/hicache-storage.md).
+clients contribute, so a writing server that mounts one drops what it stored when it stops; a store
+that outlives its writers needs a holder (scripts/glm5_cp_l3_shared_store_smoke.py,
+docs/hicache-storage.md "Several servers, one Mooncake Store").
 
   python scripts/glm5_cp_l3_restart_smoke.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --dry-run
   python scripts/glm5_cp_l3_restart_smoke.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --load-format dummy

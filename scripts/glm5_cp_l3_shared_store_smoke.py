@@ -256,6 +256,18 @@ def prompt_counters(servers: Dict[str, SglangServer]) -> Dict[str, float]:
     return {name: parse_metrics(servers[name].get_text("/metrics")).total(PROMPT_TOKENS) for name in (A, B)}
 
 
+def server_of(prompt_tokens: int, before: Dict[str, float], servers: Dict[str, SglangServer]) -> str:
+    """The server that counted the request just answered (``shared_store.served_by``), asked until
+    one has: a server may count a finished request a moment after its last chunk ("unknown": none
+    within 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        name = shared_store.served_by(prompt_tokens, before, prompt_counters(servers))
+        if name is not None or time.monotonic() > deadline:
+            return name or "unknown"
+        time.sleep(0.5)
+
+
 def start_router(args, out_dir: Path, servers: Dict[str, SglangServer], port: int) -> SglangServer:
     """``sglang_router`` in front of a and b; returns once it lists both as healthy workers."""
     import requests
@@ -291,7 +303,7 @@ def route(args, out_dir: Path, store: Store, servers: Dict[str, SglangServer], r
                                 (plan.router_read_rid(j), plan.router_read_prompt(j))):  # fmt: skip
                 before = prompt_counters(servers)
                 served = l3_servers.send(args, ROUTER, router.base_url, rid, prompt)
-                served.server = shared_store.served_by(len(prompt), before, prompt_counters(servers)) or "unknown"
+                served.server = server_of(len(prompt), before, servers)
                 requests_out.append(served)
                 if rid == plan.router_write_rid(j) and served.server in servers:
                     wait_for_store(args, store, servers[served.server], expected_objects(servers[served.server], [prompt]))

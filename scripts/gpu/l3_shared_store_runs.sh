@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Runs on one H200 (SMOKE_ONE_GPU=1, the one-GPU test mode of docs/gpu.md) or on a machine with
-# STORE_TPS_B's largest CP size plus 2 in GPUs, the project installed or staged with mooncake
+# Runs on one H200 in the one-GPU test mode of docs/gpu.md (SMOKE_ONE_GPU=1: its three servers share
+# device 0), the project installed or staged with mooncake
 # (build_stage.sh --pd: mooncake-transfer-engine-cuda13 and sglang-router): two shared-KV servers on
 # one Mooncake Store (scripts/glm5_cp_l3_shared_store_smoke.py, docs/hicache-storage.md "Several
 # servers, one Mooncake Store") on the tiny GLM-5, dummy weights, KV audits on, the server's default
-# decode: server a at CP 2 computes, server b at each CP size of STORE_TPS_B (default "2 4") hits,
+# decode: server a at CP 2 computes, server b at each CP size of STORE_TPS_B (default 2) hits,
 # with A up, through the router, and after A stopped; the store is our own master and holder.
 #
-#   SMOKE_ONE_GPU=1 bash scripts/gpu/l3_shared_store_runs.sh
+#   SMOKE_ONE_GPU=1 bash scripts/gpu/l3_shared_store_runs.sh                  # b at CP 2
+#   SMOKE_ONE_GPU=1 STORE_TPS_B=4 bash scripts/gpu/l3_shared_store_runs.sh    # b at CP 4, a call of its own
+#
+# One GPU: a run at CP 2 has 6 rank processes (a, b, the reference), one at CP 4 has 10; both at once
+# (16) would time-slice the GPU and its 16 cores past one call, as the serve smoke's CP 4 waves did
+# (docs/gpu.md), so each CP size of b is a call of its own.
 #
 # Environment (all optional):
-#   STORE_TPS_B="2 4"   b's CP sizes, one smoke each (a at CP 2, b, a stock reference at b's CP size)
+#   STORE_TPS_B="2"     b's CP sizes, one smoke each (a at CP 2, b, a stock reference at b's CP size)
 #   STORE_SERIAL=1      one after the other (default: all at once, to fit one call; the TTFTs are
 #                       "one GPU, time-sliced" in any case)
 #   STORE_BUDGET_S=S    every smoke stopped after S seconds (default 540)
@@ -34,7 +39,7 @@ MODEL="${SMOKE_MODEL_DIR:-/tmp/tiny-glm5}"
 mkdir -p "$OUT" "$RUNS"
 [[ -f $MODEL/config.json ]] || python3 scripts/make_tiny_glm5_config.py "$MODEL" --no-check >/dev/null
 if [[ -z "${STORE_DRY_RUN:-}" ]] && ! python3 -c "import mooncake.store" 2>"$OUT/mooncake_import.log"; then
-  for tp in ${STORE_TPS_B:-2 4}; do
+  for tp in ${STORE_TPS_B:-2}; do
     echo "FAILED l3_shared_store_a2_b$tp: mooncake.store does not import ($(tail -1 "$OUT/mooncake_import.log")); stage with build_stage.sh --pd"
   done
   exit 1
@@ -51,7 +56,7 @@ run_one() {  # run_one TP_B
     --out-dir "$RUNS/$name" ${ONE_GPU:+--one-gpu} ${STORE_DRY_RUN:+--dry-run} > "$OUT/$name.log" 2>&1
   echo "$name: exit $? ($(( $(date +%s) - start_s )) s)"
 }
-for tp in ${STORE_TPS_B:-2 4}; do
+for tp in ${STORE_TPS_B:-2}; do
   if [[ -n "${STORE_SERIAL:-}" ]]; then run_one "$tp"; else run_one "$tp" & fi
 done
 wait
@@ -60,7 +65,7 @@ if [[ -n "${STORE_DRY_RUN:-}" ]]; then cat "$OUT"/l3_shared_store_a2_b*.log; exi
 (cd "$RUNS" && tar -czf "$OUT/store_server_logs.tgz" --ignore-failed-read */server_*.log */mooncake_*.log */router.log 2>/dev/null)
 echo "== verdicts (${ONE_GPU:+all ranks on one GPU; }$(( $(date +%s) - start_s )) s)"
 rc=0
-for tp in ${STORE_TPS_B:-2 4}; do
+for tp in ${STORE_TPS_B:-2}; do
   grep -E "^FAIL " "$OUT/l3_shared_store_a2_b$tp.log" | head -5 | cut -c1-300
   line="$(grep -E "^(PASSED|FAILED) l3_shared_store_" "$OUT/l3_shared_store_a2_b$tp.log" | tail -1)"
   echo "${line:-FAILED l3_shared_store_a2_b$tp: no verdict (killed by the budget, or crashed; see store_logs.tgz)}"

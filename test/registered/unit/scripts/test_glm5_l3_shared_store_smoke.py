@@ -328,7 +328,7 @@ class TestProcessesAndRunner(CustomTestCase):
     def test_the_runner_dry_run_prints_both_cp_sizes_of_b_in_one_gpu_mode(self):
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "PYTHONPATH": str(REPO / "python"), "OUT": f"{tmp}/out", "STORE_RUNS_DIR": f"{tmp}/runs",
-                   "SMOKE_MODEL_DIR": f"{tmp}/tiny", "STORE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1"}  # fmt: skip
+                   "SMOKE_MODEL_DIR": f"{tmp}/tiny", "STORE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1", "STORE_TPS_B": "2 4"}  # fmt: skip
             proc = subprocess.run(["bash", "scripts/gpu/l3_shared_store_runs.sh"], cwd=REPO, env=env,
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
             self.assertFalse(list(Path(tmp, "runs").glob("*/server_*.log")), "a dry run started a server")
