@@ -42,7 +42,7 @@ from sglang_cp_shared_kv_testing.e2e import shared_store  # noqa: E402
 from sglang_cp_shared_kv_testing.e2e.l3_restart import ServedRequest  # noqa: E402
 from sglang_cp_shared_kv_testing.e2e.shared_store import A, B, REFERENCE, SharedStorePlan  # noqa: E402
 
-register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=60, suite="stage-a-test-cpu")
 
 PAGE = 64
 SCRIPT = "scripts/glm5_cp_l3_shared_store_smoke.py"
