@@ -22,8 +22,9 @@ verdict line names the decode the servers logged; a server that never answers ``
 FAILED quoting that server's error. Exits 1 on a failure, 2 on bad arguments.
 
 The Mooncake backend is not served here: Mooncake Store keeps objects in the memory segments its
-clients (the servers) contribute, so stopping the writing server drops what it stored; a restart
-needs a storage process outliving both servers (docs/hicache-storage.md).
+clients contribute, so a writing server that mounts one drops what it stored when it stops; a store
+that outlives its writers needs a holder (scripts/glm5_cp_l3_shared_store_smoke.py,
+docs/hicache-storage.md "Several servers, one Mooncake Store").
 
   python scripts/glm5_cp_l3_restart_smoke.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --dry-run
   python scripts/glm5_cp_l3_restart_smoke.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --load-format dummy
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import sys
@@ -41,17 +41,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-SMOKE_PLUGIN_DIR = Path(__file__).resolve().parent / "smoke_plugin"
-sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
-from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
-from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e import l3_restart  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e.one_gpu import one_gpu_env  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e.request_plan import parse_token_id_range  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e.server_log import scan_for_errors, served_decode  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics  # noqa: E402
-from sglang_cp_shared_kv_testing.e2e.server_process import (  # noqa: E402
+from sglang_cp_shared_kv_testing.e2e import l3_restart, l3_servers
+from sglang_cp_shared_kv_testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest
+from sglang_cp_shared_kv_testing.e2e.l3_servers import kv_audit_compare
+from sglang_cp_shared_kv_testing.e2e.request_plan import parse_token_id_range
+from sglang_cp_shared_kv_testing.e2e.server_log import served_decode
+from sglang_cp_shared_kv_testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics
+from sglang_cp_shared_kv_testing.e2e.server_process import (
     ServeConfig,
     ServerError,
     ServerStartError,
@@ -59,16 +55,10 @@ from sglang_cp_shared_kv_testing.e2e.server_process import (  # noqa: E402
     add_decode_options,
     decode_asked,
     decode_setup,
-    free_port,
-    generate_greedy,
-    served_decode_failures,
     shared_kv_serve_config,
 )
-from sglang_cp_shared_kv_testing.e2e.smoke_report import log_failures  # noqa: E402
 
 NSA_CUDA_PAGE_SIZE = 64  # sglang 0.5.11 forces it for DSA models on CUDA
-FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv_testing.e2e.fake_sglang_server"]
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SERVERS = (WRITE, RECOMPUTE, RESTART)
 
 
@@ -137,17 +127,7 @@ def serve_config(args, server: str, port: int, out_dir: Path) -> ServeConfig:
 
 
 def server_env(args, server: str, out_dir: Path) -> Dict[str, str]:
-    """The smoke plugin (audits, unit-gain dummy weights, the one-GPU hook) reaches the servers
-    through ``PYTHONPATH``, as in the serve smoke."""
-    inherited = os.environ.get("PYTHONPATH")
-    env = dict(OFFLINE_ENV)
-    env["PYTHONPATH"] = str(SMOKE_PLUGIN_DIR) + (os.pathsep + inherited if inherited else "")
-    env[SMOKE_AUDIT_DIR_ENV] = str(audit_dir(out_dir, server))
-    if args.load_format == "dummy" and args.dummy_init == "unit-gain":
-        env[SMOKE_DUMMY_INIT_ENV] = "1"
-    if args.one_gpu:
-        env.update(one_gpu_env())
-    return env
+    return l3_servers.smoke_env(args, audit_dir(out_dir, server))
 
 
 def decode_config(args, out_dir: Path) -> ServeConfig:
@@ -156,25 +136,12 @@ def decode_config(args, out_dir: Path) -> ServeConfig:
 
 
 def start(args, server: str, out_dir: Path) -> SglangServer:
-    config = serve_config(args, server, free_port(), out_dir)
-    env = {**os.environ, **server_env(args, server, out_dir), **config.env()}
-    command = FAKE_SERVER + config.command()[2:] if args.fake_server else config.command()
-    print(f"[{server}] starting: {shlex.join(command)}", flush=True)
-    return SglangServer(command, config.port, out_dir / f"server_{server}.log", env).__enter__()
+    config = serve_config(args, server, 0, out_dir)
+    return l3_servers.start(args, server, config, server_env(args, server, out_dir), out_dir / f"server_{server}.log")
 
 
 def send(args, server_name: str, server: SglangServer, rid: str, prompt: List[int]) -> ServedRequest:
-    result = generate_greedy(server.base_url, prompt, args.plan.max_new_tokens, args.request_timeout, rid)
-    served = ServedRequest(
-        server=server_name, rid=rid, prompt_tokens=len(prompt),
-        cached_tokens=int(result.meta_info.get("cached_tokens", 0) or 0),
-        storage_tokens=l3_restart.storage_tokens(result.meta_info),
-        ttft_ms=None if result.ttft_s is None else round(result.ttft_s * 1e3, 2), error=result.error,
-    )  # fmt: skip
-    print(f"[{server_name}] {rid} prompt={served.prompt_tokens} cached={served.cached_tokens} "
-          f"from_l3={served.storage_tokens} ttft_ms={served.ttft_ms}" + (f" ERROR {served.error}" if served.error else ""),
-          flush=True)  # fmt: skip
-    return served
+    return l3_servers.send(args, server_name, server.base_url, rid, prompt)
 
 
 def stored_objects(out_dir: Path) -> int:
@@ -190,25 +157,13 @@ def wait_for_storage(args, server: SglangServer, out_dir: Path) -> int:
     deadline, nudges = time.monotonic() + args.storage_wait_s, 0
     while stored_objects(out_dir) < expected and time.monotonic() < deadline:
         time.sleep(3)
-        generate_greedy(server.base_url, [1 + nudges % 200] * 8, 1, 30, f"l3-nudge-{nudges}")
+        l3_servers.nudge(server, nudges)
         nudges += 1
     return stored_objects(out_dir)
 
 
-def wait_started(args, name: str, server: SglangServer) -> None:
-    try:
-        server.wait_started(args.startup_timeout)
-    except ServerStartError as e:
-        raise ServerStartError(f"{name} {e}") from e
-
-
 def stop(server: Optional[SglangServer], out_dir: Path, name: str, logs: Dict[str, List[str]]) -> None:
-    if server is None:
-        return
-    if server.alive():  # a server that exited writes no more dumps
-        kv_audit_compare.wait_for_settled_dumps(audit_dir(out_dir, name), timeout_s=60)
-    server.stop()
-    logs[name] = server.log_lines_before_stop()
+    l3_servers.stop(server, audit_dir(out_dir, name), name, logs)
 
 
 def serve(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, List[str]], figures: Dict) -> None:
@@ -216,14 +171,14 @@ def serve(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, Li
     servers: Dict[str, Optional[SglangServer]] = {name: None for name in SERVERS}
     try:
         servers[WRITE], servers[RECOMPUTE] = start(args, WRITE, out_dir), start(args, RECOMPUTE, out_dir)
-        wait_started(args, WRITE, servers[WRITE])
-        wait_started(args, RECOMPUTE, servers[RECOMPUTE])
+        l3_servers.wait_started(args, WRITE, servers[WRITE])
+        l3_servers.wait_started(args, RECOMPUTE, servers[RECOMPUTE])
         for k in range(plan.prefixes):
             requests.append(send(args, WRITE, servers[WRITE], plan.write_rid(k), plan.write_prompt(k)))
         figures["objects_after_write"] = wait_for_storage(args, servers[WRITE], out_dir)
         stop(servers.pop(WRITE), out_dir, WRITE, logs)
         servers[RESTART] = start(args, RESTART, out_dir)
-        wait_started(args, RESTART, servers[RESTART])
+        l3_servers.wait_started(args, RESTART, servers[RESTART])
         for k in range(plan.prefixes):
             for name in (RESTART, RECOMPUTE):
                 requests.append(send(args, name, servers[name], plan.read_rid(k), plan.read_prompt(k)))
@@ -253,23 +208,10 @@ def judge(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, Li
     failures += pool.failures
     asked = decode_config(args, out_dir)
     for name in SERVERS:
-        totals = kv_audit_compare.read_audit_totals(audit_dir(out_dir, name))
-        figures[f"read_audit_{name}"] = totals
-        failures += [f"{name}: {f}" for f in kv_audit_compare.read_audit_failures(totals)]
-        served = served_decode(logs.get(name, []))
-        decode_totals = decode_read_audit.totals(audit_dir(out_dir, name))
-        figures[f"decode_read_audit_{name}"] = decode_totals
-        failures += [f"{name}: {f}" for f in decode_read_audit.failures(decode_totals) + served.unaudited(decode_totals)]
-        failures += [f"{name}: {f}" for f in served_decode_failures(asked, served)] if name in logs else []
-        failures += [f"{name}: {f}" for f in log_failures(scan_for_errors(logs.get(name, []), args.ignore_log_pattern))]
-        if name not in logs:
-            failures.append(f"{name}: the server never started")
+        failures += l3_servers.shared_kv_server_failures(name, audit_dir(out_dir, name), logs, asked,
+                                                         args.ignore_log_pattern, figures)  # fmt: skip
     figures["ttft"] = l3_restart.ttft_comparison(plan, requests)
     return failures
-
-
-def _raise_on_sigterm(signum, frame):
-    raise SystemExit(f"terminated by signal {signum}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -277,15 +219,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     out_dir = Path(args.out_dir or f"l3_restart_cp{args.tp}_{time.strftime('%Y%m%d_%H%M%S')}")
     if args.dry_run:
         for name in SERVERS:
-            config = serve_config(args, name, 30000, out_dir)
-            env = " ".join(f"{k}={v}" for k, v in {**server_env(args, name, out_dir), **config.env()}.items())
-            print(f"[{name}] {env} {shlex.join(config.command())}")
+            print(f"[{name}] {l3_servers.launch_line(serve_config(args, name, 30000, out_dir), server_env(args, name, out_dir))}")
         print("\n".join(args.plan.describe()))
         return 0
     if stored_objects(out_dir):
         print(f"error: {storage_dir(out_dir)} already holds objects; give a fresh --out-dir", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the servers are stopped on SIGTERM too
+    signal.signal(signal.SIGTERM, l3_servers.raise_on_sigterm)  # so the servers are stopped on SIGTERM too
     out_dir.mkdir(parents=True, exist_ok=True)
     requests: List[ServedRequest] = []
     logs: Dict[str, List[str]] = {}

@@ -525,6 +525,22 @@ def count_owned_pattern_mismatches(
     return sum(SequenceBytes(stack, len(logical_locs), seed).owned_mismatches(stack, logical_locs))
 
 
+def host_page_pattern(host_pool, page: int, salt: int) -> torch.Tensor:
+    """Page ``page``'s bytes in ``host_pool``'s flat page format (what storage holds of one page),
+    drawn from ``page`` and ``salt`` alone: the same for every rank and every process. Tests of L3
+    storage write it into a host pool directly (the CPU shim has no device <-> host copy for the
+    page-first layouts Mooncake needs)."""
+    like = host_pool.get_dummy_flat_data_page()
+    generator = torch.Generator().manual_seed(1000 * salt + page)
+    raw = torch.randint(0, 256, (like.numel() * like.element_size(),), dtype=torch.uint8, generator=generator)
+    return raw.view(like.dtype).view(like.shape)
+
+
+def host_page_bytes(host_pool, slot: int) -> torch.Tensor:
+    """The flat page of ``host_pool`` at host ``slot`` (its first slot), as bytes."""
+    return host_pool.get_data_page(slot, flat=True).contiguous().view(torch.uint8).reshape(-1)
+
+
 def clear_device_pool(stack: HiCacheStack, kv_byte: int = 0, index_byte: int = 0) -> None:
     """Overwrite this rank's device KV rows and indexer pages (as if freed pages had been reused)."""
     for layer in range(stack.kv_pool.layer_num):

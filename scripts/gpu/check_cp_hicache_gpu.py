@@ -522,13 +522,13 @@ def storage_service(args):
         finally:
             shutil.rmtree(args.storage_dir, ignore_errors=True)
     elif args.storage == "mooncake":
-        from sglang_cp_shared_kv_testing.mooncake_master import start_master, stop_master
+        from sglang_cp_shared_kv_testing.mooncake_master import start_master, stop_store_process
 
         master = start_master(args.mooncake_port, args.mooncake_port + 1)
         try:
             yield
         finally:
-            stop_master(master)
+            stop_store_process(master)
     else:
         yield
 

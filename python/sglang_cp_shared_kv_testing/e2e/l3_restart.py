@@ -181,13 +181,13 @@ def ttft_comparison(plan: L3RestartPlan, requests: Sequence[ServedRequest]) -> D
 
 
 def decode_text(decode: Dict[str, Any]) -> str:
-    """The decode the servers logged (``ServedDecode.describe`` by server name; one description when
-    they agree) and the one asked for."""
+    """The decode the servers logged (``ServedDecode.describe`` by server name, in the order given; one
+    description when they agree) and the one asked for."""
     served = decode.get("served") or {}
     if len(set(served.values())) == 1:
         text = next(iter(served.values()))
     else:
-        text = ", ".join(f"{name}: {served[name]}" for name in (WRITE, RECOMPUTE, RESTART) if name in served)
+        text = ", ".join(f"{name}: {description}" for name, description in served.items())
     return f"decode {text or 'not logged'} (asked: {decode.get('asked', '?')})"
 
 

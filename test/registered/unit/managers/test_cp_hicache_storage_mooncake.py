@@ -21,12 +21,9 @@ writer fills its host pool directly; the GPU leg of scripts/gpu/check_cp_hicache
 Planted and seen to fail (then reverted): the CP size in the key namespace -> restored 0 tokens.
 """
 
-import fcntl
 import json
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import unittest
@@ -36,9 +33,11 @@ from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv_testing.mooncake_master import (
     client_extra_config,
-    master_binary,
+    loopback_up,
+    mooncake_unavailable,
     start_master,
-    stop_master,
+    stop_store_process,
+    unshare_prefix,
 )
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")  # skips in CI (no libibverbs); ~25 s where it runs
@@ -49,55 +48,7 @@ MASTER_PORT = 50051
 CHILD_TIMEOUT_S = 150
 
 
-def mooncake_unavailable():
-    """Why the Mooncake round trip cannot run here (None: it can)."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as error:  # the package, or a system library it loads (libibverbs, ...)
-        return f"mooncake.store does not import: {error}"
-    if master_binary() is None:
-        return "mooncake_master not found in the mooncake package"
-    for command in (["unshare", "-n", "true"], ["unshare", "-rn", "true"]):
-        try:
-            if subprocess.run(command, capture_output=True, timeout=10).returncode == 0:
-                return None
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return "no network namespace: neither `unshare -n` nor `unshare -rn` works here"
-
-
-def unshare_prefix():
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-        return ["unshare", "-n", "--"]
-    return ["unshare", "-rn", "--"]
-
-
 # ---- the child, inside the namespace ----
-
-
-def _loopback_up():
-    """``ip link set lo up`` without iproute2 (SIOCGIFFLAGS / SIOCSIFFLAGS, IFF_UP)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        request = struct.pack("16sh", b"lo", 0)
-        flags = struct.unpack("16sh", fcntl.ioctl(sock, 0x8913, request))[1]
-        fcntl.ioctl(sock, 0x8914, struct.pack("16sh", b"lo", flags | 0x1))
-
-
-def _page_pattern(host_pool, page: int, salt: int):
-    """Page ``page``'s bytes in ``host_pool``'s flat page format, the same for every rank."""
-    import torch
-
-    like = host_pool.get_dummy_flat_data_page()
-    generator = torch.Generator().manual_seed(1000 * salt + page)
-    raw = torch.randint(0, 256, (like.numel() * like.element_size(),), dtype=torch.uint8,
-                        generator=generator)  # fmt: skip
-    return raw.view(like.dtype).view(like.shape)
-
-
-def _flat_bytes(host_pool, slot: int):
-    import torch
-
-    return host_pool.get_data_page(slot, flat=True).contiguous().view(torch.uint8).reshape(-1)
 
 
 def child_round_trip() -> dict:
@@ -107,7 +58,11 @@ def child_round_trip() -> dict:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import page_hash_chain, storage_keys
-    from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack
+    from sglang_cp_shared_kv_testing.cp_hicache_stack import (
+        build_cp_hicache_stack,
+        host_page_bytes,
+        host_page_pattern,
+    )
     from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 
     seq = list(range(3000, 3000 + PAGES * PAGE))
@@ -130,9 +85,9 @@ def child_round_trip() -> dict:
         owned = [page for page in range(PAGES) if page % 2 == rank]
         slots = view.controller.mem_pool_host.alloc(len(owned) * PAGE).cpu()
         for i, page in enumerate(owned):
-            io.kv_host.set_from_flat_data_page(int(slots[i * PAGE]), _page_pattern(io.kv_host, page, 1))
+            io.kv_host.set_from_flat_data_page(int(slots[i * PAGE]), host_page_pattern(io.kv_host, page, 1))
             io.indexer_host.set_from_flat_data_page(
-                int(slots[i * PAGE]), _page_pattern(io.indexer_host, page, 2)
+                int(slots[i * PAGE]), host_page_pattern(io.indexer_host, page, 2)
             )
         report["written"].append(io.write_pages([keys[page] for page in owned], slots))
 
@@ -149,19 +104,19 @@ def child_round_trip() -> dict:
         for i, page in enumerate(pages):
             slot = int(metadata.host_indices[i * PAGE])
             for pool, salt, name in ((io.kv_host, 1, "kv_bad"), (io.indexer_host, 2, "indexer_bad")):
-                expected = _page_pattern(pool, page, salt).view(torch.uint8).reshape(-1)
-                report[name] += int(not torch.equal(_flat_bytes(pool, slot), expected))
+                expected = host_page_pattern(pool, page, salt).view(torch.uint8).reshape(-1)
+                report[name] += int(not torch.equal(host_page_bytes(pool, slot), expected))
             report["pages_checked"] += 1
     return report
 
 
 def child_main():
-    _loopback_up()
+    loopback_up()
     master = start_master(MASTER_PORT, MASTER_PORT + 1)
     try:
         print("REPORT " + json.dumps(child_round_trip()), flush=True)
     finally:
-        stop_master(master)
+        stop_store_process(master)
     os._exit(0)  # Mooncake clients' threads can hold up interpreter exit
 
 
