@@ -8,7 +8,8 @@ at cp 2 / 4 / 8, KV rows of 656 B (fp8) or 1152 B (bf16), 132 B of indexer K per
 * ``store 1x``: the store now, setters once into the scratch slot (``remap_token_locs``) plus the
   raw-byte copy of the rows to the pool (``copy_kv_rows`` / ``copy_index_k_rows``);
 * ``copy``: that raw-byte copy alone; ``maps``: the per-layer map kernels the former path ran
-  (``physical_locs_or_dummy`` + ``fill_locs``), now once per forward;
+  (``physical_locs_or_dummy`` + the fill locs through the plan's former fill table), now once
+  per forward;
 * ``pack``: this rank's ``n`` planned pages into its slice (``index_select``), KV + indexer;
 * ``recv``: the ``(cp - 1) * n`` pages the all-gather writes into the other slices, emulated by
   device copies from a buffer standing in for the peers (single-process emulation of one rank: the
@@ -72,6 +73,7 @@ def _case(cp_size, prefix_tokens, dtype_name, chunk_tokens, device, timed, act_q
         copy_index_k_rows,
         copy_kv_rows,
     )
+    from sglang_cp_shared_kv_testing.peer_page_plan_fills import fills_only
     from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
     layout = CpSharedKVLayout(cp_size, 0, PAGE)
@@ -95,6 +97,7 @@ def _case(cp_size, prefix_tokens, dtype_name, chunk_tokens, device, timed, act_q
     )
     locs = req_to_token[1, prefix_tokens:].long()
     maps = batch_row_maps(plan, layout, locs)
+    fill_plan = fills_only(plan)  # the former per-layer path wrote through the fill table
     nope = torch.randn(chunk_tokens, 1, 512, device=device, dtype=torch.bfloat16)
     rope = torch.randn(chunk_tokens, 1, 64, device=device, dtype=torch.bfloat16)
     key = torch.randn(chunk_tokens, 128, device=device, dtype=torch.bfloat16)
@@ -106,7 +109,7 @@ def _case(cp_size, prefix_tokens, dtype_name, chunk_tokens, device, timed, act_q
 
     def store_twice():
         physical = layout.physical_locs_or_dummy(locs)
-        fill = plan.fill_locs(locs)
+        fill = fill_plan.remap_token_locs(locs)
         pool.set_mla_kv_buffer(layer, physical, nope, rope)
         slot.set_mla_kv_buffer(layer, fill, nope, rope)
         store_index(pool, physical)
@@ -125,7 +128,7 @@ def _case(cp_size, prefix_tokens, dtype_name, chunk_tokens, device, timed, act_q
 
     def per_layer_maps():
         layout.physical_locs_or_dummy(locs)
-        plan.fill_locs(locs)
+        fill_plan.remap_token_locs(locs)
 
     n = plan.gather_pages_per_rank
     buffers = [

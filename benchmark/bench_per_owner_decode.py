@@ -125,9 +125,7 @@ class Kernels:
 
     def sglang_topk(self, logits, lens, page_table_1, cu_seqlens_q):
         if self.device != "cuda":
-            from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
-                replicated_topk_positions,
-            )
+            from sglang_cp_shared_kv_testing.decode_topk_reference import replicated_topk_positions
 
             positions = replicated_topk_positions(logits, lens, self.topk)
             return torch.where(positions >= 0, page_table_1.gather(1, positions.clamp(min=0).long()), -1)

@@ -1,10 +1,11 @@
 """Latency of per-owner decode's per-layer exchanges, one GPU per rank over NCCL (GLM-5 shapes).
 
-Per layer, per-owner decode all-gathers the top-k candidates (``[B, 2048]`` int64) and merges the
-partial attention outputs (``[B, 64, 512]`` bf16 + ``[B, 64]`` LSE). This times, per layer and
-batch size, each exchange as the module runs it (``decode_topk_merge.all_gather_candidates``,
-``attention_lse_merge.merge_by_all_gather`` / ``merge_by_scaled_sum``; and the scaled sum moved after
-``o_proj``: the LSE all-gather plus a bf16 all-reduce of ``[B, 6144]``), next to the bytes
+Per layer, per-owner decode all-gathers the top-k candidates' scores (``[B, 2048]`` float32) and
+merges the partial attention outputs (``[B, 64, 512]`` bf16 + ``[B, 64]`` LSE). This times, per
+layer and batch size, each exchange as per-owner decode runs it (the candidates' all-gather,
+``attention_lse_merge.merge_by_scaled_sum``), the all-gather form it did not choose
+(``sglang_cp_shared_kv_testing.lse_merge_reference.merge_by_all_gather``) and the scaled sum moved
+after ``o_proj`` (the LSE all-gather plus a bf16 all-reduce of ``[B, 6144]``), next to the bytes
 ``decode_step_bytes`` counts. Host time per call with a device sync (what a decode step waits for);
 median over ``--iters`` calls, rank 0 reported; ``x layers`` projects a 78-layer step.
 
@@ -40,7 +41,6 @@ def parse_args(argv=None):
 
 def _rank(rank, args, rendezvous, out_path):
     from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
-        merge_by_all_gather,
         merge_by_scaled_sum,
         process_group_collectives,
     )
@@ -49,9 +49,7 @@ def _rank(rank, args, rendezvous, out_path):
         candidate_bytes_per_token_layer,
         merge_bytes_per_token_layer,
     )
-    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
-        all_gather_candidates,
-    )
+    from sglang_cp_shared_kv_testing.lse_merge_reference import merge_by_all_gather
 
     cuda = args.device == "cuda"
     if cuda:
@@ -71,7 +69,7 @@ def _rank(rank, args, rendezvous, out_path):
         lse = torch.randn(batch, shapes.heads, generator=g).to(device)
         hidden = torch.randn(batch, shapes.hidden, generator=g).to(device, torch.bfloat16)
         calls = {
-            "candidates": lambda: all_gather_candidates(scores, group),
+            "candidates": lambda: all_gather(scores),
             "all_gather": lambda: merge_by_all_gather(out, lse, all_gather),
             "scaled_sum": lambda: merge_by_scaled_sum(out, lse, all_gather, all_reduce_sum),
             "scaled_sum_after_o_proj": lambda: (all_gather(lse), all_reduce_sum(hidden)),

@@ -48,7 +48,7 @@ from sglang_cp_shared_kv_testing.cp_hicache_stack import (
 )
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
-from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import FINISHED_COLLECTIVE
+from sglang_cp_shared_kv.mem_cache.cp_hiradix_rank_agreement import FINISHED_COLLECTIVE
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv_testing.multi_rank import RanksFailed, launch
 

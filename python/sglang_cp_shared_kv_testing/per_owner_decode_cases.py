@@ -20,12 +20,12 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge impor
     local_candidates,
     owned_attention_indices,
     select_global,
-    selected_positions,
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
+from sglang_cp_shared_kv_testing.decode_topk_reference import selected_positions
 
 
 @dataclass

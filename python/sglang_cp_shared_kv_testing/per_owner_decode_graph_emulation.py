@@ -29,9 +29,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_me
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     local_candidates,
     owned_attention_indices,
-    replicated_topk_positions,
     select_global,
-    selected_positions,
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
@@ -44,6 +42,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
 from sglang_cp_shared_kv.model_executor.per_owner_decode.cuda_graphs import OwnerTableBuffers
 from sglang_cp_shared_kv_testing import nsa_decode_kernel_calls as calls
 from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv_testing.decode_topk_reference import replicated_topk_positions, selected_positions
 from sglang_cp_shared_kv_testing.per_owner_decode_hooked import KV_DIM, pool_rows
 
 PAGE = 64

@@ -39,10 +39,11 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
+from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
+from sglang_cp_shared_kv_testing.decode_topk_reference import (
+    replicated_topk_positions,
     same_selection_up_to_ties,
 )
-from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 from sglang_cp_shared_kv_testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
 
@@ -366,7 +367,7 @@ def _apply_plants(stack: ExitStack, scenario: Scenario, rank: int, state) -> dic
 
         def padding_reads_row_0(selection, candidates, cp_rank):
             # a request with fewer than k tokens: its selection's empty slots read row 0
-            short = selection.selected_count() < candidates.physical_rows.shape[1]
+            short = selection.chosen_mask().sum(dim=(1, 2)) < candidates.physical_rows.shape[1]
             padding = (candidates.physical_rows < 0) & short[:, None]
             return torch.where(padding, 0, owned(selection, candidates, cp_rank)).to(torch.int32)
 
@@ -598,10 +599,6 @@ def replicated_reference(case, results, logits_fn=None, attention_fn=None):
     positions, the indexer scores [B, L] and lengths the selection came from) of a replicated pool holding the rows
     the owners stored. ``logits_fn`` / ``attention_fn`` default to
     the torch references; ``attention_fn(q, rows, locs, sm_scale, seq_lens, kv_dtype)``."""
-    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
-        replicated_topk_positions,
-    )
-
     scenario, batch = case.scenario, case.batch
     rows = []
     for layer_id in range(len(scenario.layers)):

@@ -99,6 +99,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
 from sglang_cp_shared_kv.model_executor.scratch_rows import BatchRowMaps
 from sglang_cp_shared_kv_testing.cuda_sync_counter import CudaSyncCounter
 from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub, get_k_and_s_torch
+from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_locs
 
 PAGE_SIZE = 64
 KV_DIMS = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 656)}
@@ -252,7 +253,7 @@ def apply_plant(runtime: CpSharedKVRuntime, plant: Optional[str]) -> None:
 
         def fill_only(plan, logical_locs):
             maps = row_maps(plan, logical_locs)
-            locs = plan.fill_locs(logical_locs)
+            locs = fill_locs(plan, logical_locs)
             rows = locs.long()
             return BatchRowMaps(
                 scratch_locs=locs,

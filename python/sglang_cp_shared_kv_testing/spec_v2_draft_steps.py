@@ -48,7 +48,9 @@ def _pages(lookup) -> list:
 
 
 def _plan_pages(plan) -> dict:
-    filled = _pages(plan.fill_lookup)
+    from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_lookup
+
+    filled = _pages(fill_lookup(plan))
     return {"gathered": sorted(set(_pages(plan.lookup)) - set(filled)), "filled": filled}
 
 

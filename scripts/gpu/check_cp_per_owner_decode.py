@@ -269,11 +269,12 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
     from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 
     from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
-    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
-        owned_attention_indices,
+    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import owned_attention_indices
+    from sglang_cp_shared_kv_testing.decode_topk_reference import (
         replicated_topk_positions,
         same_selection_up_to_ties,
     )
+    from sglang_cp_shared_kv_testing.lse_merge_reference import merge_partials
     from sglang_cp_shared_kv_testing.per_owner_decode_cases import per_owner_topk, random_batch
 
     device = args.device
@@ -341,7 +342,7 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
     merged = torch.zeros_like(outs[0])
     for out_r, lse_r in zip(outs, lses):  # the bf16 sum all-reduce, rank by rank
         merged = merged + merge.scaled_partial(out_r, lse_r, lse_all).to(out_r.dtype)
-    merged_gather, _ = merge.merge_partials(torch.stack(outs), torch.stack(lses))
+    merged_gather, _ = merge_partials(torch.stack(outs), torch.stack(lses))
 
     # Compare.
     selection = ranks[0].positions

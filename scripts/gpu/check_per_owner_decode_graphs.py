@@ -163,11 +163,9 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
     """[batch A passed, batch B passed] of ``decode_impl`` at ``cp_size``."""
     import torch
 
-    from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
-        same_selection_up_to_ties,
-    )
     from sglang_cp_shared_kv_testing import cpu_graph_recorder
     from sglang_cp_shared_kv_testing import per_owner_decode_graph_emulation as emu
+    from sglang_cp_shared_kv_testing.decode_topk_reference import same_selection_up_to_ties
 
     device = args.device
     g = torch.Generator().manual_seed(args.seed * 100 + cp_size)

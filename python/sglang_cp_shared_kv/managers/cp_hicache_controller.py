@@ -120,12 +120,6 @@ class CpHybridCacheController(HybridCacheController):
 
     # ---- write (device -> host) ----
 
-    def reserve_host_slots(self, logical_device_indices: torch.Tensor) -> CpWriteReservation:
-        """``plan_host_write``, then ``take_host_slots`` (``host_indices`` stays ``None`` if short)."""
-        reservation = self.plan_host_write(logical_device_indices)
-        self.take_host_slots(reservation)
-        return reservation
-
     def plan_host_write(self, logical_device_indices: torch.Tensor) -> CpWriteReservation:
         """Owned subset of a node's logical locs and its physical rows; no host slot taken yet.
 

@@ -3,7 +3,7 @@
 When decode runs per owner, slot 0 of the gather scratch holds what one prefill batch may
 reference (``model_executor.scratch_sizing``), not the logical capacity. An extend forward reads,
 per request, its prefix and this forward's chunk (``len(req.fill_ids)`` tokens), and needs at most
-``prefill_batch_scratch_pages`` of them. sglang's ``PrefillAdder`` bounds the new tokens of a batch
+1 + the sum of their ``request_scratch_pages`` (the dummy page). sglang's ``PrefillAdder`` bounds the new tokens of a batch
 (chunked prefill, ``--max-prefill-tokens``) but not the prefixes, so a batch of requests with long
 cached prefixes could exceed the scratch. Hooks on the adder, for every rank's scheduler alike
 (host lengths only):

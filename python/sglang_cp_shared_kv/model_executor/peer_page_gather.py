@@ -33,7 +33,7 @@ def gather_peer_pages(
     n = plan.gather_pages_per_rank
     if n == 0:
         return
-    cp_size, cp_rank = plan.layout.cp_size, plan.layout.cp_rank
+    cp_rank = plan.layout.cp_rank
     region = scratch_pages[1 : 1 + plan.gathered_region_pages]
     slices = plan.owner_slices()
     start, count = slices[cp_rank]

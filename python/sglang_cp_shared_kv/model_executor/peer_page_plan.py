@@ -32,7 +32,7 @@ The plan is computed on the host, from host page ids (the ``req_to_token`` mirro
 ``ReqToPageMirror``), in NumPy: which pages, which owner, how many per rank (``n`` sizes the
 collective, so it must be a host number). Only its result goes to the device: the referenced pages
 and their scratch pages as compact pairs, and this rank's send list, in one non-blocking copy from
-pinned memory, scattered into the lookup tables there. Nothing in it waits for the GPU.
+pinned memory, scattered into the lookup table there. Nothing in it waits for the GPU.
 """
 
 from __future__ import annotations
@@ -53,10 +53,8 @@ DUMMY_SCRATCH_PAGE = 0
 class PeerPagePlan:
     layout: CpSharedKVLayout
     # logical page -> scratch page of every referenced page; DUMMY_SCRATCH_PAGE elsewhere. int32.
+    # Gathered pages map into 1 .. gathered_region_pages, locally filled pages beyond it.
     lookup: torch.Tensor
-    # Same, but only for locally filled pages: write hooks map through it so a local fill never
-    # touches the gathered region (gathered pages map to the dummy page).
-    fill_lookup: torch.Tensor
     # n: gathered pages each rank sends (the largest owner's count; in the padded layout the others
     # pad with page 0).
     gather_pages_per_rank: int
@@ -94,10 +92,6 @@ class PeerPagePlan:
     def remap_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:
         """Page ids of a kernel table (``real_page_table``) -> scratch page ids (dtype kept)."""
         return self.lookup[logical_pages.long()].to(logical_pages.dtype)
-
-    def fill_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
-        """Scratch rows a write of ``logical_locs`` fills locally; the rest go to the dummy page."""
-        return _through(self.fill_lookup, logical_locs, self.layout.page_size)
 
 
 def _through(page_map: torch.Tensor, logical_locs: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -155,7 +149,6 @@ def build_peer_page_plan(
     send_length = int(counts[layout.cp_rank]) if exact else n
 
     # One staging array: [referenced page ids | their scratch pages | send list (padded to n)].
-    # Gathered pages come first in both halves, so the fill pages are a suffix of each.
     num_referenced = num_gathered + num_fill
     staged = np.zeros(2 * num_referenced + send_length, dtype=np.int64)
     staged[:num_gathered] = gathered
@@ -167,17 +160,12 @@ def build_peer_page_plan(
 
     ids, scratch_pages = on_device[:num_referenced], on_device[num_referenced : 2 * num_referenced]
     lookup = torch.zeros(num_logical_pages, dtype=torch.int32, device=device)
-    fill_lookup = torch.zeros_like(lookup)
     if num_referenced:
         # scatter_ (like any integer-index write) never syncs; ids are distinct.
-        scratch_pages = scratch_pages.to(torch.int32)
-        lookup.scatter_(0, ids, scratch_pages)
-        if num_fill:
-            fill_lookup.scatter_(0, ids[num_gathered:], scratch_pages[num_gathered:])
+        lookup.scatter_(0, ids, scratch_pages.to(torch.int32))
     return PeerPagePlan(
         layout=layout,
         lookup=lookup,
-        fill_lookup=fill_lookup,
         gather_pages_per_rank=n,
         send_physical_pages=on_device[2 * num_referenced :],
         num_fill_pages=num_fill,

@@ -18,8 +18,8 @@ tokens. Slot 0 then only has to hold what admission lets into one prefill batch:
   ``context_len + chunked_prefill_size`` (``+ max_prefill_tokens`` without chunked prefill): one
   request of the longest context plus one chunk's worth of other requests; rounded up to pages
   and at most the logical capacity;
-* bound (``prefill_batch_scratch_pages``): ``1 + sum over requests of ceil(len(fill_ids) /
-  page_size)`` scratch pages. A plan needs at most that whatever the owners (``PeerPagePlan``'s
+* bound: ``1 + sum over requests of ceil(len(fill_ids) / page_size)`` scratch pages (the dummy
+  page and each request's ``request_scratch_pages``). A plan needs at most that whatever the owners (``PeerPagePlan``'s
   exact layout), and admission (``managers.prefill_scratch_admission``) keeps every batch within it.
 
 Slot 0 keeps the full logical capacity (the old size) when a decode forward may gather
@@ -32,7 +32,7 @@ identical on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason, impl_gather_reason
 from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV, current_settings
@@ -127,10 +127,6 @@ class ScratchDecision:
     prefetch_slot_requested_tokens: int
     decode_gather_reason: Optional[str]
 
-    @property
-    def decode_per_owner(self) -> bool:
-        return self.decode_gather_reason is None
-
 
 def decide_scratch(server_args, context_len: int) -> ScratchDecision:
     """The one decision (same inputs on every rank: server args, context length, settings)."""
@@ -148,9 +144,3 @@ def decide_scratch(server_args, context_len: int) -> ScratchDecision:
 def request_scratch_pages(context_tokens: int, page_size: int) -> int:
     """Scratch pages one request of ``context_tokens`` (prefix + chunk) can take in a plan."""
     return -(-max(context_tokens, 0) // page_size)
-
-
-def prefill_batch_scratch_pages(context_tokens: Sequence[int], page_size: int) -> int:
-    """Upper bound of the scratch pages (dummy page 0 included) of an extend batch whose requests
-    reference ``context_tokens`` tokens each; shared prefix pages only make the real need smaller."""
-    return 1 + sum(request_scratch_pages(t, page_size) for t in context_tokens)

@@ -120,9 +120,3 @@ def install(cp_rank: int, registry=None, labels: Optional[Dict[str, object]] = N
     if _process_metrics is None:
         _process_metrics = CpSharedKVMetrics(cp_rank, registry, labels)
     return _process_metrics
-
-
-def uninstall() -> None:
-    """Forget this process's metrics (tests)."""
-    global _process_metrics
-    _process_metrics = None

@@ -119,10 +119,11 @@ class DecodeReadAudit:
             return
         layout, page_table_1, seq_lens = self.forward
         seq_lens = seq_lens.long()
-        mine = selection.chosen_mask()[:, cp_rank]  # this rank's candidates in the global selection
+        chosen = selection.chosen_mask()
+        mine = chosen[:, cp_rank]  # this rank's candidates in the global selection
         positions = torch.where(mine, candidates.positions, -1)
         rows, owners = expected_attention_indices(layout, page_table_1, seq_lens, positions, cp_rank)
-        selected_per_request = selection.selected_count()
+        selected_per_request = chosen.sum(dim=(1, 2))  # min(seq_len, k) each
         padding = page_table_1[:, 0].long() // layout.page_size < layout.cp_size
         want = torch.clamp(seq_lens, max=candidates.positions.shape[1])
         wrong_rows = indices.long() != rows

@@ -230,13 +230,15 @@ class ReadAudit:
         self.counts[f"{kind}_bit_diffs"] += int(differs.sum())
         self.counts[f"{kind}_wrong"] += int(wrong.sum())
         if bool(wrong.any()):
+            from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_lookup
+
             first = int(torch.nonzero(wrong)[0])
             logger.error(
                 "cp-shared-kv smoke read audit: %d of %d %s rows read through the scratch hold another "
                 "token than their owner's rows (first: logical loc %d, scratch loc %d, relative error "
                 "%.3f, filled locally: %s)", int(wrong.sum()), locs.numel(), kind, int(locs[first]),
                 int(scratch_locs[first]), float(errors[first]),
-                bool(runtime.plan.fill_lookup[locs[first] // ps] != 0),
+                bool(fill_lookup(runtime.plan)[locs[first] // ps] != 0),
             )
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.counts))

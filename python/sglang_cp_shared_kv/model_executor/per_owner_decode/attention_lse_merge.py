@@ -19,8 +19,9 @@ Exchange (bytes received per rank, per token and layer; H heads, D = kv_lora_ran
 per head: the absorbed-MLA attention output before the per-head up-projection ``w_vc``, which is
 what sglang's NSA decode returns):
 
-* ``merge_by_all_gather``: all-gather ``out_r`` (bf16) and ``lse_r`` (fp32), merge locally:
-  ``(cp - 1) * H * (2 D + 4)``; one collective per layer (out and lse in one buffer).
+* all-gather ``out_r`` (bf16) and ``lse_r`` (fp32), merge locally:
+  ``(cp - 1) * H * (2 D + 4)``; one collective per layer (out and lse in one buffer). Not chosen
+  (below); the tests' ``lse_merge_reference`` keeps it for the exchange benchmark.
 * ``merge_by_scaled_sum``: all-gather ``lse_r`` (``(cp - 1) * 4 H``), every rank computes the global
   LSE and scales its own partial by ``exp(lse_r - lse)``, then one sum all-reduce of the scaled
   partials in the output dtype (ring: ``2 (cp - 1) / cp * 2 H D``); two collectives per layer.
@@ -87,30 +88,10 @@ def _as_empty_or_finite(lses: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(lses.float(), nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """n-way merge of ``outs`` [n, T, H, D] with natural ``lses`` [n, T, H]: (out float32, lse)."""
-    lse = global_lse(lses)
-    out = sum(scaled_partial(outs[r], lses[r], lse) for r in range(outs.shape[0]))
-    return out, lse
-
-
 # ---- the exchanges (collectives are injected: torch.distributed, or an emulation) ----
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]  # [...] -> [cp_size, ...]
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]  # [...] -> [...], summed over ranks
-
-
-def merge_by_all_gather(
-    out_r: torch.Tensor, lse_r: torch.Tensor, all_gather: AllGather
-) -> torch.Tensor:
-    """Merged output in ``out_r``'s dtype from this rank's partial (natural ``lse_r``)."""
-    tokens, heads, dim = out_r.shape
-    # One buffer: the partial's bytes, then the LSE's bytes (float32 viewed in out's dtype).
-    lse_as_out = lse_r.float().contiguous().view(out_r.dtype).reshape(tokens, heads, -1)
-    gathered = all_gather(torch.cat([out_r, lse_as_out], dim=-1))
-    outs = gathered[..., :dim]
-    lses = gathered[..., dim:].contiguous().view(torch.float32).reshape(-1, tokens, heads)
-    return merge_partials(outs, lses)[0].to(out_r.dtype)
 
 
 def merge_by_scaled_sum(

@@ -20,17 +20,17 @@ scoring exactly ``t``, the first ones in candidate order (rank ascending, then t
 top-k output order) until it holds ``k`` (or every token of a shorter request). What this matches:
 sglang's own top-k (a radix select) also keeps every token above ``t`` and an arbitrary subset of
 those tied at ``t``; a replicated pool's selection equals ours up to which tokens tied at ``t`` are
-kept (``same_selection_up_to_ties`` states it precisely). The radix selects may pick different
-tied tokens on different runs, but the global step is a deterministic function of the gathered
-bytes, which are identical on every rank, so every rank selects the same set; their attention
-indices partition it.
+kept (``same_selection_up_to_ties`` of the tests' ``decode_topk_reference`` states it precisely).
+The radix selects may pick different tied tokens on different runs, but the global step is a
+deterministic function of the gathered bytes, which are identical on every rank, so every rank
+selects the same set; their attention indices partition it.
 
 Padding (tokens beyond a request's owned length, requests with fewer than k owned tokens): score
 ``-inf``, row and position -1; never selected. Real indexer scores are finite.
 
 Exchange: one ``all_gather_into_tensor`` of ``[B, k]`` float32 per layer that computes top-k
 (``skip_topk`` layers reuse the indices of the previous layer). Bytes received per rank, per token
-and layer: ``(cp_size - 1) * k * 4`` (see ``decode_step_bytes``).
+and layer: ``(cp_size - 1) * k * 4`` (the tests' ``decode_step_bytes`` counts it).
 """
 
 from __future__ import annotations
@@ -38,11 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
-    process_group_collectives,
-)
 
 RADIX_TOPK_K = 2048  # the k sgl_kernel's fast_topk_v2 serves
 
@@ -129,10 +124,6 @@ class GlobalSelection:
         chosen = (above | (tied & (tied.cumsum(dim=1) <= wanted_ties))) & (flat > float("-inf"))
         return chosen.view(batch, cp_size, width)
 
-    def selected_count(self) -> torch.Tensor:
-        """[B] tokens selected per request: min(seq_len, k)."""
-        return self.chosen_mask().sum(dim=(1, 2))
-
 
 def select_global(gathered_scores: torch.Tensor, k: int) -> GlobalSelection:
     """The global top-k from every rank's candidate scores ``[cp_size, B, k]`` (rank-major, as
@@ -171,68 +162,3 @@ def compact_owned_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     valid = indices >= 0
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
     return indices.gather(1, order), valid.sum(dim=1, dtype=torch.int32)
-
-
-def all_gather_candidates(scores: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[cp_size, B, k]`` candidate scores of every rank; every rank of ``group`` must call it, in
-    the same order."""
-    return process_group_collectives(group)[0](scores)
-
-
-def selected_positions(selection: GlobalSelection, gathered_positions: torch.Tensor) -> torch.Tensor:
-    """[B, cp_size * k] int32 request positions of the selection (candidate order, -1 where not
-    selected), from every rank's candidate positions ``[cp_size, B, k]``. For checks and audits:
-    the runtime never gathers positions."""
-    cp_size, batch, width = gathered_positions.shape
-    flat = gathered_positions.permute(1, 0, 2).reshape(batch, cp_size * width)
-    return torch.where(selection.chosen_mask().reshape(batch, -1), flat, -1).to(torch.int32)
-
-
-# ---- the replicated reference ----
-
-
-def replicated_topk_positions(logits: torch.Tensor, seq_lens: torch.Tensor, k: int) -> torch.Tensor:
-    """[B, k] int32 positions a replicated pool's top-k selects from ``logits`` [B, L] (column =
-    position; columns ``>= seq_lens[b]`` ignored); -1 padding, descending score. Ties at the k-th
-    score: ``torch.topk``'s choice (compare with ``same_selection_up_to_ties``)."""
-    batch, width = logits.shape
-    column = torch.arange(max(width, k), device=logits.device).unsqueeze(0)
-    padded = torch.nn.functional.pad(logits.float(), (0, max(0, k - width)), value=float("-inf"))
-    masked = torch.where(column < seq_lens.unsqueeze(1), padded, float("-inf"))
-    columns = torch.topk(masked, k, dim=1).indices
-    return torch.where(columns < seq_lens.unsqueeze(1), columns, -1).to(torch.int32)
-
-
-def same_selection_up_to_ties(
-    ours: torch.Tensor, theirs: torch.Tensor, scores: torch.Tensor, seq_lens: torch.Tensor, k: int
-) -> torch.Tensor:
-    """[B] bool: per request, do two selections (positions, -1 padding, any order and width) agree
-    up to ties at the k-th score? Both must hold ``min(seq_len, k)`` distinct valid positions, share
-    every position scoring above the k-th score, and pick the rest among positions scoring exactly
-    the k-th. ``scores``: [B, L] float32, column = position."""
-    batch, width = scores.shape
-    column = torch.arange(width, device=scores.device).unsqueeze(0)
-    in_seq = column < seq_lens.unsqueeze(1)
-    masked = torch.where(in_seq, scores.float(), float("-inf"))
-    kth = torch.topk(
-        torch.nn.functional.pad(masked, (0, max(0, k - width)), value=float("-inf")), k, dim=1
-    ).values[:, -1:]
-    above = in_seq & (masked > kth)
-    tied = in_seq & (masked == kth)
-
-    def as_mask(selection):
-        mask = torch.zeros((batch, width + 1), dtype=torch.int32, device=scores.device)
-        index = torch.where(selection >= 0, selection.long(), width)
-        mask.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
-        return mask[:, :width]
-
-    agree = torch.ones(batch, dtype=torch.bool, device=scores.device)
-    expected = torch.clamp(seq_lens.long(), max=k)
-    for selection in (ours, theirs):
-        mask = as_mask(selection)
-        agree &= (mask <= 1).all(dim=1)  # distinct
-        agree &= (mask.sum(dim=1) == expected) & ((mask * ~in_seq).sum(dim=1) == 0)
-        agree &= (mask.bool() | ~above).all(dim=1)  # every position above the k-th
-        agree &= (~mask.bool() | above | tied).all(dim=1)  # the rest from the tie group
-    return agree
-

@@ -29,6 +29,14 @@ def _locs_of_pages(pages):
     return (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
 
 
+def _reserve_host_slots(controller, locs):
+    """A write's plan with its host slots taken (``host_indices`` stays ``None`` if the pool is short),
+    as the cache takes them once its ledger says the write fits everywhere."""
+    reservation = controller.plan_host_write(locs)
+    controller.take_host_slots(reservation)
+    return reservation
+
+
 class _CallCounter:
     """Counts calls of one host pool method (shadowed on the instance), to prove no transfer runs."""
 
@@ -76,7 +84,7 @@ class TestCpHybridCacheController(CustomTestCase):
         write_owned_pattern(self.stack, locs, seed=1)
         used_before = self.controller.physical_host_slots_used()
 
-        reservation = self.controller.reserve_host_slots(locs)
+        reservation = _reserve_host_slots(self.controller, locs)
         self.assertTrue(reservation.ok)
         self.assertEqual(reservation.required_host_slots, 3 * PAGE)
         self.assertEqual(self.controller.physical_host_slots_used() - used_before, 3 * PAGE)
@@ -124,7 +132,7 @@ class TestCpHybridCacheController(CustomTestCase):
         locs = _locs_of_pages([2, 4])  # both on rank 0
         backups = _CallCounter(self, self.host, "backup_from_device_all_layer")
         used_before = self.controller.physical_host_slots_used()
-        reservation = self.controller.reserve_host_slots(locs)
+        reservation = _reserve_host_slots(self.controller, locs)
         self.assertTrue(reservation.ok)
         self.assertEqual(reservation.required_host_slots, 0)
         metadata = self.controller.write_reserved(reservation, node_id=11)
@@ -138,7 +146,7 @@ class TestCpHybridCacheController(CustomTestCase):
         locs = _locs_of_pages([3, 5])
         hoard = self.host.alloc(self.host.available_size() - PAGE)  # leave one page
         used_before = self.controller.physical_host_slots_used()
-        reservation = self.controller.reserve_host_slots(locs)
+        reservation = _reserve_host_slots(self.controller, locs)
         self.assertFalse(reservation.ok)
         self.assertEqual(reservation.required_host_slots, 2 * PAGE)
         self.assertEqual(self.controller.physical_host_slots_used(), used_before)
@@ -148,7 +156,7 @@ class TestCpHybridCacheController(CustomTestCase):
         locs = _locs_of_pages([3, 4, 5, 6])
         write_owned_pattern(self.stack, locs, seed=2)
         metadata = self.controller.write_reserved(
-            self.controller.reserve_host_slots(locs), node_id=1
+            _reserve_host_slots(self.controller, locs), node_id=1
         )
         clear_device_pool(self.stack)
         # Occupy pages so that the new locs differ from the old ones.
@@ -169,7 +177,7 @@ class TestCpHybridCacheController(CustomTestCase):
     def test_zero_owned_load_returns_full_locs_and_one_producer_event(self):
         locs = _locs_of_pages([2, 4, 6])
         metadata = self.controller.write_reserved(
-            self.controller.reserve_host_slots(locs), node_id=3
+            _reserve_host_slots(self.controller, locs), node_id=3
         )
         self.assertEqual(metadata.num_owned, 0)
         kv_loads = _CallCounter(self, self.kv_host, "load_to_device_per_layer")
@@ -184,7 +192,7 @@ class TestCpHybridCacheController(CustomTestCase):
     def test_load_onto_another_ranks_page_is_refused(self):
         locs = _locs_of_pages([3, 4])
         metadata = self.controller.write_reserved(
-            self.controller.reserve_host_slots(locs), node_id=5
+            _reserve_host_slots(self.controller, locs), node_id=5
         )
         with self.assertRaises(ValueError):
             # Page 3's bytes are on rank 1's host; page 8 lives on rank 0.
@@ -195,10 +203,10 @@ class TestCpHybridCacheController(CustomTestCase):
         used_before = self.controller.physical_host_slots_used()
         for locs in (_locs_of_pages([3, 5]) + 1, _locs_of_pages([3])[: PAGE // 2]):
             with self.assertRaisesRegex(ValueError, "whole pages"):
-                self.controller.reserve_host_slots(locs)
+                _reserve_host_slots(self.controller, locs)
         self.assertEqual(self.controller.physical_host_slots_used(), used_before)
         metadata = self.controller.write_reserved(
-            self.controller.reserve_host_slots(_locs_of_pages([3, 4])), node_id=6
+            _reserve_host_slots(self.controller, _locs_of_pages([3, 4])), node_id=6
         )
         with self.assertRaisesRegex(ValueError, "whole pages"):
             self.controller.load_reserved(metadata, _locs_of_pages([5, 4]) + 1, node_id=6)
@@ -209,7 +217,7 @@ class TestCpHybridCacheController(CustomTestCase):
         host = self.stack.kv_host
         host.free_slots = torch.cat((host.free_slots[PAGE // 2 :], host.free_slots[: PAGE // 2]))
         with self.assertRaisesRegex(ValueError, "host slots are not whole pages"):
-            self.controller.reserve_host_slots(_locs_of_pages([3]))
+            _reserve_host_slots(self.controller, _locs_of_pages([3]))
 
     def test_plan_matches_a_per_loc_reference_when_all_some_or_none_owned(self):
         # plan_host_write works on page heads and takes a shortcut when every page is this rank's;

@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache, nsa_host_kv_row_width
+from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache, cp_hiradix_host_tier, nsa_host_kv_row_width
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache, _check_supported
 from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
@@ -230,7 +230,7 @@ class TestCpHiRadixCacheTree(CustomTestCase):
     def test_host_usage_is_logged_per_rank(self):
         self.cache.HOST_USAGE_LOG_INTERVAL = 1
         self.addCleanup(delattr, self.cache, "HOST_USAGE_LOG_INTERVAL")
-        with self.assertLogs(cp_hiradix_cache.logger, level=logging.INFO) as logs:
+        with self.assertLogs(cp_hiradix_host_tier.logger, level=logging.INFO) as logs:
             self._insert_backed(_tokens(0, 2))
         self.assertTrue(
             any("cp rank 1 of 2" in line and "physical slots used" in line for line in logs.output)

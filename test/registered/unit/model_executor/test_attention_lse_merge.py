@@ -19,15 +19,11 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
     global_lse,
-    merge_by_all_gather,
     merge_by_scaled_sum,
-    merge_partials,
     natural_lse,
     process_group_collectives,
 )
-from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
-    all_gather_candidates,
-)
+from sglang_cp_shared_kv_testing.lse_merge_reference import merge_by_all_gather, merge_partials
 from sglang_cp_shared_kv_testing.multi_rank import run_ranks
 from sglang_cp_shared_kv_testing.nsa_decode_reference import sparse_mla_decode_reference
 
@@ -110,7 +106,7 @@ def _merge_on_rank(rank, world_size, seed):
     return (
         merge_by_all_gather(out_r, lse_r, all_gather),
         merge_by_scaled_sum(out_r, lse_r, all_gather, all_reduce_sum),
-        all_gather_candidates(scores, group),
+        all_gather(scores),  # the candidates' exchange, as PerOwnerDecode.select runs it
     )
 
 

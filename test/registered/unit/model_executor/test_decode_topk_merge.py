@@ -21,10 +21,12 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     compact_owned_indices,
-    replicated_topk_positions,
-    same_selection_up_to_ties,
     select_global,
     topk_columns,
+)
+from sglang_cp_shared_kv_testing.decode_topk_reference import (
+    replicated_topk_positions,
+    same_selection_up_to_ties,
 )
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import (
     emulated_local_logits,

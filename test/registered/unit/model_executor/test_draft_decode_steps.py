@@ -41,6 +41,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
 )
 from sglang_cp_shared_kv_testing.device_sync_recorder import DeviceSyncRecorder
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
+from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_lookup
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
@@ -133,7 +134,7 @@ class TestDraftStepLengths(_Case):
         committed = [4, 9, 6, 3, 11, 5]  # every page with a committed token, request 1's page 2 too
         for step, plan in enumerate(plans):
             with self.subTest(step=step):
-                filled = _pages(plan, plan.fill_lookup)
+                filled = _pages(plan, fill_lookup(plan))
                 gathered = sorted(set(_pages(plan, plan.lookup)) - set(filled))
                 self.assertEqual(gathered, sorted(committed))
                 # Draft tokens only: request 2's page 2 from step 0, request 3's page 1 from step 2.

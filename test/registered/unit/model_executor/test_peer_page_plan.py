@@ -9,6 +9,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
+from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_locs, fill_lookup
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -60,7 +61,7 @@ class TestWhoSendsWhat(CustomTestCase):
             for page, scratch_page in expected_lookup.items():
                 self.assertEqual(int(plan.lookup[page]), scratch_page)
             self.assertEqual(int(plan.lookup.count_nonzero()), 4)
-            self.assertEqual(plan.fill_lookup.nonzero().flatten().tolist(), [3, 4])
+            self.assertEqual(fill_lookup(plan).nonzero().flatten().tolist(), [3, 4])
             self.assertEqual(plan.scratch_pages_used, 5)
 
     def test_rank_owning_nothing_still_sends_padding(self):
@@ -186,7 +187,7 @@ class TestRemapReadsTheReplicatedRows(CustomTestCase):
                 [table[r, s - k : s].long() for r, s, k in zip(reqs, seq_lens, new)]
             )
             filled = scratch.clone()
-            filled.view(-1)[plan.fill_locs(written)] = written
+            filled.view(-1)[fill_locs(plan, written)] = written
             filled[0] = -1  # dummy page: garbage by design
             for r, s in zip(reqs, seq_lens):
                 logical = table[r, :s]

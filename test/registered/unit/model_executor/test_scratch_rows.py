@@ -22,6 +22,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, cre
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
 from sglang_cp_shared_kv_testing.page_mirror import mirrored
+from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_locs
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
@@ -77,7 +78,7 @@ class TestSingleStoreBytes(CustomTestCase):
         scratch = create_gather_scratch(pool, CP_SIZE)
         locs = _locs()
         store(pool, LAYER, runtime.layout.physical_locs_or_dummy(locs))
-        store(scratch, 0, runtime.plan.fill_locs(locs))
+        store(scratch, 0, fill_locs(runtime.plan, locs))
         return pool, scratch
 
     def _check_kv(self, dtype_name):

@@ -3,8 +3,8 @@
 * ``scratch_sizing``: which servers get a prefill-sized slot 0 and of what size (server args and
   environment only, so every rank decides the same); every server whose decode may gather keeps
   the logical capacity.
-* ``prefill_batch_scratch_pages``: the bound admission enforces really bounds the plan, whatever
-  the owners of the batch's pages (a plan on a scratch of exactly the bound never raises).
+* the bound admission enforces (``1 +`` each request's ``request_scratch_pages``) really bounds the
+  plan, whatever the owners of the batch's pages (a plan on a scratch of exactly the bound never raises).
 
 Plants seen failing (then reverted): sizing slot 0 for prefill while ``SGLANG_CP_SHARED_KV_DECODE``
 is ``gather`` (``test_gathering_decode_keeps_the_logical_capacity``); the plan keeping the padded
@@ -30,7 +30,7 @@ from sglang_cp_shared_kv.model_executor.gather_scratch import (
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
 from sglang_cp_shared_kv.model_executor.scratch_sizing import (
     PREFILL_SCRATCH_TOKENS_ENV,
-    prefill_batch_scratch_pages,
+    request_scratch_pages,
     scratch_sizing,
 )
 from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
@@ -38,6 +38,12 @@ from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 PAGE = 64
+
+
+def prefill_batch_scratch_pages(context_tokens, page_size: int) -> int:
+    """The scratch pages admission lets an extend batch take: the dummy page 0 and every request's
+    whole context (``prefill_scratch_admission``); shared prefix pages only make the real need smaller."""
+    return 1 + sum(request_scratch_pages(t, page_size) for t in context_tokens)
 CONTEXT_LEN = 131072
 
 

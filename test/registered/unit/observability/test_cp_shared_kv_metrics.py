@@ -42,6 +42,11 @@ PAGE = 64
 SEQ = list(range(6 * PAGE))
 
 
+def _forget_metrics() -> None:
+    """Start this process over without metrics (the runtime installs them once per process)."""
+    cp_shared_kv_metrics._process_metrics = None
+
+
 def scrape(registry) -> dict:
     """``{(sample name, cp_rank): value}`` from the exposition text, as /metrics serves it."""
     text = generate_latest(registry).decode()
@@ -56,8 +61,8 @@ def scrape(registry) -> dict:
 class TestCpSharedKVMetrics(CustomTestCase):
     def setUp(self):
         self.registry = CollectorRegistry()
-        cp_shared_kv_metrics.uninstall()
-        self.addCleanup(cp_shared_kv_metrics.uninstall)
+        _forget_metrics()
+        self.addCleanup(_forget_metrics)
         self.metrics = cp_shared_kv_metrics.install(cp_rank=1, registry=self.registry)
 
     def test_round_trip_is_scraped_per_rank(self):
@@ -107,8 +112,8 @@ class TestLabelsAndGraphReplay(CustomTestCase):
 
     def setUp(self):
         self.registry = CollectorRegistry()
-        cp_shared_kv_metrics.uninstall()
-        self.addCleanup(cp_shared_kv_metrics.uninstall)
+        _forget_metrics()
+        self.addCleanup(_forget_metrics)
 
     def test_sglangs_labels_and_the_cp_rank(self):
         from types import SimpleNamespace
@@ -215,7 +220,7 @@ def _gather_rank(rank, world_size):
     from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
     registry = CollectorRegistry()
-    cp_shared_kv_metrics.uninstall()
+    _forget_metrics()
     cp_shared_kv_metrics.install(cp_rank=rank, registry=registry)
     counting = _CountingCollectives(dist)
     runtime_check.apply_hooks()
@@ -246,7 +251,7 @@ def _per_owner_rank(rank, world_size):
     from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
     registry = CollectorRegistry()
-    cp_shared_kv_metrics.uninstall()
+    _forget_metrics()
     cp_shared_kv_metrics.install(cp_rank=rank, registry=registry)
     scenario = hooked.Scenario(seq_lens=(300, 70), topk=128, kv_dtype="bf16", decode_impl="flashmla_sparse",
                                layers=PER_OWNER_LAYERS, steps=PER_OWNER_STEPS)  # fmt: skip

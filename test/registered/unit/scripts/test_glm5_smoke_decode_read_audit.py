@@ -68,7 +68,7 @@ def _audit_counts(cp_size, seed=3, plant=None, topk=TOPK):
             if plant == "wrong-owner":  # this rank takes the next rank's selected tokens as its own
                 nxt = (rank + 1) % cp_size
                 rolled = selection.chosen_mask().roll(-1, dims=1)
-                selection = SimpleNamespace(chosen_mask=lambda m=rolled: m, selected_count=selection.selected_count)
+                selection = SimpleNamespace(chosen_mask=lambda m=rolled: m)
                 candidates = replace(candidates, positions=ranks[nxt].candidates.positions)
             audit.check(selection, candidates, result.attention_indices, rank)
             for key, value in audit.counts.items():

@@ -22,6 +22,7 @@ from sglang_cp_shared_kv_testing.decode_step_bytes import (
     step_bytes_table,
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import local_candidates
+from sglang_cp_shared_kv_testing.lse_merge_reference import merge_by_all_gather
 from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT
 
 register_cpu_ci(est_time=3, suite="stage-a-test-cpu")
@@ -45,7 +46,7 @@ class TestDecodeStepBytes(CustomTestCase):
             sent["reduce"] = tensor.numel() * tensor.element_size()
             return tensor * cp_size
 
-        merge.merge_by_all_gather(out, lse, all_gather)
+        merge_by_all_gather(out, lse, all_gather)
         per_token = merge_bytes_per_token_layer(SMALL, cp_size, "all_gather")
         self.assertEqual((cp_size - 1) * sent["gather"], per_token * tokens)
 
