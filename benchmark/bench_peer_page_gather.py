@@ -34,6 +34,7 @@ import contextlib
 import statistics
 import time
 
+import numpy as np
 import torch
 
 PAGE = 64
@@ -86,14 +87,14 @@ def _case(cp_size, prefix_tokens, dtype_name, chunk_tokens, device, timed, act_q
     req_to_token = torch.zeros((2, seq_len), dtype=torch.int32, device=device)
     positions = torch.arange(seq_len, device=device)
     req_to_token[1] = ((cp_size + positions // PAGE) * PAGE + positions % PAGE).int()
+    request_pages = cp_size + np.arange(-(-seq_len // PAGE))  # the logical pages of req_to_token[1]
     plan = build_peer_page_plan(
         layout=layout,
-        req_to_token=req_to_token,
-        req_pool_indices=torch.tensor([1], device=device),
-        seq_lens=[seq_len],
-        new_token_counts=[chunk_tokens],
+        request_pages=[request_pages],
+        old_page_counts=[-(-prefix_tokens // PAGE)],
         num_logical_pages=cp_size * (physical_pages + 1),
         scratch_num_pages=cp_size * physical_pages + 1,
+        device=device,
     )
     locs = req_to_token[1, prefix_tokens:].long()
     maps = batch_row_maps(plan, layout, locs)
