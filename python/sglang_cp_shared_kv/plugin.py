@@ -22,10 +22,8 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_cp_shared_kv.server_args import (
-    cp_shared_kv_enabled_in_env,
-    register_server_args_hooks,
-)
+from sglang_cp_shared_kv.server_args import register_server_args_hooks
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled_in_env
 
 logger = logging.getLogger(__name__)
 

@@ -43,6 +43,7 @@ from sglang_cp_shared_kv.settings import (
     CP_SHARED_KV_FLAG,
     GRAPH_DECODE_ENV,
     MTP_ENV,
+    cp_shared_kv_enabled,
     cp_shared_kv_enabled_in_env,
     current_settings,
     current_settings_and_problems,
@@ -69,12 +70,6 @@ SGLANG_NSA_CP_TP_SIZE = 8
 # 2048 / tp is 1024, 512, 256 at tp 2, 4, 8; no other size from 2 to 8 divides 2048.
 CP_SHARED_KV_TP_SIZES = (2, 4, 8)
 _TP_SIZES_TEXT = "2, 4 or 8"
-
-
-def cp_shared_kv_enabled(server_args) -> bool:
-    """The flag on this ``ServerArgs``. Runtime hooks check it as well as the environment (which only
-    decides whether they are registered), so a stray ``SGLANG_CP_SHARED_KV`` cannot turn them on."""
-    return bool(getattr(server_args, CP_SHARED_KV_FIELD, False))
 
 
 def register_server_args_hooks(registry) -> None:
@@ -119,7 +114,7 @@ _flag_from_cli = contextvars.ContextVar("cp_shared_kv_flag_from_cli", default=Fa
 
 
 def _init_around(original, server_args, *args, **kwargs) -> None:
-    server_args.enable_nsa_prefill_cp_shared_kv = kwargs.pop(CP_SHARED_KV_FIELD, _flag_from_cli.get())
+    setattr(server_args, CP_SHARED_KV_FIELD, kwargs.pop(CP_SHARED_KV_FIELD, _flag_from_cli.get()))
     original(server_args, *args, **kwargs)
     validate_cp_shared_kv_server_args(server_args)
 
@@ -130,7 +125,7 @@ def _from_cli_args_around(original, cls, args: argparse.Namespace):
         server_args = original(cls, args)
     finally:
         _flag_from_cli.reset(token)
-    server_args.enable_nsa_prefill_cp_shared_kv = getattr(args, CP_SHARED_KV_FIELD, False)
+    setattr(server_args, CP_SHARED_KV_FIELD, getattr(args, CP_SHARED_KV_FIELD, False))
     validate_cp_shared_kv_server_args(server_args)
     return server_args
 

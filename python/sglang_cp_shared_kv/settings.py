@@ -263,7 +263,13 @@ def judged_with(settings: CpSharedKVSettings) -> Iterator[None]:
         _judged.reset(token)
 
 
-# ---- the flag's environment mirror ----
+# ---- the flag on ``ServerArgs`` and its environment mirror ----
+
+
+def cp_shared_kv_enabled(server_args) -> bool:
+    """The flag on this ``ServerArgs``. Runtime hooks check it as well as the environment (which only
+    decides whether they are registered), so a stray ``SGLANG_CP_SHARED_KV`` cannot turn them on."""
+    return bool(getattr(server_args, CP_SHARED_KV_FIELD, False))
 
 
 def cp_shared_kv_enabled_in_env() -> bool:

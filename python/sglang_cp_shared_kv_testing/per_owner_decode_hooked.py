@@ -309,7 +309,7 @@ def _attach(scenario: Scenario, runtime, pool, backend):
     from sglang_cp_shared_kv.model_executor.per_owner_decode import (
         decode_forward as per_owner_decode,
     )
-    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+    from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, PER_OWNER
 
     from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
 
@@ -327,7 +327,7 @@ def init_attention_backend(pool, backend) -> None:
     to ``pool``, the startup's attach keeps it and attaches only per-owner decode, by the decision
     taken from the runner's server args."""
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FIELD
+    from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD
 
     runner = object.__new__(ModelRunner)
     runner.server_args = SimpleNamespace(

@@ -93,7 +93,8 @@ class ServerArgsHooksApplied:
     variable the hooks set (``CP_SHARED_KV_ENV``) restored afterwards."""
 
     def setUp(self):
-        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.server_args import register_server_args_hooks
+        from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         super().setUp()

@@ -30,11 +30,9 @@ from sglang.srt.managers.schedule_policy import AddReqResult
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.scratch_sizing import (
-    PREFILL_SCRATCH_TOKENS_ENV,
-    request_scratch_pages,
-)
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.model_executor.scratch_sizing import request_scratch_pages
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -80,13 +80,10 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     tracks_value_pages,
     value_pages,
 )
-from sglang_cp_shared_kv.server_args import (
-    parse_storage_extra_config,
-    storage_layout_problem,
-    CP_SHARED_KV_FIELD,
-    CP_SHARED_KV_FLAG as FLAG,
-    cp_shared_kv_enabled_in_env,
-)
+from sglang_cp_shared_kv.server_args import parse_storage_extra_config, storage_layout_problem
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled_in_env
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams

@@ -27,9 +27,10 @@ from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_cp_shared_kv.mem_cache.allocator import FLAG, CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.owner_run_placement import owner_run_pages
-from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
 

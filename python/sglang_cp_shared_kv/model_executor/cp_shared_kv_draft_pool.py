@@ -36,18 +36,11 @@ import logging
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
-    FLAG,
-    CpSharedKVRuntime,
-    runtime_of,
-)
-from sglang_cp_shared_kv.model_executor.decode_path import (
-    DECODE_PATH_ENV,
-    GATHER,
-    PER_OWNER,
-    is_pd_prefill_server,
-)
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime, runtime_of
+from sglang_cp_shared_kv.model_executor.decode_path import is_pd_prefill_server
 from sglang_cp_shared_kv.server_args import runtime_problems
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, PER_OWNER
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_check_enabled, mirror_of
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
@@ -51,7 +51,7 @@ from sglang_cp_shared_kv.model_executor.scratch_rows import (
     copy_index_k_rows,
     copy_kv_rows,
 )
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 logger = logging.getLogger(__name__)
 

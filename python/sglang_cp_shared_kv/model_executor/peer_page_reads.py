@@ -26,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
 from sglang_cp_shared_kv.model_executor.per_owner_decode import (
     cuda_graphs as per_owner_decode_graphs,
 )
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import serves_physical
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 _POOL = "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool"
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"

@@ -46,8 +46,9 @@ from sglang_cp_shared_kv.model_executor.peer_page_prefetch import (
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
 from sglang_cp_shared_kv.model_executor.scratch_sizing import ScratchDecision, decide_scratch
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
-from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled, runtime_problems
+from sglang_cp_shared_kv.server_args import runtime_problems
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -109,6 +109,53 @@ class TestModuleStructure(CustomTestCase):
         ]
         self.assertEqual(spelled, [f"{PACKAGE}.settings"])
 
+    def test_the_flag_field_is_spelled_once(self):
+        """The ``ServerArgs`` field is read and set through ``settings.CP_SHARED_KV_FIELD`` (and
+        ``cp_shared_kv_enabled``), never spelled as an attribute elsewhere. Planted, caught:
+        ``server_args`` setting ``server_args.enable_nsa_prefill_cp_shared_kv`` directly."""
+        field = "enable_nsa_prefill_cp_shared_kv"
+        spelled = set()
+        for name, tree in self.modules.items():
+            for node in ast.walk(tree):
+                if (
+                    (isinstance(node, ast.Constant) and node.value == field)
+                    or (isinstance(node, ast.Attribute) and node.attr == field)
+                    or (isinstance(node, ast.keyword) and node.arg == field)
+                ):
+                    spelled.add(name)
+        self.assertEqual(spelled, {f"{PACKAGE}.settings"})
+
+    def test_every_setting_name_is_imported_from_settings(self):
+        """The flag, its field, every variable name and the settings' functions have one home:
+        everyone (product, test support, tests, scripts, benchmarks) imports them from
+        ``settings``, never through a module that re-exports them, and no module of ours offers a
+        ``FLAG`` of its own. Planted, caught: ``peer_page_reads`` importing ``FLAG`` from
+        ``cp_shared_kv_runtime``; a test importing ``CP_SHARED_KV_ENV`` from ``server_args``."""
+        settings_tree = self.modules[f"{PACKAGE}.settings"]
+        names = {"FLAG"}
+        for node in settings_tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+        repo = ROOT.parents[1]
+        elsewhere = []
+        for base in ("python", "test", "scripts", "benchmark"):
+            for path in (repo / base).rglob("*.py"):
+                for node in ast.walk(ast.parse(path.read_text())):
+                    if (
+                        isinstance(node, ast.ImportFrom)
+                        and node.module
+                        and (_ours(node.module) or _ours(node.module, TEST_SUPPORT))
+                        and node.module != f"{PACKAGE}.settings"
+                    ):
+                        elsewhere += [
+                            f"{path.relative_to(repo)}: {alias.name} from {node.module}"
+                            for alias in node.names
+                            if alias.name in names
+                        ]
+        self.assertEqual(elsewhere, [])
+
     def test_settings_is_a_leaf(self):
         """Every module may import it; it imports nothing of ours (no circle through settings)."""
         self.assertEqual(self.graph[f"{PACKAGE}.settings"], set())

@@ -16,11 +16,8 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
-from sglang_cp_shared_kv.server_args import (
-    CP_SHARED_KV_ENV,
-    CP_SHARED_KV_FLAG,
-)
+from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV, CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv_testing.server_args_cases import (
     CP_ON,
     GLM5_LIKE_CONFIG,

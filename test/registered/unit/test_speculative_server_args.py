@@ -28,17 +28,11 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv import server_args as cp_server_args
-from sglang_cp_shared_kv.model_executor.decode_path import (
-    DECODE_PATH_ENV,
-    GRAPH_DECODE_ENV,
-    decode_gather_reason,
-)
-from sglang_cp_shared_kv.server_args import (
-    CP_SHARED_KV_ENV,
-    CP_SHARED_KV_FLAG,
-    speculative_problems,
-)
-from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
+from sglang_cp_shared_kv.model_executor.decode_path import decode_gather_reason
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GRAPH_DECODE_ENV
+from sglang_cp_shared_kv.server_args import speculative_problems
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV, CP_SHARED_KV_FLAG
+from sglang_cp_shared_kv.settings import MTP_ENV
 from sglang_cp_shared_kv_testing.server_args_cases import CP_ON as CP_FLAGS
 from sglang_cp_shared_kv_testing.server_args_cases import (
     Glm5LikeModelDir,

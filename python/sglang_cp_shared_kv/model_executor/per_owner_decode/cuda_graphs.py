@@ -47,7 +47,8 @@ import torch
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,

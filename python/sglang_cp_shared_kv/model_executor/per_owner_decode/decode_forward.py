@@ -55,9 +55,6 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge imp
     process_group_collectives,
 )
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (re-exported)
-    DECODE_PATH_ENV,
-)
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     compact_owned_indices,
     local_candidates,

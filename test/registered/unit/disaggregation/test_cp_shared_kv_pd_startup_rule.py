@@ -8,7 +8,7 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
+from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.server_args import disaggregation_problems as unsupported_disaggregation_server_args
 
 register_cpu_ci(est_time=2, suite="stage-a-test-cpu")

@@ -29,7 +29,7 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache, nsa_host_kv_row_width
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache, _check_supported
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 

@@ -30,11 +30,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
-    REQ_TO_PAGE_MIRROR_CHECK_ENV,
-    ReqToPageMirror,
-    mirror_of,
-)
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror, mirror_of
+from sglang_cp_shared_kv.settings import REQ_TO_PAGE_MIRROR_CHECK_ENV
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from
 from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks

@@ -17,11 +17,11 @@ from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, startup_wiring
-from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
 from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
 from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
-from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
+from sglang_cp_shared_kv.settings import MTP_ENV
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
 from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
 

@@ -9,16 +9,8 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.model_executor.gather_scratch import (
-    PREFETCH_SLOT_TOKENS_ENV,
-    create_gather_scratch,
-    create_prefetch_slot,
-    index_k_bytes_per_token,
-    prefetch_slot_tokens,
-    reserve_scratch_bytes,
-    scratch_bytes,
-    slot0_scratch_tokens,
-)
+from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch, create_prefetch_slot, index_k_bytes_per_token, prefetch_slot_tokens, reserve_scratch_bytes, scratch_bytes, slot0_scratch_tokens
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV
 from sglang_cp_shared_kv.model_executor.scratch_sizing import configured_prefetch_slot_tokens
 from sglang_cp_shared_kv.model_executor.startup_wiring import reserve_scratch_before_pool_sizing
 from sglang_cp_shared_kv_testing.runtime_check import KV_DIMS, make_nsa_pool

@@ -31,6 +31,7 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV
 from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
 register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
@@ -132,7 +133,7 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
     def setUp(self):
         # Per-owner decode is opt-in: these tests judge what it does once opted in; the default
         # (gather) is asserted where the env is cleared explicitly.
-        from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+        from sglang_cp_shared_kv.settings import PER_OWNER
 
         patcher = mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER})
         patcher.start()
@@ -175,7 +176,7 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
             decode_forward as per_owner_decode,
         )
 
-        env = per_owner_decode.DECODE_PATH_ENV
+        env = DECODE_PATH_ENV
         self.assertEqual(env, "SGLANG_CP_SHARED_KV_DECODE")
         with mock.patch.dict(os.environ, {env: "gather"}):
             runtime = self._runtime()
@@ -201,10 +202,10 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
-        env = {} if mode is None else {per_owner_decode.DECODE_PATH_ENV: mode}
+        env = {} if mode is None else {DECODE_PATH_ENV: mode}
         with mock.patch.dict(os.environ, env), applied_hooks(plugin.register_runtime_hooks):
             if mode is None:
-                os.environ.pop(per_owner_decode.DECODE_PATH_ENV, None)
+                os.environ.pop(DECODE_PATH_ENV, None)
             runtime = self._runtime()
             backend = SimpleNamespace(nsa_decode_impl="flashmla_kv", forward_metadata=None)
             hooked.init_attention_backend(runtime.pool, backend)

@@ -26,11 +26,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
-from sglang_cp_shared_kv.model_executor.decode_path import (
-    DECODE_PATH_ENV,
-    GRAPH_DECODE_ENV,
-    cuda_graph_problem,
-)
+from sglang_cp_shared_kv.model_executor.decode_path import cuda_graph_problem
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GRAPH_DECODE_ENV
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     build_owner_decode_tables,
 )
@@ -38,7 +35,8 @@ from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
 from sglang_cp_shared_kv_testing import cpu_graph_recorder
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, runtime_problems
+from sglang_cp_shared_kv.server_args import runtime_problems
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
 from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
 

@@ -22,17 +22,14 @@ import numpy as np
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
     slot0_scratch_tokens,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
-from sglang_cp_shared_kv.model_executor.scratch_sizing import (
-    PREFILL_SCRATCH_TOKENS_ENV,
-    prefill_batch_scratch_pages,
-    scratch_sizing,
-)
+from sglang_cp_shared_kv.model_executor.scratch_sizing import prefill_batch_scratch_pages, scratch_sizing
+from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV
 from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
