@@ -311,12 +311,13 @@ def _attach(scenario: Scenario, runtime, pool, backend):
     )
     from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, PER_OWNER
 
-    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
+    from sglang_cp_shared_kv.settings import current_settings
+    from sglang_cp_shared_kv.startup_rules import impl_gather_reason
 
     with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
         if scenario.hooks == "decode":
             impl = scenario.decode_impl
-            return per_owner_decode.attach(runtime, impl, impl_gather_reason(impl))
+            return per_owner_decode.attach(runtime, impl, impl_gather_reason(current_settings(), impl))
         init_attention_backend(pool, backend)
         return per_owner_decode.per_owner_of(pool)
 

@@ -1,7 +1,7 @@
 """Admission keeps every prefill batch within a gather scratch sized for prefill only.
 
 When decode runs per owner, slot 0 of the gather scratch holds what one prefill batch may
-reference (``model_executor.scratch_sizing``), not the logical capacity. An extend forward reads,
+reference (``startup_rules.decide_scratch``), not the logical capacity. An extend forward reads,
 per request, its prefix and this forward's chunk (``len(req.fill_ids)`` tokens), and needs at most
 ``prefill_batch_scratch_pages`` of them. sglang's ``PrefillAdder`` bounds the new tokens of a batch
 (chunked prefill, ``--max-prefill-tokens``) but not the prefixes, so a batch of requests with long

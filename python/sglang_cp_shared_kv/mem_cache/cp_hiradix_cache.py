@@ -58,8 +58,8 @@ from sglang.srt.mem_cache.radix_cache import (
 )
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
-from sglang_cp_shared_kv.managers.cp_hicache_storage import (
+from sglang_cp_shared_kv.mem_cache.cp_hybrid_cache_controller import CpHybridCacheController
+from sglang_cp_shared_kv.mem_cache.cp_hicache_storage import (
     CpStoragePageIO,
     build_storage_backend,
 )
@@ -80,10 +80,10 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     tracks_value_pages,
     value_pages,
 )
-from sglang_cp_shared_kv.server_args import parse_storage_extra_config, storage_layout_problem
 from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD
 from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 from sglang_cp_shared_kv.settings import cp_shared_kv_enabled_in_env
+from sglang_cp_shared_kv.startup_rules import parse_storage_extra_config, storage_layout_problem
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams

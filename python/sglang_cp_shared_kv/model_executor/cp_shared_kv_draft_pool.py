@@ -27,7 +27,7 @@ draft's pages with the target's physical pages).
 
 ``attach_draft_worker`` (called by ``startup_wiring`` after ``ModelRunner.init_attention_backend``
 on the draft worker) attaches it; the startup rules accept MTP only with its opt-in
-(``speculative/mtp_opt_in.py``), so without it this is never reached in a server.
+(``startup_rules.speculative_problems``), so without it this is never reached in a server.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ import logging
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime, runtime_of
-from sglang_cp_shared_kv.model_executor.decode_path import is_pd_prefill_server
-from sglang_cp_shared_kv.server_args import runtime_problems
 from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
-from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, PER_OWNER
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, PER_OWNER, current_settings
+from sglang_cp_shared_kv.startup_rules import decide_decode_path, is_pd_prefill_server, runtime_problems
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,9 @@ def attach_draft_worker(model_runner) -> None:
     draft_pool = model_runner.token_to_kv_pool
     if runtime_of(draft_pool) is not None:
         return
-    reasons = runtime_problems(model_runner.server_args)
+    settings = current_settings()
+    server_args = model_runner.server_args
+    reasons = runtime_problems(server_args, settings, decide_decode_path(server_args, settings))
     if model_runner.server_args.speculative_algorithm is None:
         reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
     if reasons:

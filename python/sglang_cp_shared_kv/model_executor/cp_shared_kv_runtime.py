@@ -22,7 +22,7 @@ The runtime is built at startup by ``startup_wiring`` (scratch reservation, atta
 decode, the draft's runtime, in that module's order); the one hook here marks sglang's warm-up
 forwards (``mark_dummy_run``). Anything this runtime cannot serve correctly raises a
 ``ValueError`` naming the flags at startup; the rules themselves live with every other startup rule
-in ``server_args.runtime_problems``.
+in ``startup_rules.runtime_problems``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class CpSharedKVRuntime:
         group of the layer-ahead prefetch (both or neither; neither: serial path only);
         ``indexer_layer_ids``: layers that store indexer K (None: all); ``scratch_serves_decode``:
         slot 0 holds the logical capacity, so decode forwards may gather (False: sized for prefill
-        batches only, decode runs per owner; see ``scratch_sizing``)."""
+        batches only, decode runs per owner; see ``startup_rules.decide_scratch``)."""
         self.scratch_serves_decode = scratch_serves_decode
         if self.scratch_serves_decode and scratch.size < layout.cp_size * pool.size:
             raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")

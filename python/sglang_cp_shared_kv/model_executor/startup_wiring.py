@@ -1,8 +1,8 @@
 """Startup of shared KV on a model runner: every piece, in its order, from two hooks.
 
 1. ``ModelRunnerKVCacheMixin._profile_available_bytes`` (AFTER, target worker): take the scratch
-   decision (``scratch_sizing.decide_scratch``, once per runner, remembered on it) and hold the
-   scratch's bytes back from the KV budget, so that sglang sizes the pool from what remains.
+   decisions (``startup_rules.decide_decode_path`` and ``decide_scratch``, once per runner,
+   remembered on it) and hold the scratch's bytes back from the KV budget, so that sglang sizes the pool from what remains.
 2. ``ModelRunner.init_attention_backend`` (AFTER; pool, allocator and backend exist now), the one
    hook of ours on it, which runs, in order:
 
@@ -45,10 +45,10 @@ from sglang_cp_shared_kv.model_executor.peer_page_prefetch import (
     indexer_layer_ids_of,
 )
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
-from sglang_cp_shared_kv.model_executor.scratch_sizing import ScratchDecision, decide_scratch
-from sglang_cp_shared_kv.server_args import runtime_problems
 from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
-from sglang_cp_shared_kv.settings import cp_shared_kv_enabled
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled, current_settings
+from sglang_cp_shared_kv.startup_rules import decide_decode_path, decide_scratch, runtime_problems
+from sglang_cp_shared_kv.startup_summary import effective_settings, summary_line
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,17 @@ _MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCac
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 
-def scratch_decision_of(model_runner) -> ScratchDecision:
-    """The runner's scratch decision: taken at its first use (the reservation, step 1) and read
-    from the runner afterwards, so the attach builds exactly what was reserved."""
+def scratch_decision_of(model_runner):
+    """The runner's ``(settings, decode path, scratch decision)``: taken at its first use (the
+    reservation, step 1) and read from the runner afterwards, so the attach builds exactly what was
+    reserved."""
     decision = getattr(model_runner, _DECISION_ATTR, None)
     if decision is None:
-        decision = decide_scratch(model_runner.server_args, model_runner.model_config.context_len)
+        server_args = model_runner.server_args
+        settings = current_settings()
+        decode = decide_decode_path(server_args, settings)
+        scratch = decide_scratch(server_args, settings, decode, model_runner.model_config.context_len)
+        decision = (settings, decode, scratch)
         setattr(model_runner, _DECISION_ATTR, decision)
     return decision
 
@@ -87,7 +92,7 @@ def reserve_scratch_before_pool_sizing(available_bytes, model_runner, *args, **k
     if server_args.max_total_tokens is not None:
         unreserved_tokens = min(unreserved_tokens, server_args.max_total_tokens)
     kv_row_bytes = model_runner.calculate_mla_kv_cache_dim() * model_runner.kv_cache_dtype.itemsize
-    decision = scratch_decision_of(model_runner)
+    _, _, decision = scratch_decision_of(model_runner)
     reserve = reserve_scratch_bytes(
         available_bytes,
         unreserved_tokens,
@@ -116,28 +121,28 @@ def attach_after_attention_backend(result, model_runner, *args, **kwargs):
         cp_shared_kv_draft_pool.attach_draft_worker(model_runner)  # a (draft)
         return None
     pool = model_runner.token_to_kv_pool
-    decision = scratch_decision_of(model_runner)
+    settings, decode, decision = scratch_decision_of(model_runner)
     runtime = runtime_of(pool)
     attached_now = runtime is None
     if attached_now:
-        runtime = attach_target_runtime(model_runner, decision)  # a, b
+        runtime = attach_target_runtime(model_runner, settings, decode, decision)  # a, b
     if per_owner_decode.per_owner_of(pool) is None:
         per_owner_decode.attach(  # c
-            runtime, model_runner.server_args.nsa_decode_backend, decision.decode_gather_reason
+            runtime, model_runner.server_args.nsa_decode_backend, decode.gather_reason
         )
     if attached_now:
         log_startup_summary(model_runner, runtime)
     return None
 
 
-def attach_target_runtime(model_runner, decision: ScratchDecision) -> CpSharedKVRuntime:
+def attach_target_runtime(model_runner, settings, decode, decision) -> CpSharedKVRuntime:
     """Steps a and b on the target worker; returns the pool's runtime."""
     from sglang.srt.distributed.parallel_state import get_world_group
     from sglang.srt.layers.dp_attention import get_attention_cp_group
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 
     pool = model_runner.token_to_kv_pool
-    reasons = runtime_problems(model_runner.server_args)
+    reasons = runtime_problems(model_runner.server_args, settings, decode)
     if type(pool) is not NSATokenToKVPool:
         reasons.append(f"{FLAG} needs an NSATokenToKVPool, got {type(pool).__name__} (HiSparse?)")
     if reasons:
@@ -193,19 +198,19 @@ def attach_target_runtime(model_runner, decision: ScratchDecision) -> CpSharedKV
 def log_startup_summary(model_runner, runtime: CpSharedKVRuntime) -> None:
     """The one startup line of the server (CP rank 0; every rank sized the same: sglang takes the
     minimum of the profiled pool sizes over the TP group, and every rank reads the same settings)."""
-    from sglang_cp_shared_kv.startup_summary import effective_settings, summary_line
-
     layout = runtime.layout
     if layout.cp_rank != 0:
         return
     slots = runtime.pipeline.slots
+    settings, decode, decision = scratch_decision_of(model_runner)
     rows = effective_settings(
         model_runner.server_args,
-        model_runner.model_config.context_len,
+        settings,
+        decode,
+        decision,
         logical_tokens=layout.cp_size * runtime.pool.size,
         scratch_tokens=runtime.scratch.size,
         prefetch_slot_tokens=slots[1].size if len(slots) > 1 else 0,
-        decision=scratch_decision_of(model_runner),
     )
     logger.info("%s on: %s", FLAG, summary_line(rows))
 

@@ -32,6 +32,37 @@ ROOT = Path(__file__).resolve().parents[3] / "python" / PACKAGE
 
 TEST_SUPPORT = "sglang_cp_shared_kv_testing"  # the tests' package, beside the product's
 
+# The floors of the product package, low to high: a module imports only from a lower floor or from
+# within its own package (root modules: from root modules of its floor). The root leaves say what a
+# launch is (the settings, the startup rules and the summary in words); the runtime's packages
+# build on them; the root wiring (the flag's sglang hooks, ``check_launch``, the plugin's entry
+# point) sits on top. A new package or root module must be given its floor here.
+FLOORS = {
+    "settings": 0,
+    "startup_rules": 0,
+    "startup_summary": 0,  # logged by model_executor.startup_wiring, so it sits with the rules
+    "observability": 1,
+    "mem_cache": 2,
+    "model_executor": 3,
+    "managers": 4,
+    "disaggregation": 5,
+    "server_args": 6,
+    "check_launch": 6,
+    "plugin": 6,
+}
+# Imports allowed to run up a floor, with the reason each cannot go down (none today).
+UPWARD_EXCEPTIONS = {}
+
+
+def unit_of(module: str):
+    """The package (or root module) ``module`` belongs to; None for the root package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def is_root_module(module: str) -> bool:
+    return len(module.split(".")) == 2 and not (ROOT / module.split(".")[1]).is_dir()
+
 
 def product_modules():
     """Module name -> parsed source of every module of the product package."""
@@ -62,6 +93,30 @@ def imports_of(tree):
     return found
 
 
+def _first_circle(graph):
+    """The first circle of ``graph`` (node -> nodes it imports) as ``a -> b -> a``, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return " -> ".join(path[path.index(nxt):] + [nxt])
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            found = visit(name, [name])
+            if found:
+                return found
+    return None
+
+
 class TestModuleStructure(CustomTestCase):
     @classmethod
     def setUpClass(cls):
@@ -72,20 +127,46 @@ class TestModuleStructure(CustomTestCase):
         }
 
     def test_no_import_circle(self):
-        state = {}
+        self.assertEqual(_first_circle(self.graph), None)
 
-        def visit(node, path):
-            state[node] = "open"
-            for nxt in sorted(self.graph[node]):
-                if state.get(nxt) == "open":
-                    self.fail("import circle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
-                if nxt not in state:
-                    visit(nxt, path + [nxt])
-            state[node] = "done"
+    def test_every_package_has_a_floor(self):
+        units = {unit_of(name) for name in self.modules} - {None}
+        self.assertEqual(units - set(FLOORS), set())
 
-        for name in sorted(self.graph):
-            if name not in state:
-                visit(name, [name])
+    def test_no_import_runs_up_a_floor(self):
+        """Lazy imports included (a function-level import is an edge like any other). Planted,
+        caught: ``mem_cache.tree_value_pages`` importing ``model_executor.cp_shared_kv_runtime``
+        inside a function."""
+        upward = []
+        for name, imported in self.graph.items():
+            source = unit_of(name)
+            for target_module in imported:
+                target = unit_of(target_module)
+                if target is None or target == source:
+                    continue
+                if FLOORS[target] < FLOORS[source]:
+                    continue
+                if FLOORS[target] == FLOORS[source] and is_root_module(name) and is_root_module(target_module):
+                    continue  # root modules of one floor (the circle tests keep them acyclic)
+                if (name, target_module) not in UPWARD_EXCEPTIONS:
+                    upward.append(f"{name} -> {target_module}")
+        self.assertEqual(sorted(upward), [])
+
+    def test_no_package_circle(self):
+        """Packages and root modules as nodes: no circle among them either. Planted, caught:
+        ``observability.cp_shared_kv_metrics`` importing ``mem_cache.allocator`` (a circle with
+        ``mem_cache.cp_hybrid_cache_controller``), inside a function."""
+        graph = {}
+        for name, imported in self.graph.items():
+            for target in imported:
+                if None not in (unit_of(name), unit_of(target)) and unit_of(name) != unit_of(target):
+                    graph.setdefault(unit_of(name), set()).add(unit_of(target))
+        self.assertEqual(_first_circle(graph), None)
+
+    def test_the_startup_rules_are_a_leaf(self):
+        """Pure functions of server args and settings: nothing of the runtime (planted, caught:
+        ``startup_rules`` importing ``model_executor.per_owner_decode`` inside a function)."""
+        self.assertEqual(self.graph[f"{PACKAGE}.startup_rules"], {f"{PACKAGE}.settings"})
 
     def test_product_code_imports_no_test_helper(self):
         for name, tree in self.modules.items():
@@ -250,23 +331,22 @@ class TestModuleStructure(CustomTestCase):
             },
         )
 
-    def test_the_scratch_decision_is_taken_in_one_place(self):
-        """The scratch's sizes and the decode path come from ``scratch_sizing.decide_scratch``,
-        taken once per model runner by ``startup_wiring`` (and by ``check_launch``'s summary
-        without a runner); nobody else asks the sizing rules again."""
+    def test_the_startup_decisions_are_taken_in_one_place(self):
+        """The decode path and the scratch's sizes come from ``startup_rules.decide_decode_path`` and
+        ``decide_scratch``, taken once per model runner by ``startup_wiring`` (and by
+        ``check_launch`` without a runner); nobody else asks the rules behind them again."""
         rules = (
+            "decide_decode_path",
             "decide_scratch",
+            "impl_gather_reason",
             "scratch_sizing",
             "configured_prefetch_slot_tokens",
-            "impl_gather_reason",
-        )
-        homes = (
-            f"{PACKAGE}.model_executor.scratch_sizing",
-            f"{PACKAGE}.model_executor.decode_path",
+            "logical_capacity_reason",
+            "cuda_graph_problem",
         )
         callers = set()
         for name, tree in self.modules.items():
-            if name in homes:
+            if name == f"{PACKAGE}.startup_rules":
                 continue
             for function in ast.walk(tree):
                 if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -280,10 +360,10 @@ class TestModuleStructure(CustomTestCase):
             callers,
             {
                 f"{PACKAGE}.model_executor.startup_wiring.scratch_decision_of",
-                f"{PACKAGE}.startup_summary.effective_settings",
+                f"{PACKAGE}.model_executor.cp_shared_kv_draft_pool.attach_draft_worker",
+                f"{PACKAGE}.check_launch.check_launch",
             },
         )
-
 
 if __name__ == "__main__":
     unittest.main()

@@ -27,9 +27,9 @@ In a decode forward each rank scores and attends over its own physical pool only
      ``cache_seqlens``; ``return_softmax_lse`` gives the natural-log LSE ([H, T] varlen).
 
 Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_IMPLS`` and fused
-top-k, where ``decode_path`` says decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE``: by
+top-k, where ``startup_rules.decide_decode_path`` says decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE``: by
 default with ``fa3``). Whether it attaches is decided once per server at startup
-(``scratch_sizing.decide_scratch``, from state identical on every rank), and ``startup_wiring``
+(``startup_rules.decide_decode_path``, from state identical on every rank), and ``startup_wiring``
 calls ``attach`` with that decision; otherwise decode keeps the page gather, and the log says why.
 Prefill keeps the plan path. Decode CUDA graphs over it: ``per_owner_decode.cuda_graphs``.
 """
@@ -316,7 +316,7 @@ def attach(
     runtime, decode_impl: Optional[str], gather_reason: Optional[str]
 ) -> Optional[PerOwnerDecode]:
     """Attach per-owner decode to ``runtime`` unless ``gather_reason`` (the startup's one decision,
-    ``scratch_sizing.ScratchDecision.decode_gather_reason``; the same on every rank) says decode
+    ``startup_rules.DecodePath.gather_reason``; the same on every rank) says decode
     gathers. ``decode_impl``: the backend's NSA decode impl (sglang's ``--nsa-decode-backend``)."""
     if gather_reason is not None:
         logger.info("CP shared KV: decode uses the page gather: %s", gather_reason)

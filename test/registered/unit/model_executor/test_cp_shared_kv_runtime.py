@@ -20,14 +20,18 @@ from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, startup_wir
 from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
 from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
+from sglang_cp_shared_kv.startup_rules import runtime_problems
 from sglang_cp_shared_kv.settings import MTP_ENV
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
-from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
+from sglang_cp_shared_kv_testing.server_args_cases import decided_now, runtime_server_args
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 _server_args = runtime_server_args
+
+
+def unsupported_server_args(server_args):
+    return runtime_problems(server_args, *decided_now(server_args))
 
 
 class TestUnsupportedServerArgs(CustomTestCase):

@@ -10,8 +10,8 @@ import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch, create_prefetch_slot, index_k_bytes_per_token, prefetch_slot_tokens, reserve_scratch_bytes, scratch_bytes, slot0_scratch_tokens
-from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV
-from sglang_cp_shared_kv.model_executor.scratch_sizing import configured_prefetch_slot_tokens
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV, current_settings
+from sglang_cp_shared_kv.startup_rules import configured_prefetch_slot_tokens
 from sglang_cp_shared_kv.model_executor.startup_wiring import reserve_scratch_before_pool_sizing
 from sglang_cp_shared_kv_testing.runtime_check import KV_DIMS, make_nsa_pool
 
@@ -57,16 +57,16 @@ class TestScratchSize(CustomTestCase):
     def test_second_slot_default_and_setting(self):
         with mock.patch.dict("os.environ", {}, clear=False) as env:
             env.pop(PREFETCH_SLOT_TOKENS_ENV, None)
-            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), 0)  # off by default
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 131072, 8192), 0)  # off by default
             env[PREFETCH_SLOT_TOKENS_ENV] = "auto"
             # context + one chunk, +25% for owner padding; no chunking: two contexts.
-            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), (131072 + 8192) * 5 // 4)
-            self.assertEqual(configured_prefetch_slot_tokens(1000, -1), 2500)
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 131072, 8192), (131072 + 8192) * 5 // 4)
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 1000, -1), 2500)
             env[PREFETCH_SLOT_TOKENS_ENV] = "4096"
-            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), 4096)
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 131072, 8192), 4096)
             env[PREFETCH_SLOT_TOKENS_ENV] = "-3"
             with self.assertRaisesRegex(ValueError, PREFETCH_SLOT_TOKENS_ENV):
-                configured_prefetch_slot_tokens(131072, 8192)
+                configured_prefetch_slot_tokens(current_settings(), 131072, 8192)
 
     def test_indexer_row_bytes_come_from_the_pool_geometry(self):
         pool = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")

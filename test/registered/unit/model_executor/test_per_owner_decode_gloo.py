@@ -39,10 +39,11 @@ register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
 def attach_as_startup_decides(runtime, impl):
     """``attach`` with the decision the startup takes for ``impl`` (``scratch_sizing``)."""
-    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
+    from sglang_cp_shared_kv.settings import current_settings
+    from sglang_cp_shared_kv.startup_rules import impl_gather_reason
     from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import attach
 
-    return attach(runtime, impl, impl_gather_reason(impl))
+    return attach(runtime, impl, impl_gather_reason(current_settings(), impl))
 
 
 PAGE = hooked.PAGE

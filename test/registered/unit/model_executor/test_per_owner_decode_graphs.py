@@ -26,7 +26,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
-from sglang_cp_shared_kv.model_executor.decode_path import cuda_graph_problem
 from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GRAPH_DECODE_ENV
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     build_owner_decode_tables,
@@ -35,10 +34,9 @@ from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
 from sglang_cp_shared_kv_testing import cpu_graph_recorder
-from sglang_cp_shared_kv.server_args import runtime_problems
-from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
-from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
+from sglang_cp_shared_kv.startup_rules import cuda_graph_problem, runtime_problems
+from sglang_cp_shared_kv_testing.server_args_cases import decided_now, runtime_server_args
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -346,9 +344,8 @@ class TestGraphDecodeStartupRule(CustomTestCase):
             if opt_in:
                 environ[DECODE_PATH_ENV] = "per_owner"
             environ.update(env or {})
-            return cuda_graph_problem(_server_args(**overrides), CP_SHARED_KV_FLAG), runtime_problems(
-                _server_args(**overrides)
-            )
+            args = _server_args(**overrides)
+            return cuda_graph_problem(args, *decided_now(args)), runtime_problems(args, *decided_now(args))
 
     def test_defaults_run_graphs_where_decode_runs_per_owner(self):
         """Nothing set: with fa3 (bf16 KV) decode runs per owner under graphs, no
