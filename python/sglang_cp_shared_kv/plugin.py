@@ -65,6 +65,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         decode_forward as per_owner_decode,
     )
 
+    # The model runner's spec (built once), the scratch's reservation and the logical capacity.
     cp_shared_kv_capacity.register_hooks(registry)
     cp_hiradix_cache.register_hooks(registry)
     # The host pools sglang's NSA assembler builds for the CP cache must hold whole fp8 NSA rows.
@@ -75,8 +76,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     prefill_load_back_quota.register_hooks(registry)
     # Prefill batches within a gather scratch sized for prefill only (decode per owner).
     prefill_scratch_admission.register_hooks(registry)
-    # Startup, in one module and its order: scratch reservation, then, once the attention backend
-    # exists, the runtime (or the MTP draft pool's), per-owner decode, the startup summary.
+    # The attach, in one module and its order, once the attention backend exists: the runtime (or
+    # the MTP draft pool's), per-owner decode, the startup summary.
     startup_wiring.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
     # The plan's host mirror of req_to_token: every writer of the table (EAGLE's too), and the

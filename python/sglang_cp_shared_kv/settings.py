@@ -15,9 +15,10 @@ sglang's own variables that pick a tree cache shared KV does not track
 same rule, so that startup refuses them before the weights load; they are not described (an
 accepted launch has them off).
 
-When they are judged: while ``ServerArgs`` is built with the flag on (``server_args``, by the rules of ``startup_rules``), so a
-bad value stops the launch before any weight loads, every bad value listed in one error. Scheduler
-processes inherit the launching process's environment, so every rank reads the same settings.
+When they are judged: while ``ServerArgs`` is built with the flag on (``server_args``, by the rules
+of ``startup_rules``), so a bad value stops the launch before any weight loads, every bad value
+listed in one error. Scheduler processes inherit the launching process's environment, so every rank
+reads the same settings, once: where the model runner's spec is built (``current_settings``).
 
 Defaults are the ``DEFAULT_*`` constants below; changing one is a one-line change.
 """
@@ -219,12 +220,13 @@ def parse_settings(environ: Mapping[str, str]) -> Tuple[CpSharedKVSettings, List
     return CpSharedKVSettings(**values), problems
 
 
-_parsed: dict = {}  # raw values -> (settings, problems): one parse per distinct environment
-
-
 def current_settings() -> CpSharedKVSettings:
-    """The settings in force; ``SettingsError`` listing every bad value."""
-    settings, problems = _parse_cached()
+    """This process's settings, read from its environment now; ``SettingsError`` listing every bad
+    value. Startup reads them: the model runner's spec keeps what it read
+    (``model_executor.cp_shared_kv_spec``) and everything after asks the spec, so the environment
+    is read once per process where the runtime serves (``test_module_structure`` pins the readers).
+    """
+    settings, problems = current_settings_and_problems()
     if problems:
         raise SettingsError(problems)
     return settings
@@ -232,17 +234,7 @@ def current_settings() -> CpSharedKVSettings:
 
 def current_settings_and_problems() -> Tuple[CpSharedKVSettings, List[str]]:
     """``parse_settings`` of this process's environment."""
-    settings, problems = _parse_cached()
-    return settings, list(problems)
-
-
-def _parse_cached() -> Tuple[CpSharedKVSettings, Tuple[str, ...]]:
-    key = tuple(os.environ.get(name) for name in SETTINGS_ENVS)
-    found = _parsed.get(key)
-    if found is None:
-        settings, problems = parse_settings(dict(zip(SETTINGS_ENVS, key)))
-        found = _parsed[key] = (settings, tuple(problems))
-    return found
+    return parse_settings({name: os.environ.get(name) for name in SETTINGS_ENVS})
 
 
 # ---- the flag on ``ServerArgs`` and its environment mirror ----

@@ -119,11 +119,13 @@ AUTO_PER_OWNER_DECODE_IMPLS = ("fa3",)
 class DecodePath:
     """How this server decodes, decided once (``decide_decode_path``).
 
-    ``gather_reason``: why decode with this server's NSA decode impl gathers pages (a sentence naming
-    the setting); None: per-owner decode attaches. ``pd_prefill``: a PD prefill server, which runs
+    ``impl``: the NSA decode impl sglang resolved (``--nsa-decode-backend``, which its NSA backend
+    takes as its decode impl); ``gather_reason``: why decode with it gathers pages (a sentence naming
+    the setting), None: per-owner decode attaches; ``pd_prefill``: a PD prefill server, which runs
     no decode forward (whatever the impl: its scratch holds prefill batches, its graphs replay
     nothing that gathers)."""
 
+    impl: Optional[str]
     gather_reason: Optional[str]
     pd_prefill: bool = False
 
@@ -145,6 +147,7 @@ def is_pd_prefill_server(server_args) -> bool:
 def decide_decode_path(server_args, settings: CpSharedKVSettings) -> DecodePath:
     """The one decision of the decode path (same inputs on every rank)."""
     return DecodePath(
+        impl=server_args.nsa_decode_backend,
         gather_reason=impl_gather_reason(
             settings, server_args.nsa_decode_backend, server_args.speculative_algorithm
         ),
@@ -761,8 +764,9 @@ def mtp_combination_problems(server_args, decode: DecodePath) -> List[str]:
         # The draft's graphs (EAGLEDraftCudaGraphRunner) capture the step backends' metadata, which
         # the page gather cannot replay (peer_page_reads refuses it, but only once the model loaded).
         problems.append(
-            f"--speculative-algorithm {algorithm} with {CP_SHARED_KV_FLAG} requires --disable-cuda-graph: "
-            "the draft's decode steps and the target verify gather pages, which CUDA graphs cannot replay"
+            f"--speculative-algorithm {algorithm} with {CP_SHARED_KV_FLAG} requires "
+            "--disable-cuda-graph: the draft's decode steps and the target verify gather pages, which "
+            "CUDA graphs cannot replay"
         )
     if not decode.pd_prefill and logical_capacity_reason(server_args, decode) is None:
         # The draft's decode steps gather over the whole batch (draft_decode_steps); per-owner

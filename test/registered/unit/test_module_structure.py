@@ -1,21 +1,23 @@
-"""Structure the package keeps: no import circle among product modules (lazy imports included),
-startup rules only in ``server_args.py``, hook registration reached only from ``plugin.py``, one
-spelling of the flag, no test-only module imported by product code, every setting read only through
-the leaf ``settings`` module, the layout built only by the allocator, one ordered startup hook on
-``ModelRunner.init_attention_backend`` (``startup_wiring``), one scratch decision per model runner,
-and one per-forward dispatcher (``forward_dispatch``) as the only caller of the plan, draft-step and
-per-owner entries.
+"""Structure the package keeps: floors that imports only run down (``FLOORS``), no import circle
+among product modules or packages (lazy imports included), the startup rules a leaf of pure
+functions (``startup_rules``), hook registration reached only from ``plugin.py``, one home and one
+spelling of the flag, its field and every setting's name (``settings``), no test-only module
+imported by product code, the environment read only by ``settings`` and only at startup, one
+``CpSharedKVSpec`` per model runner built in one place (with the layout), one state object on the
+pool, nothing set on the model runner but its capacity, one ordered startup hook on
+``ModelRunner.init_attention_backend`` (``startup_wiring``), the startup decisions taken in one
+place, and one per-forward dispatcher (``forward_dispatch``) as the only caller of the plan,
+draft-step and per-owner entries.
 
-Planted once each: an ``os.environ.get`` left in ``gather_scratch`` failed
-``test_the_environment_is_read_only_by_settings``; the startup attach rebuilding
-``CpSharedKVLayout(...)`` failed ``test_the_layout_is_built_once``; ``settings`` importing
-``server_args`` failed ``test_settings_is_a_leaf``; per-owner decode's attach registered again as a
-second AFTER hook of ``init_attention_backend`` failed ``test_one_hook_on_init_attention_backend``;
-``peer_page_reads`` calling ``runtime.begin_forward`` again failed
-``test_only_the_dispatcher_begins_a_forward``; ``per_owner_decode.decode_forward`` importing
-``forward_dispatch`` (a dispatcher module reaching back) failed ``test_no_import_circle``; the
-attach asking ``scratch_sizing(...)`` again failed
-``test_the_scratch_decision_is_taken_in_one_place``."""
+Planted once each (besides those each test names): an ``os.environ.get`` left in
+``gather_scratch`` failed ``test_the_environment_is_read_only_by_settings``; the startup attach
+rebuilding ``CpSharedKVLayout(...)`` failed ``test_the_layout_is_built_once``; ``settings``
+importing ``server_args`` failed ``test_settings_is_a_leaf``; per-owner decode's attach registered
+again as a second AFTER hook of ``init_attention_backend`` failed
+``test_one_hook_on_init_attention_backend``; ``peer_page_reads`` calling ``runtime.begin_forward``
+again failed ``test_only_the_dispatcher_begins_a_forward``; ``per_owner_decode.decode_forward``
+importing ``forward_dispatch`` (a dispatcher module reaching back) failed
+``test_no_import_circle``."""
 
 import ast
 import unittest
@@ -91,6 +93,10 @@ def imports_of(tree):
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if _ours(a.name) or _ours(a.name, TEST_SUPPORT)}
     return found
+
+
+def _called_name(call: ast.Call):
+    return getattr(call.func, "attr", getattr(call.func, "id", None))
 
 
 def _first_circle(graph):
@@ -268,8 +274,8 @@ class TestModuleStructure(CustomTestCase):
         self.assertEqual(spelled, {f"{PACKAGE}.settings"})
 
     def test_the_layout_is_built_once(self):
-        """The allocator's ``CpSharedKVLayout`` is the layout; the runtime, the CP HiRadixCache and
-        the PD manager read it rather than rebuilding it from the CP group."""
+        """The spec's ``CpSharedKVLayout`` is the layout (the allocator holds it); the runtime, the
+        CP HiRadixCache and the PD manager read it rather than rebuilding it from the CP group."""
         builders = {
             name
             for name, tree in self.modules.items()
@@ -277,7 +283,7 @@ class TestModuleStructure(CustomTestCase):
             if isinstance(node, ast.Call)
             and getattr(node.func, "id", getattr(node.func, "attr", None)) == "CpSharedKVLayout"
         }
-        self.assertEqual(builders, {f"{PACKAGE}.mem_cache.allocator"})
+        self.assertEqual(builders, {f"{PACKAGE}.model_executor.cp_shared_kv_spec"})
 
     def test_only_the_plugin_calls_register_hooks(self):
         callers = set()
@@ -309,8 +315,7 @@ class TestModuleStructure(CustomTestCase):
     def test_only_the_dispatcher_begins_a_forward(self):
         """The per-forward decision (draft step / per owner / gather) is taken in one place: every
         call of ``begin_forward``, ``plan_draft_step`` or ``remap_index_tables`` is in
-        ``forward_dispatch``, but for per-owner decode's module function handing the forward to its
-        state."""
+        ``forward_dispatch``, but for the pool's state handing the forward to per-owner decode."""
         entries = ("begin_forward", "plan_draft_step", "remap_index_tables")
         callers = set()
         for name, tree in self.modules.items():
@@ -327,14 +332,15 @@ class TestModuleStructure(CustomTestCase):
             callers,
             {
                 f"{PACKAGE}.model_executor.forward_dispatch.dispatch_forward_metadata",
-                f"{PACKAGE}.model_executor.per_owner_decode.decode_forward.begin_forward",
+                f"{PACKAGE}.model_executor.cp_shared_kv_state.begin_per_owner_forward",
             },
         )
 
     def test_the_startup_decisions_are_taken_in_one_place(self):
         """The decode path and the scratch's sizes come from ``startup_rules.decide_decode_path`` and
-        ``decide_scratch``, taken once per model runner by ``startup_wiring`` (and by
-        ``check_launch`` without a runner); nobody else asks the rules behind them again."""
+        ``decide_scratch``, taken once per model runner where its spec is built (and by
+        ``check_launch`` without a runner); nobody else asks the rules behind them again. Planted,
+        caught: the draft's attach judging ``runtime_problems`` with a decode path of its own."""
         rules = (
             "decide_decode_path",
             "decide_scratch",
@@ -343,6 +349,7 @@ class TestModuleStructure(CustomTestCase):
             "configured_prefetch_slot_tokens",
             "logical_capacity_reason",
             "cuda_graph_problem",
+            "runtime_problems",
         )
         callers = set()
         for name, tree in self.modules.items():
@@ -359,9 +366,117 @@ class TestModuleStructure(CustomTestCase):
         self.assertEqual(
             callers,
             {
-                f"{PACKAGE}.model_executor.startup_wiring.scratch_decision_of",
-                f"{PACKAGE}.model_executor.cp_shared_kv_draft_pool.attach_draft_worker",
+                f"{PACKAGE}.model_executor.cp_shared_kv_spec.build_spec",
                 f"{PACKAGE}.check_launch.check_launch",
+            },
+        )
+
+    def test_the_spec_is_built_in_one_place(self):
+        """``CpSharedKVSpec(`` is constructed once in the product, where the capacity is installed
+        (``cp_shared_kv_spec.build_spec``, called by ``cp_shared_kv_capacity``); the draft reuses the
+        target's. Planted, caught: the draft's attach building a spec of its own."""
+        builders = set()
+        for name, tree in self.modules.items():
+            for function in ast.walk(tree):
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for node in ast.walk(function):
+                        if isinstance(node, ast.Call) and _called_name(node) == "CpSharedKVSpec":
+                            builders.add(f"{name}.{function.name}")
+        self.assertEqual(builders, {f"{PACKAGE}.model_executor.cp_shared_kv_spec.build_spec"})
+        callers = {
+            name
+            for name, tree in self.modules.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and _called_name(node) == "build_spec"
+        }
+        self.assertEqual(callers, {f"{PACKAGE}.model_executor.cp_shared_kv_capacity"})
+
+    def test_nothing_is_set_on_the_model_runner_but_its_capacity(self):
+        """No decision rides on sglang's model runner (the spec lives in the pool's state); the
+        capacity hook sets the two values sglang reads (the allocator and the logical capacity).
+        Planted, caught: the scratch decision ``setattr`` on the runner again."""
+        runner_names = ("runner", "model_runner")
+        set_on_runner = set()
+        for name, tree in self.modules.items():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and _called_name(node) == "setattr":
+                    target = node.args[0] if node.args else None
+                    if isinstance(target, ast.Name) and target.id in runner_names:
+                        set_on_runner.add(f"{name}: setattr")
+                elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for target in targets:
+                        if (
+                            isinstance(target, ast.Attribute)
+                            and isinstance(target.value, ast.Name)
+                            and target.value.id in runner_names
+                        ):
+                            set_on_runner.add(f"{name}: {target.attr}")
+        capacity = f"{PACKAGE}.model_executor.cp_shared_kv_capacity"
+        self.assertEqual(
+            set_on_runner,
+            {f"{capacity}: token_to_kv_pool_allocator", f"{capacity}: max_total_num_tokens"},
+        )
+
+    def test_one_state_object_on_the_pool(self):
+        """Everything shared KV keeps for a KV pool hangs off one attribute of it, the
+        ``CpSharedKVState`` (spec, runtime, mirror, per-owner decode); nobody else sets an
+        attribute on a pool. Planted, caught: the runtime setting ``_cp_shared_kv_runtime`` on its
+        pool again."""
+        pool_names = ("pool", "kvcache", "token_to_kv_pool")
+        setters = {
+            name
+            for name, tree in self.modules.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and _called_name(node) == "setattr"
+            and node.args
+            and isinstance(node.args[0], (ast.Name, ast.Attribute))
+            and getattr(node.args[0], "id", getattr(node.args[0], "attr", None)) in pool_names
+        }
+        self.assertEqual(setters, {f"{PACKAGE}.model_executor.cp_shared_kv_state"})
+
+    def test_per_owner_decode_and_the_page_gather_meet_in_the_pool_state(self):
+        """Neither sets the other's state: a plan (the runtime's, the layer pipeline's) and a
+        per-owner forward are set only by their own objects (``self.plan``, ``self.forward``); a
+        per-owner forward clears the runtime's plan through ``CpSharedKVState``, and the draft steps
+        and the decode graphs begin or end per-owner forwards through it too. Planted, caught:
+        per-owner decode's ``begin_forward`` setting ``runtime.plan = None`` again; the draft steps
+        setting ``state.forward = None``."""
+        set_from_outside = set()
+        for name, tree in self.modules.items():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        if (
+                            isinstance(target, ast.Attribute)
+                            and target.attr in ("plan", "forward")
+                            and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+                        ):
+                            set_from_outside.add(f"{name}: {ast.unparse(target)}")
+        self.assertEqual(set_from_outside, set())
+
+    def test_only_startup_reads_the_settings(self):
+        """The environment's settings are read where a launch is judged (``server_args``,
+        ``check_launch``) and where the model runner's spec is built, once per process; per-forward
+        code reads the spec. Planted, caught: the plan asking ``current_settings()`` for the
+        page-mirror check again (the old ``mirror_check_enabled``)."""
+        readers = ("current_settings", "current_settings_and_problems", "parse_settings")
+        callers = set()
+        for name, tree in self.modules.items():
+            if name == f"{PACKAGE}.settings":
+                continue
+            for function in ast.walk(tree):
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for node in ast.walk(function):
+                        if isinstance(node, ast.Call) and _called_name(node) in readers:
+                            callers.add(f"{name}.{function.name}")
+        self.assertEqual(
+            callers,
+            {
+                f"{PACKAGE}.server_args.validate_cp_shared_kv_server_args",
+                f"{PACKAGE}.check_launch.check_launch",
+                f"{PACKAGE}.model_executor.cp_shared_kv_spec.build_spec",
             },
         )
 
