@@ -53,6 +53,7 @@ def build(kind: str, cp_size: int, pages_per_rank: int, page_size: int, device: 
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
     logical_tokens = cp_size * pages_per_rank * page_size
     if kind == "stock":
@@ -62,7 +63,8 @@ def build(kind: str, cp_size: int, pages_per_rank: int, page_size: int, device: 
         )
     pool = SimpleNamespace(size=pages_per_rank * page_size)
     return CPSharedPagedTokenToKVPoolAllocator(
-        logical_tokens, page_size, torch.bfloat16, device, pool, False, cp_size, 0
+        logical_tokens, page_size, torch.bfloat16, device, pool, False,
+        CpSharedKVLayout(cp_size, 0, page_size),
     )
 
 

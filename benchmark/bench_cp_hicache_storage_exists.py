@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 
-from sglang_cp_shared_kv.managers.cp_hicache_storage import CpHiCacheFile  # noqa: E402
+from sglang_cp_shared_kv.mem_cache.cp_hicache_storage import CpHiCacheFile  # noqa: E402
 
 TARGET_HIT_MS = 1.0
 TARGET_GROWTH = 2.0

@@ -59,7 +59,7 @@ SMOKE_PLUGIN_DIR = REPO_ROOT / "scripts" / "smoke_plugin"
 sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_LIFT_TP_RULE_ENV  # noqa: E402
 
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV
 from sglang_cp_shared_kv_testing.e2e.one_gpu import ONE_GPU_BUDGET_TOLERANCE, one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv_testing.e2e.pd_generate import generate_greedy_pd, latency_summary
 from sglang_cp_shared_kv_testing.e2e.pd_pair import PDPairConfig

@@ -301,10 +301,12 @@ def _shared_kv_allocator_locs(cp_size: int, physical_pages: int, tokens: int, ow
     import torch
 
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
     pool = _SizeOnly(physical_pages * PAGE)
     alloc = CPSharedPagedTokenToKVPoolAllocator(
-        cp_size * pool.size, PAGE, torch.bfloat16, "cpu", pool, False, cp_size, 0, owner_run_pages
+        cp_size * pool.size, PAGE, torch.bfloat16, "cpu", pool, False,
+        CpSharedKVLayout(cp_size, 0, PAGE), owner_run_pages,
     )
     return _extend(alloc, tokens).numpy()
 

@@ -77,8 +77,8 @@ from sglang_cp_shared_kv_testing.e2e.smoke_report import (
     scratch_share_failures,
     ttft_summary,
 )
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
-from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV
 from sglang_cp_shared_kv_testing.e2e import teacher_forced
 from sglang_cp_shared_kv_testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import check_model_has_nextn

@@ -23,7 +23,7 @@ import sys
 from typing import List, Optional, Sequence, TextIO
 from unittest import mock
 
-from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD, CP_SHARED_KV_FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD, CP_SHARED_KV_FLAG, current_settings
 
 ACCEPTED, REFUSED = 0, 1
 H200_MEMORY_MIB = 143_771  # torch.cuda.mem_get_info's total on an H200, as sglang reads it
@@ -56,6 +56,7 @@ def check_launch(argv: Sequence[str], out: TextIO = sys.stdout, load_plugins=Non
     if load_plugins is None:
         from sglang.srt.plugins import load_plugins
 
+    from sglang_cp_shared_kv.startup_rules import decide_decode_path, decide_scratch
     from sglang_cp_shared_kv.startup_summary import effective_settings
 
     capability, memory_mib, serve_argv = _split_own_options(argv)
@@ -76,8 +77,11 @@ def check_launch(argv: Sequence[str], out: TextIO = sys.stdout, load_plugins=Non
         return REFUSED
     model_config = vars(server_args).get("model_config")
     context_len = getattr(model_config, "context_len", None)
+    settings = current_settings()  # accepted: every value parsed
+    decode = decide_decode_path(server_args, settings)
+    scratch = None if context_len is None else decide_scratch(server_args, settings, decode, context_len)
     print(f"ACCEPTED: {CP_SHARED_KV_FLAG} runs with", file=out)
-    for name, value in effective_settings(server_args, context_len):
+    for name, value in effective_settings(server_args, settings, decode, scratch):
         print(f"  {name}: {value}", file=out)
     return ACCEPTED
 

@@ -26,10 +26,8 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from sglang_cp_shared_kv.server_args import (
-    cp_shared_kv_enabled_in_env,
-    register_server_args_hooks,
-)
+from sglang_cp_shared_kv.server_args import register_server_args_hooks
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled_in_env
 from sglang_cp_shared_kv.sglang_surface import require_hook_targets
 
 logger = logging.getLogger(__name__)
@@ -75,6 +73,7 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
         decode_forward as per_owner_decode,
     )
 
+    # The model runner's spec (built once), the scratch's reservation and the logical capacity.
     cp_shared_kv_capacity.register_hooks(registry)
     cp_hiradix_cache.register_hooks(registry)
     # The host pools sglang's NSA assembler builds for the CP cache must hold whole fp8 NSA rows.
@@ -85,8 +84,8 @@ def register_runtime_hooks(registry=HookRegistry) -> None:
     prefill_load_back_quota.register_hooks(registry)
     # Prefill batches within a gather scratch sized for prefill only (decode per owner).
     prefill_scratch_admission.register_hooks(registry)
-    # Startup, in one module and its order: scratch reservation, then, once the attention backend
-    # exists, the runtime (or the MTP draft pool's), per-owner decode, the startup summary.
+    # The attach, in one module and its order, once the attention backend exists: the runtime (or
+    # the MTP draft pool's), per-owner decode, the startup summary.
     startup_wiring.register_hooks(registry)
     cp_shared_kv_runtime.register_hooks(registry)
     # The plan's host mirror of req_to_token: every writer of the table (EAGLE's too), and the

@@ -15,20 +15,19 @@ sglang's own variables that pick a tree cache shared KV does not track
 same rule, so that startup refuses them before the weights load; they are not described (an
 accepted launch has them off).
 
-When they are judged: while ``ServerArgs`` is built with the flag on (``server_args.validate``), so a
-bad value stops the launch before any weight loads, every bad value listed in one error. Scheduler
-processes inherit the launching process's environment, so every rank reads the same settings.
+When they are judged: while ``ServerArgs`` is built with the flag on (``server_args``, by the rules
+of ``startup_rules``), so a bad value stops the launch before any weight loads, every bad value
+listed in one error. Scheduler processes inherit the launching process's environment, so every rank
+reads the same settings, once: where the model runner's spec is built (``current_settings``).
 
 Defaults are the ``DEFAULT_*`` constants below; changing one is a one-line change.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 # ---- the flag ----
 CP_SHARED_KV_FLAG = "--enable-nsa-prefill-cp-shared-kv"
@@ -73,10 +72,10 @@ PREFETCH_SLOT_AUTO = "auto"
 
 # ---- defaults (one constant each) ----
 DEFAULT_DECODE_PATH = AUTO
-DEFAULT_DECODE_CUDA_GRAPH = True  # graphs where decode runs per owner (decode_path.cuda_graph_problem)
+DEFAULT_DECODE_CUDA_GRAPH = True  # graphs where decode runs per owner (startup_rules.cuda_graph_problem)
 DEFAULT_MTP = False
 DEFAULT_PREFETCH_SLOT_TOKENS = 0  # 0: no slot 1, no layer-ahead prefetch
-DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (scratch_sizing)
+DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (startup_rules.scratch_sizing)
 DEFAULT_CHECK_PAGE_MIRROR = False
 DEFAULT_ALL_CP_RANKS_TRANSFER = False  # sglang's default
 DEFAULT_CPP_RADIX_TREE = False  # sglang's default
@@ -191,8 +190,8 @@ def _int_or_none(raw: str) -> Optional[int]:
 def parse_settings(environ: Mapping[str, str]) -> Tuple[CpSharedKVSettings, List[str]]:
     """Every setting of ``environ``, a bad value replaced by its default, and one problem per bad value.
 
-    The lenient form lets startup judge every other rule with the defaults while it lists the bad
-    values (``server_args.validate``); everyone else uses ``current_settings`` (strict)."""
+    The lenient form lets startup judge every rule (``startup_rules``) with the defaults while it
+    lists the bad values (``server_args``); everyone else uses ``current_settings`` (strict)."""
     problems: List[str] = []
     values = {}
 
@@ -221,18 +220,13 @@ def parse_settings(environ: Mapping[str, str]) -> Tuple[CpSharedKVSettings, List
     return CpSharedKVSettings(**values), problems
 
 
-# While startup judges its rules with a lenient parse (bad values at their defaults), every reader
-# sees that object (``judged_with``); otherwise each read parses the current environment.
-_judged = contextvars.ContextVar("cp_shared_kv_judged_settings", default=None)
-_parsed: dict = {}  # raw values -> (settings, problems): one parse per distinct environment
-
-
 def current_settings() -> CpSharedKVSettings:
-    """The settings in force; ``SettingsError`` listing every bad value."""
-    judged = _judged.get()
-    if judged is not None:
-        return judged
-    settings, problems = _parse_cached()
+    """This process's settings, read from its environment now; ``SettingsError`` listing every bad
+    value. Startup reads them: the model runner's spec keeps what it read
+    (``model_executor.cp_shared_kv_spec``) and everything after asks the spec, so the environment
+    is read once per process where the runtime serves (``test_module_structure`` pins the readers).
+    """
+    settings, problems = current_settings_and_problems()
     if problems:
         raise SettingsError(problems)
     return settings
@@ -240,30 +234,16 @@ def current_settings() -> CpSharedKVSettings:
 
 def current_settings_and_problems() -> Tuple[CpSharedKVSettings, List[str]]:
     """``parse_settings`` of this process's environment."""
-    settings, problems = _parse_cached()
-    return settings, list(problems)
+    return parse_settings({name: os.environ.get(name) for name in SETTINGS_ENVS})
 
 
-def _parse_cached() -> Tuple[CpSharedKVSettings, Tuple[str, ...]]:
-    key = tuple(os.environ.get(name) for name in SETTINGS_ENVS)
-    found = _parsed.get(key)
-    if found is None:
-        settings, problems = parse_settings(dict(zip(SETTINGS_ENVS, key)))
-        found = _parsed[key] = (settings, tuple(problems))
-    return found
+# ---- the flag on ``ServerArgs`` and its environment mirror ----
 
 
-@contextlib.contextmanager
-def judged_with(settings: CpSharedKVSettings) -> Iterator[None]:
-    """Every ``current_settings()`` inside returns ``settings``."""
-    token = _judged.set(settings)
-    try:
-        yield
-    finally:
-        _judged.reset(token)
-
-
-# ---- the flag's environment mirror ----
+def cp_shared_kv_enabled(server_args) -> bool:
+    """The flag on this ``ServerArgs``. Runtime hooks check it as well as the environment (which only
+    decides whether they are registered), so a stray ``SGLANG_CP_SHARED_KV`` cannot turn them on."""
+    return bool(getattr(server_args, CP_SHARED_KV_FIELD, False))
 
 
 def cp_shared_kv_enabled_in_env() -> bool:

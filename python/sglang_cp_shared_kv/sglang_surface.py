@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, List, Tuple
 
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD
+
 # The sglang release the table was read from (the package pins it).
 SGLANG_VERSION = "0.5.11"
 
@@ -107,7 +109,7 @@ SGLANG_SURFACE: Tuple[SurfaceRow, ...] = (
     SurfaceRow(_SERVER_ARGS, "_handle_model_specific_adjustments", Kind.AROUND,
                "NSA prefill CP at --tp 2 and 4 on one node (sglang 0.5.11 asserts tp 8)",
                Scope.EVERY_PROCESS),
-    SurfaceRow(_SERVER_ARGS, "enable_nsa_prefill_cp_shared_kv", Kind.ADDS_ATTRIBUTE,
+    SurfaceRow(_SERVER_ARGS, CP_SHARED_KV_FIELD, Kind.ADDS_ATTRIBUTE,
                "the flag's value, set by __init__ / from_cli_args", Scope.EVERY_PROCESS),
     SurfaceRow(_SERVER_ARGS, "tp_size", Kind.SETS_ATTRIBUTE,
                "8 while _handle_model_specific_adjustments runs, then restored",
@@ -122,19 +124,15 @@ SGLANG_SURFACE: Tuple[SurfaceRow, ...] = (
                "the shared allocator (CPSharedPagedTokenToKVPoolAllocator) replaces stock's"),
     SurfaceRow(_MODEL_RUNNER, "max_total_num_tokens", Kind.SETS_ATTRIBUTE,
                "the logical capacity, cp_size x the physical pool"),
-    SurfaceRow(_POOL, "_cp_shared_kv_layout", Kind.ADDS_ATTRIBUTE,
-               "the allocator's layout; the runtime, CP cache, controller and PD manager read it"),
     # ---- startup wiring and the runtime ----
     SurfaceRow(_KV_MIXIN, "_profile_available_bytes", Kind.AFTER,
                "holds back the gather scratch's bytes from the KV budget"),
-    SurfaceRow(_MODEL_RUNNER, "_cp_shared_kv_scratch_decision", Kind.ADDS_ATTRIBUTE,
-               "the scratch decision made before pool sizing, read again at attach"),
     SurfaceRow(_MODEL_RUNNER, "init_attention_backend", Kind.AFTER,
                "attaches the runtime (or the MTP draft pool's), per-owner decode, startup line"),
     SurfaceRow(_MODEL_RUNNER, "_dummy_run", Kind.AROUND,
                "its batch has no host rows: the plan reads them all as row 0"),
-    SurfaceRow(_POOL, "_cp_shared_kv_runtime", Kind.ADDS_ATTRIBUTE,
-               "the runtime the pool's hooks serve"),
+    SurfaceRow(_POOL, "_cp_shared_kv_state", Kind.ADDS_ATTRIBUTE,
+               "the pool's one state object: the spec, the runtime, the req_to_token mirror, per-owner decode"),
     # ---- CP HiCache ----
     SurfaceRow(_HIRADIX_MODULE, "HiRadixCache", Kind.REPLACE,
                "CpHiRadixCache: host copies of owned pages only, one tree agreed by all ranks"),
@@ -256,8 +254,6 @@ SGLANG_SURFACE: Tuple[SurfaceRow, ...] = (
                "wrapped during _forward_flashmla_sparse to keep its LSE"),
     SurfaceRow(_NSA_BACKEND_MODULE, "flash_attn_with_kvcache", Kind.SET_DURING_CALL,
                "wrapped during _forward_fa3 to keep its LSE"),
-    SurfaceRow(_POOL, "_cp_per_owner_decode", Kind.ADDS_ATTRIBUTE,
-               "per-owner decode's state, which the pool's getters ask"),
     SurfaceRow(_BACKEND, "_cp_per_owner_decode", Kind.ADDS_ATTRIBUTE,
                "the forward's per-owner state, which the attention hooks find"),
     # ---- per-owner decode under CUDA graphs ----

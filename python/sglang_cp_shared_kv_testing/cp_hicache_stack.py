@@ -209,8 +209,7 @@ def build_cp_hicache_stack(
         device=device,
         kvcache=pool,
         need_sort=False,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
+        layout=CpSharedKVLayout(cp_size, cp_rank, NSA_PAGE_SIZE),
     )
     cache_class = CpHiRadixCache
     group_size = dist.get_world_size(group=group)

@@ -303,45 +303,29 @@ def _forward_metadata(scenario: Scenario, batch, step: int, names: dict, device:
 
 
 def _attach(scenario: Scenario, runtime, pool, backend):
-    """Attach per-owner decode as the scenario's hooks do (opted in, as a server would be with
+    """Attach per-owner decode as the scenario's hooks do (the spec opted in, as a server's is with
     ``SGLANG_CP_SHARED_KV_DECODE=per_owner``); returns the state (None: gather)."""
-    import os
-
     from sglang_cp_shared_kv.model_executor.per_owner_decode import (
         decode_forward as per_owner_decode,
     )
-    from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
 
-    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
-
-    with mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER}):
-        if scenario.hooks == "decode":
-            impl = scenario.decode_impl
-            return per_owner_decode.attach(runtime, impl, impl_gather_reason(impl))
-        init_attention_backend(pool, backend)
-        return per_owner_decode.per_owner_of(pool)
+    if scenario.hooks == "decode":
+        return per_owner_decode.attach(runtime.state)
+    init_attention_backend(pool, backend)
+    return per_owner_decode.per_owner_of(pool)
 
 
 def init_attention_backend(pool, backend) -> None:
     """``ModelRunner.init_attention_backend`` (with whatever hooks are applied) on a model runner
     holding ``pool`` whose backend is ``backend``, the flag on. Where a runtime is already attached
     to ``pool``, the startup's attach keeps it and attaches only per-owner decode, by the decision
-    taken from the runner's server args."""
+    of the pool's spec."""
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FIELD
+    from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD
 
     runner = object.__new__(ModelRunner)
     runner.server_args = SimpleNamespace(
-        enable_pdmux=False,
-        enable_two_batch_overlap=False,
-        # What the startup's scratch decision reads (scratch_sizing.decide_scratch).
-        nsa_decode_backend=backend.nsa_decode_impl,
-        speculative_algorithm=None,
-        disaggregation_mode="null",
-        enable_mixed_chunk=False,
-        chunked_prefill_size=8192,
-        max_prefill_tokens=16384,
-        **{CP_SHARED_KV_FIELD: True},
+        enable_pdmux=False, enable_two_batch_overlap=False, **{CP_SHARED_KV_FIELD: True}
     )
     runner.model_config = SimpleNamespace(context_len=pool.size)
     runner.is_draft_worker = False
@@ -420,7 +404,8 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
         peer_page_reads,
     )
     from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
-    from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
+    from sglang_cp_shared_kv.settings import PER_OWNER, CpSharedKVSettings
+    from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
     from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
     from sglang_cp_shared_kv_testing.nsa_cpu_kernels import cpu_kernels
     from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
@@ -460,7 +445,10 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             kv[: shard_rows.numel(), 0] = case.kv_rows[layer_id][shard_rows]
             kv[physical_last[own_last]] = 0  # the decode stores must write them
             pool.index_k_with_scale_buffer[layer_id][: batch.physical_pages] = case.index_pages[layer_id][pages]
-        runtime = CpSharedKVRuntime(pool, layout, scratch, torch.distributed.group.WORLD)
+        runtime = attach_runtime(
+            pool, layout, scratch, torch.distributed.group.WORLD,
+            settings=CpSharedKVSettings(decode_path=PER_OWNER), decode_impl=scenario.decode_impl,
+        )  # fmt: skip
         backend = _make_backend(scenario, names, device)
         state = _attach(scenario, runtime, pool, backend)
         if state is None:
@@ -487,7 +475,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             if scenario.graph == "eager":
                 forward_dispatch.dispatch_forward_metadata(None, backend, forward_batch)
             else:
-                _capture_then_replay(backend, state, stale=scenario.graph == "graph-stale")
+                _capture_then_replay(backend, runtime.state, stale=scenario.graph == "graph-stale")
             planned.append(runtime.plan is not None)
             indices = None
             step_outs, step_indices = [], []
@@ -559,9 +547,10 @@ def smoke_plugin_hooks(scenario: Scenario) -> tuple:
     return hooks
 
 
-def _capture_then_replay(backend, state, stale: bool) -> None:
-    """The decode-graph hooks around ``backend.forward_metadata`` (the batch to run): capture with
-    sglang's capture-time contents, then the replay's copy into the static metadata and refresh."""
+def _capture_then_replay(backend, pool_state, stale: bool) -> None:
+    """The decode-graph hooks around ``backend.forward_metadata`` (the batch to run), with the pool's
+    state bound as ``bind_graph_decode`` binds it: capture with sglang's capture-time contents, then
+    the replay's copy into the static metadata and refresh."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang_cp_shared_kv.model_executor.per_owner_decode import (
         decode_forward as per_owner_decode,
@@ -573,8 +562,8 @@ def _capture_then_replay(backend, state, stale: bool) -> None:
     backend.decode_cuda_graph_metadata = {
         "page_table": torch.zeros((bs, width * PAGE), dtype=torch.int32, device=real.real_page_table.device)
     }
-    setattr(backend, per_owner_decode._STATE_ATTR, state)
-    setattr(backend, graphs._BOUND_ATTR, True)
+    setattr(backend, per_owner_decode._STATE_ATTR, pool_state.per_owner)
+    setattr(backend, graphs._BOUND_ATTR, pool_state)
     graphs.init_cuda_graph_state_after(None, backend, bs, bs)
     schedule = real.paged_mqa_schedule_metadata
     static = dataclasses.replace(

@@ -91,6 +91,7 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
     CpSharedKVRuntime,
     planned_lengths,
 )
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import PerOwnerDecode
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
@@ -482,15 +483,19 @@ def run_rank(
         tokens = cp_size * shard.size if prefetch_slot_tokens is None else prefetch_slot_tokens
         prefetch_slot = create_prefetch_slot(shard, cp_size, tokens)
     indexer_layers = frozenset(set(range(num_layers)) - set(skip_index_layers))
-    runtime = CpSharedKVRuntime(
+    rng = random.Random(seed)
+    data = torch.Generator().manual_seed(seed)
+    story = _Story(layout, physical_pages, rng, device)
+    runtime = attach_runtime(
         shard,
         layout,
         create_gather_scratch(shard, cp_size, scratch_tokens),
         group,
+        req_to_token_pool=story.req_to_token_pool,
+        scratch_serves_decode=scratch_tokens is None,
         prefetch_slot=prefetch_slot,
         prefetch_group=prefetch_group,
         indexer_layer_ids=indexer_layers,
-        scratch_serves_decode=scratch_tokens is None,
     )
     draft_shard = draft_replica = draft_runtime = None
     if draft:
@@ -502,9 +507,6 @@ def run_rank(
         apply_plant(runtime, plant)
     elif not draft:
         raise ValueError(f"plant {plant!r} needs draft=True (it is applied to the draft's runtime)")
-    rng = random.Random(seed)
-    data = torch.Generator().manual_seed(seed)
-    story = _Story(layout, physical_pages, rng, device)
     result = RankResult()
     backend = SimpleNamespace(forward_metadata=None)
     indexer = IndexerStub()
@@ -697,7 +699,7 @@ def run_rank(
         out_locs = [loc for r, n in fresh.items() for loc in story.append(r, n)]
         run_forward(ForwardMode.EXTEND, list(fresh), list(fresh.values()), out_locs)
         if draft_per_owner:
-            PerOwnerDecode(draft_runtime)  # decode of the draft pool would run per owner
+            PerOwnerDecode(draft_runtime.state)  # decode of the draft pool would run per owner
         # 7. The draft's decode steps over every request and a padded one.
         with counter if sync_debug else contextlib.nullcontext():
             run_draft_decode_steps([1, 2, 3, 4, 5, 6, 7, 0], draft_steps)

@@ -172,12 +172,14 @@ def mirrored_cp_stack(
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
     from sglang_cp_shared_kv_testing.cp_hicache_stack import TINY_NSA, nsa_pool
 
     pool = nsa_pool(TINY_NSA, physical_pages * page_size, "cpu")
     allocator = CPSharedPagedTokenToKVPoolAllocator(
-        cp_size * pool.size, page_size, TINY_NSA.dtype, "cpu", pool, False, cp_size, 0
+        cp_size * pool.size, page_size, TINY_NSA.dtype, "cpu", pool, False,
+        CpSharedKVLayout(cp_size, 0, page_size),
     )
     req_to_token_pool = ReqToTokenPool(8, 2048, "cpu", False)
     ReqToPageMirror.attach(req_to_token_pool, page_size)

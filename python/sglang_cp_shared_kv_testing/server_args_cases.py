@@ -6,8 +6,10 @@
 * ``GLM5_LIKE_CONFIG``: a tiny model config with only what ``ServerArgs`` reads of GLM-5
   (architecture, indexer top-k and sizes); ``write_model_dir`` puts it where ``--model-path`` looks.
 * ``runtime_server_args``: a namespace with the fields the runtime's startup rules read
-  (``unsupported_server_args``, ``runtime_problems``, the decode-graph binding), every one at a
-  supported value; a test overrides the one it judges.
+  (``startup_rules.runtime_problems``, the decode-graph binding), every one at a supported value; a
+  test overrides the one it judges.
+* ``decided_now``: the settings and the decode path a server decides for given arguments under this
+  process's environment, the inputs the rules take besides the arguments.
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ def runtime_server_args(**overrides) -> SimpleNamespace:
     return SimpleNamespace(**args)
 
 
+def decided_now(server_args):
+    """``(settings, decode path)`` as a server decides them for ``server_args`` with this
+    process's environment (``startup_rules.decide_decode_path``)."""
+    from sglang_cp_shared_kv.settings import current_settings
+    from sglang_cp_shared_kv.startup_rules import decide_decode_path
+
+    settings = current_settings()
+    return settings, decide_decode_path(server_args, settings)
+
+
 class Glm5LikeModelDir:
     """Test-case mixin: one directory with ``GLM5_LIKE_CONFIG`` for the whole class
     (``cls.model_path``), removed after its last test."""
@@ -93,7 +105,8 @@ class ServerArgsHooksApplied:
     variable the hooks set (``CP_SHARED_KV_ENV``) restored afterwards."""
 
     def setUp(self):
-        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.server_args import register_server_args_hooks
+        from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         super().setUp()

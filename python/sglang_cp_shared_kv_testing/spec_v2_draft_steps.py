@@ -155,18 +155,19 @@ def run() -> dict:
     from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
     from sglang_cp_shared_kv.model_executor import draft_decode_steps
-    from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
     from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
     from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
     from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
+    from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
     torch.manual_seed(0)
     shard = make_nsa_pool(PHYSICAL_PAGES * PAGE, "bf16", 1, "cpu")
     scratch = create_gather_scratch(shard, CP_SIZE, None)
-    runtime = CpSharedKVRuntime(shard, CpSharedKVLayout(CP_SIZE, RANK, PAGE), scratch, None)
-
     req_to_token_pool = ReqToTokenPool(len(SEQ_LENS) + 1, 8 * PAGE, "cpu", False)
     mirror = ReqToPageMirror.attach(req_to_token_pool, PAGE)
+    runtime = attach_runtime(
+        shard, CpSharedKVLayout(CP_SIZE, RANK, PAGE), scratch, None, req_to_token_pool=req_to_token_pool
+    )
     for row, pages in ROW_PAGES.items():
         locs = (torch.tensor(pages).repeat_interleave(PAGE) * PAGE) + torch.arange(PAGE).repeat(len(pages))
         req_to_token_pool.req_to_token[row, : len(locs)] = locs.to(torch.int32)

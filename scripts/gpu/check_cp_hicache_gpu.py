@@ -128,7 +128,7 @@ def planted_draft_bug(stack, plant):
 
 
 def configurations(args):
-    from sglang_cp_shared_kv.server_args import STORAGE_BACKEND_LAYOUTS
+    from sglang_cp_shared_kv.startup_rules import STORAGE_BACKEND_LAYOUTS
     from sglang_cp_shared_kv_testing.cp_hicache_stack import HOST_LAYOUTS
 
     for kv_format in args.kv_formats:

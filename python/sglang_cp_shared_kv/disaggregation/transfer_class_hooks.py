@@ -3,7 +3,7 @@
 
 ``PrefillBootstrapQueue`` asks it for the KV manager and for one sender per request. An AROUND hook
 answers mooncake's with the shared-KV subclasses (``mooncake/conn.py``); every other backend and
-class is stock (the startup rule in ``server_args.py`` refuses other backends). The subclasses
+class is stock (the startup rule in ``startup_rules.py`` refuses other backends). The subclasses
 check ``--enable-nsa-prefill-cp-shared-kv`` on the manager's ``ServerArgs`` and act as stock with
 it off, and the hook itself is registered only in processes launched with the flag (plugin.py).
 """
@@ -22,11 +22,13 @@ def register_hooks(registry) -> None:
 
 
 def init_kv_manager_around(original, queue, *args, **kwargs):
-    """The KV manager built here translates through the allocator's layout of the queue's pool."""
+    """The KV manager built here translates through the layout of the server's spec, which the
+    queue's pool carries in its state (sglang hands the manager only the pool's buffers)."""
     from sglang_cp_shared_kv.disaggregation.mooncake.conn import managers_built_for
-    from sglang_cp_shared_kv.mem_cache.allocator import layout_of_pool
+    from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import state_of
 
-    with managers_built_for(layout_of_pool(queue.token_to_kv_pool)):
+    state = state_of(queue.token_to_kv_pool)
+    with managers_built_for(None if state is None else state.spec.layout):
         return original(queue, *args, **kwargs)
 
 

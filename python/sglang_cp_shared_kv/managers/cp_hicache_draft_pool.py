@@ -36,8 +36,8 @@ from sglang.srt.mem_cache.memory_pool_host import (
 )
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.mem_cache.cp_hybrid_cache_controller import CpHybridCacheController
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Admission keeps every prefill batch within a gather scratch sized for prefill only.
 
 When decode runs per owner, slot 0 of the gather scratch holds what one prefill batch may
-reference (``model_executor.scratch_sizing``), not the logical capacity. An extend forward reads,
+reference (``startup_rules.decide_scratch``), not the logical capacity. An extend forward reads,
 per request, its prefix and this forward's chunk (``len(req.fill_ids)`` tokens), and needs at most
 1 + the sum of their ``request_scratch_pages`` (the dummy page). sglang's ``PrefillAdder`` bounds the new tokens of a batch
 (chunked prefill, ``--max-prefill-tokens``) but not the prefixes, so a batch of requests with long
@@ -30,11 +30,9 @@ from sglang.srt.managers.schedule_policy import AddReqResult
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.scratch_sizing import (
-    PREFILL_SCRATCH_TOKENS_ENV,
-    request_scratch_pages,
-)
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.model_executor.scratch_sizing import request_scratch_pages
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -80,17 +80,6 @@ class PagesHandedOut:
     new_pages_per_req: Optional[np.ndarray] = None
 
 
-_POOL_LAYOUT_ATTR = "_cp_shared_kv_layout"
-
-
-def layout_of_pool(pool) -> Optional[CpSharedKVLayout]:
-    """The layout of the shared-KV allocator handing out ``pool``'s locs; None when none does.
-
-    For readers that see the pool but not the allocator (sglang hands the PD KV manager only the
-    pool's buffers)."""
-    return getattr(pool, _POOL_LAYOUT_ATTR, None)
-
-
 class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """``PagedTokenToKVPoolAllocator`` handing out logical locs of the CP group (module docstring).
 
@@ -110,20 +99,21 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         device: str,
         kvcache,
         need_sort: bool,
-        cp_size: int,
-        cp_rank: int,
+        layout: CpSharedKVLayout,
         owner_run_pages: int = 1,
     ):
         if isinstance(owner_run_pages, bool) or not isinstance(owner_run_pages, int) or owner_run_pages < 1:
             raise ValueError(f"{FLAG}: owner_run_pages must be an int >= 1, got {owner_run_pages!r}")
         # Consecutive pages of a request preferred on one owner (module docstring, step 2).
         self.owner_run_pages = owner_run_pages
-        # THE layout: built here once; the pool carries it (``layout_of_pool``) and the runtime, the
-        # CP HiRadixCache, the HiCache controller and the PD manager read it, never rebuild it.
-        self.layout = CpSharedKVLayout(cp_size, cp_rank, page_size)
-        setattr(kvcache, _POOL_LAYOUT_ATTR, self.layout)
+        # THE layout: the server's spec's (``model_executor.cp_shared_kv_spec``, built once where the
+        # capacity is installed); the CP HiRadixCache and the HiCache controller read it here.
+        if layout.page_size != page_size:
+            raise ValueError(f"{FLAG}: the layout's page size {layout.page_size} is not {page_size}")
+        self.layout = layout
+        cp_size = layout.cp_size
         self.cp_size = cp_size
-        self.cp_rank = cp_rank
+        self.cp_rank = layout.cp_rank
         # Tokens of this rank's pool, excluding the dummy page 0.
         self.physical_size = kvcache.size
         if self.physical_size % page_size != 0:

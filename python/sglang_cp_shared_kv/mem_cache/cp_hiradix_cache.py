@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.radix_cache import (
 )
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController
+from sglang_cp_shared_kv.mem_cache.cp_hybrid_cache_controller import CpHybridCacheController
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_eviction import CpHiRadixEviction
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_host_tier import CpHiRadixHostTier
@@ -63,12 +63,10 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     tracks_value_pages,
     value_pages,
 )
-from sglang_cp_shared_kv.server_args import (
-    storage_layout_problem,
-    CP_SHARED_KV_FIELD,
-    CP_SHARED_KV_FLAG as FLAG,
-    cp_shared_kv_enabled_in_env,
-)
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FIELD
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import cp_shared_kv_enabled_in_env
+from sglang_cp_shared_kv.startup_rules import storage_layout_problem
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams

@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_shared_kv.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import set_value_pages, tracks_value_pages
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sglang_cp_shared_kv.managers.cp_hicache_storage import (
+from sglang_cp_shared_kv.mem_cache.cp_hicache_storage import (
     CpStoragePageIO,
     build_storage_backend,
 )
@@ -40,10 +40,8 @@ from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import (
     page_hash_chain,
     storage_keys,
 )
-from sglang_cp_shared_kv.server_args import (
-    CP_SHARED_KV_FLAG as FLAG,
-    parse_storage_extra_config,
-)
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.startup_rules import parse_storage_extra_config
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs

@@ -34,7 +34,7 @@ import torch
 
 from sglang.srt.disaggregation.kv_events import StorageMedium
 
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 
 class _FinishedCollective:

@@ -14,8 +14,9 @@ device table by updating it at every program point where sglang writes ``req_to_
 Rows start as zeros, like the device table, and keep stale content after their request ends, like the
 device table: every position a forward reads was written during its request's life.
 
-``REQ_TO_PAGE_MIRROR_CHECK_ENV=1`` makes every plan compare the mirror rows it reads with the device
-table (a device-to-host copy, a sync: a debugging aid, off by default).
+``SGLANG_CP_SHARED_KV_CHECK_PAGE_MIRROR=1`` makes every plan compare the mirror rows it reads with the
+device table (a device-to-host copy, a sync: a debugging aid, off by default; read once, into the
+server's spec, ``CpSharedKVRuntime.check_page_mirror``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import numpy as np
 import torch
 
 from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
-from sglang_cp_shared_kv.settings import REQ_TO_PAGE_MIRROR_CHECK_ENV, current_settings
 
 
 _MIRROR_ATTR = "_cp_req_to_page_mirror"
@@ -35,10 +35,6 @@ _MIRROR_ATTR = "_cp_req_to_page_mirror"
 def mirror_of(req_to_token_pool) -> Optional["ReqToPageMirror"]:
     """The mirror kept for ``req_to_token_pool``; None when none is attached (flag off, tests)."""
     return getattr(req_to_token_pool, _MIRROR_ATTR, None)
-
-
-def mirror_check_enabled() -> bool:
-    return current_settings().check_page_mirror
 
 
 class ReqToPageMirror:
@@ -69,7 +65,7 @@ class ReqToPageMirror:
     ) -> List[str]:
         """Every position ``< seq_len`` of the given rows whose device loc is not on the mirrored page.
 
-        Reads the device table (syncs): only for tests and the ``REQ_TO_PAGE_MIRROR_CHECK_ENV`` check.
+        Reads the device table (syncs): only for tests and the page-mirror check of the settings.
         """
         page_size = self.page_size
         problems = []

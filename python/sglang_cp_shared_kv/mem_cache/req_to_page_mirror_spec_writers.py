@@ -41,7 +41,7 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import (
     allocation_of,
     write_new_pages,
 )
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 _EAGLE_INFO = "sglang.srt.speculative.eagle_info.EagleVerifyInput"
 _EAGLE_WORKER = "sglang.srt.speculative.eagle_worker.EAGLEWorker"

@@ -37,7 +37,7 @@ from sglang_cp_shared_kv.mem_cache.tree_value_pages import (
     tracks_value_pages,
     value_pages,
 )
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 # ForwardBatch attribute: int64 NumPy array of the batch's req_to_token rows, before padding.
 ROWS_ATTR = "cp_req_pool_indices_cpu"

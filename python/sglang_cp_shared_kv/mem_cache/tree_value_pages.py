@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 

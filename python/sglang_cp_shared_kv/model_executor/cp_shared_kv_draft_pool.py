@@ -10,9 +10,11 @@ only), while the shared allocator hands out *logical* locs. The draft pool is th
 rank's shard of a one-layer logical pool: every logical loc the allocator can hand out has a
 physical row on its owner (``CpSharedKVLayout``), and no byte more is needed than stock allocates.
 
-So the draft pool is sharded like the target's: a second ``CpSharedKVRuntime`` attaches to it, and
-the owner-filtered writes, the per-forward plan and the gather of the hooks serve it unchanged
-(they find the runtime through ``runtime_of(forward_batch.token_to_kv_pool)``); the draft's
+So the draft pool is sharded like the target's: it gets a ``CpSharedKVState`` of its own with the
+target's spec (the same object: layout, settings, decode path, scratch decision) and the target's
+host mirror, and a second ``CpSharedKVRuntime``; the owner-filtered writes, the per-forward plan
+and the gather of the hooks serve it unchanged (they find the runtime through
+``runtime_of(forward_batch.token_to_kv_pool)``); the draft's
 multi-step decode gets one plan per step (``draft_decode_steps``), so the shared scratch must hold
 a gathering decode (the default decode path), except on a PD prefill server, which runs no decode
 step (a draft step reaching the plan there raises, ``CpSharedKVRuntime.plan_draft_step``). It
@@ -27,7 +29,7 @@ draft's pages with the target's physical pages).
 
 ``attach_draft_worker`` (called by ``startup_wiring`` after ``ModelRunner.init_attention_backend``
 on the draft worker) attaches it; the startup rules accept MTP only with its opt-in
-(``speculative/mtp_opt_in.py``), so without it this is never reached in a server.
+(``startup_rules.speculative_problems``), so without it this is never reached in a server.
 """
 
 from __future__ import annotations
@@ -36,18 +38,10 @@ import logging
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
-    FLAG,
-    CpSharedKVRuntime,
-    runtime_of,
-)
-from sglang_cp_shared_kv.model_executor.decode_path import (
-    DECODE_PATH_ENV,
-    GATHER,
-    PER_OWNER,
-    is_pd_prefill_server,
-)
-from sglang_cp_shared_kv.server_args import runtime_problems
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime, runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import CpSharedKVState, state_of
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, PER_OWNER
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +66,19 @@ def draft_pool_problems(target_pool, draft_pool) -> list[str]:
 
 
 def attach_draft_runtime(
-    draft_pool: NSATokenToKVPool, target_pool: NSATokenToKVPool, *, runs_decode_steps: bool = True
+    draft_pool: NSATokenToKVPool, target_pool: NSATokenToKVPool
 ) -> CpSharedKVRuntime:
-    """Attach a runtime to ``draft_pool`` with the layout, CP group and scratch of ``target_pool``'s.
-    ``runs_decode_steps`` False (a PD prefill server): the draft runs extends only, which a
-    prefill-sized scratch serves."""
+    """Attach a state and a runtime to ``draft_pool`` with the spec, mirror, CP group and scratch of
+    ``target_pool``'s. On a PD prefill server (the spec's decode path says so) the draft runs
+    extends only, which a prefill-sized scratch serves."""
     target = runtime_of(target_pool)
     if target is None:
         raise ValueError(f"{FLAG}: the target pool has no runtime; attach the target's first")
-    if runtime_of(draft_pool) is not None:
+    if state_of(draft_pool) is not None:
         raise ValueError(f"{FLAG}: the draft pool already has a runtime")
+    spec = target.state.spec
     problems = draft_pool_problems(target_pool, draft_pool)
-    if runs_decode_steps and not target.scratch_serves_decode:
+    if not spec.decode.pd_prefill and not spec.scratch_serves_decode:
         # The draft's decode steps always gather (draft_decode_steps), over the whole batch.
         problems.append(
             f"{FLAG}: the draft's decode steps gather pages, but the gather scratch was sized for "
@@ -92,36 +87,26 @@ def attach_draft_runtime(
         )
     if problems:
         raise ValueError("; ".join(problems))
+    state = CpSharedKVState(draft_pool, spec)
+    state.mirror = target.state.mirror  # the target's and the draft's req_to_token are one table
     # indexer_layer_ids None: the NextN layer computes its own top-k (skip_topk is False for it).
-    return CpSharedKVRuntime(
-        draft_pool,
-        target.layout,
-        target.scratch,
-        target.cp_group,
-        scratch_serves_decode=target.scratch_serves_decode,
-    )
+    return CpSharedKVRuntime(state, target.scratch, target.cp_group)
 
 
 def attach_draft_worker(model_runner) -> None:
     """The draft worker's step of the startup (``startup_wiring``, after
-    ``ModelRunner.init_attention_backend``; MTP, flag on): the startup rules, then the draft pool's
-    runtime.
+    ``ModelRunner.init_attention_backend``; MTP, flag on): the draft pool's runtime.
 
-    The draft shares the target's allocator, whose pool is the target's, whose runtime attached when
-    the target worker initialized; the host mirror of the shared ``req_to_token`` is already there."""
+    The draft shares the target's allocator, whose pool is the target's, whose state and runtime
+    attached when the target worker initialized: the spec judged and decided there (the same server
+    args, in this process) serves the draft as it is, and the host mirror of the shared
+    ``req_to_token`` is already there."""
     draft_pool = model_runner.token_to_kv_pool
     if runtime_of(draft_pool) is not None:
         return
-    reasons = runtime_problems(model_runner.server_args)
     if model_runner.server_args.speculative_algorithm is None:
-        reasons.append(f"{FLAG}: a draft worker without --speculative-algorithm")
-    if reasons:
-        raise ValueError("; ".join(reasons))
-    attach_draft_runtime(
-        draft_pool,
-        model_runner.token_to_kv_pool_allocator.get_kvcache(),
-        runs_decode_steps=not is_pd_prefill_server(model_runner.server_args),
-    )
+        raise ValueError(f"{FLAG}: a draft worker without --speculative-algorithm")
+    attach_draft_runtime(draft_pool, model_runner.token_to_kv_pool_allocator.get_kvcache())
     logger.info(
         "CP shared KV runtime on the draft pool: %d physical tokens, %d layer(s), the target's layout",
         draft_pool.size,

@@ -18,11 +18,11 @@ logical pool:
    the pool (``scratch_rows``). Attention and the indexer then read the slot through the pool
    getters.
 
-The runtime is built at startup by ``startup_wiring`` (scratch reservation, attach, per-owner
-decode, the draft's runtime, in that module's order); the one hook here marks sglang's warm-up
-forwards (``mark_dummy_run``). Anything this runtime cannot serve correctly raises a
-``ValueError`` naming the flags at startup; the rules themselves live with every other startup rule
-in ``server_args.runtime_problems``.
+The runtime is one part of its pool's ``CpSharedKVState`` (with the spec, the mirror and per-owner
+decode), built at startup by ``startup_wiring``; the one hook here marks sglang's warm-up forwards
+(``mark_dummy_run``). Anything this runtime cannot serve correctly raises a ``ValueError`` naming
+the flags at startup; the rules themselves live with every other startup rule in
+``startup_rules.runtime_problems``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,8 @@ import torch.distributed as dist
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
-from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_check_enabled, mirror_of
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import CpSharedKVState, serving_state
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan, build_peer_page_plan
@@ -51,20 +48,21 @@ from sglang_cp_shared_kv.model_executor.scratch_rows import (
     copy_index_k_rows,
     copy_kv_rows,
 )
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER
 
 logger = logging.getLogger(__name__)
-
-_RUNTIME_ATTR = "_cp_shared_kv_runtime"
 
 
 def runtime_of(pool) -> Optional["CpSharedKVRuntime"]:
     """The runtime serving ``pool``; None for every other pool (the scratch itself included)."""
-    return getattr(pool, _RUNTIME_ATTR, None)
+    state = serving_state(pool)
+    return None if state is None else state.runtime
 
 
 class CpSharedKVRuntime:
-    """Per-process state shared by the hooks; constructing it attaches it to ``pool``.
+    """The page gather's state of one pool; constructing it attaches it to the pool's state.
 
     Every rank runs the same batches (the CP group is the TP group and schedules identically), so
     plans, and with them the decision to enter each collective, agree across ranks.
@@ -72,31 +70,36 @@ class CpSharedKVRuntime:
 
     def __init__(
         self,
-        pool: NSATokenToKVPool,
-        layout: CpSharedKVLayout,
+        state: CpSharedKVState,
         scratch: NSATokenToKVPool,
         cp_group: dist.ProcessGroup,
         prefetch_slot: Optional[NSATokenToKVPool] = None,
         prefetch_group: Optional[dist.ProcessGroup] = None,
         indexer_layer_ids: Optional[frozenset] = None,
-        scratch_serves_decode: bool = True,
     ):
-        """``scratch``: slot 0; ``prefetch_slot`` / ``prefetch_group``: slot 1 and the process
-        group of the layer-ahead prefetch (both or neither; neither: serial path only);
-        ``indexer_layer_ids``: layers that store indexer K (None: all); ``scratch_serves_decode``:
-        slot 0 holds the logical capacity, so decode forwards may gather (False: sized for prefill
-        batches only, decode runs per owner; see ``scratch_sizing``)."""
-        self.scratch_serves_decode = scratch_serves_decode
-        if self.scratch_serves_decode and scratch.size < layout.cp_size * pool.size:
+        """``state``: the pool's (its spec gives the layout and the settings); ``scratch``: slot
+        0; ``prefetch_slot`` / ``prefetch_group``: slot 1 and the process group of the layer-ahead
+        prefetch (both or neither; neither: serial path only); ``indexer_layer_ids``: layers that
+        store indexer K (None: all)."""
+        if state.runtime is not None:
+            raise ValueError(f"{FLAG}: this KV pool already has a runtime")
+        pool, spec = state.pool, state.spec
+        # Slot 0 holds the logical capacity, so decode forwards may gather (False: sized for prefill
+        # batches only, decode runs per owner; see ``startup_rules.decide_scratch``).
+        self.scratch_serves_decode = spec.scratch_serves_decode
+        if self.scratch_serves_decode and scratch.size < spec.layout.cp_size * pool.size:
             raise ValueError(f"{FLAG}: the gather scratch is smaller than the logical capacity")
         if (prefetch_slot is None) != (prefetch_group is None):
             raise ValueError(f"{FLAG}: the prefetch needs both its scratch slot and its group")
+        self.state = state
         self.pool = pool
-        self.layout = layout
+        self.layout = spec.layout
+        # The page-mirror check (a debugging aid), as the spec read the settings once for this process.
+        self.check_page_mirror = spec.settings.check_page_mirror
         self.scratch = scratch
         self.cp_group = cp_group
         # Logical page ids that can exist: cp_size x (physical pages + the dummy page 0).
-        self.num_logical_pages = layout.cp_size * (pool.size // pool.page_size + 1)
+        self.num_logical_pages = spec.layout.cp_size * (pool.size // pool.page_size + 1)
         self.scratch_num_pages = scratch.size // scratch.page_size + 1
         self.plan: Optional[PeerPagePlan] = None
         # The EAGLE draft's steps: (step backend, its plan), planned together, each selected when
@@ -113,7 +116,7 @@ class CpSharedKVRuntime:
         self.writing_physical = False
         # True inside ModelRunner._dummy_run (warm-up), whose batch is not built by init_new.
         self.in_dummy_run = False
-        setattr(pool, _RUNTIME_ATTR, self)
+        state.runtime = self
 
     # ---- plan ----
 
@@ -139,12 +142,17 @@ class CpSharedKVRuntime:
         self.pipeline.begin(self.plan, is_decode=not mode.is_context_parallel_extend())
         return self.plan
 
+    def clear_plan(self) -> None:
+        """This forward runs without a plan (per-owner decode took it, ``CpSharedKVState``): the
+        stores keep the owned rows and gather nothing."""
+        self.plan = None
+
     def build_plan(
         self, forward_batch, seq_lens: np.ndarray, new_token_counts: np.ndarray
     ) -> PeerPagePlan:
         """The plan of ``forward_batch`` whose requests read ``seq_lens`` tokens, the last
         ``new_token_counts`` of them written by this forward (``planned_lengths``). Host only."""
-        mirror = mirror_of(forward_batch.req_to_token_pool)
+        mirror = self.state.mirror
         rows = getattr(forward_batch, ROWS_ATTR, None)
         if rows is None and self.in_dummy_run:
             # ModelRunner._dummy_run's batch comes from DecodeInputBuffers: every request on row 0.
@@ -159,7 +167,7 @@ class CpSharedKVRuntime:
         page_size = self.layout.page_size
         pages_read = -(-seq_lens // page_size)
         request_pages = [mirror.row_pages(r, p) for r, p in zip(rows.tolist(), pages_read.tolist())]
-        if mirror_check_enabled():
+        if self.check_page_mirror:
             mirror.check(forward_batch.req_to_token_pool.req_to_token, rows.tolist(), seq_lens.tolist())
         return build_peer_page_plan(
             layout=self.layout,

@@ -39,17 +39,9 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import per_owner_of
 
 _MULTI_STEP_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnMultiStepBackend"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
-
-
-def _leave_per_owner(runtime) -> None:
-    """A per-owner decode forward of this pool (if any) is over: the getters serve the scratch."""
-    state = per_owner_of(runtime.pool)
-    if state is not None:
-        state.forward = None
 
 
 def plan_draft_steps(original, multi_step_backend, forward_batch, *args, **kwargs):
@@ -57,7 +49,7 @@ def plan_draft_steps(original, multi_step_backend, forward_batch, *args, **kwarg
     runtime = runtime_of(forward_batch.token_to_kv_pool)
     if runtime is None:
         return original(multi_step_backend, forward_batch, *args, **kwargs)
-    _leave_per_owner(runtime)
+    runtime.state.end_per_owner_forward()
     runtime.begin_draft_step_planning()
     try:
         return original(multi_step_backend, forward_batch, *args, **kwargs)
@@ -72,7 +64,7 @@ def select_draft_step_plan(model_runner, forward_batch, *args, **kwargs):
     if runtime is None or not runtime.draft_step_plans or not forward_batch.forward_mode.is_decode():
         return None
     if runtime.begin_draft_step(getattr(forward_batch, "attn_backend", None)):
-        _leave_per_owner(runtime)
+        runtime.state.end_per_owner_forward()
     return None
 
 

@@ -5,11 +5,11 @@ read and write it with the pool's exact row formats (bf16 576-wide rows, fp8 656
 132-byte indexer rows per token).
 
 * Slot 0 is used for all layers by every forward that does not prefetch. Its size comes from
-  ``scratch_sizing.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
+  ``startup_rules.ScratchSizing``: when a decode forward may gather, ``cp_size x`` the physical
   pool's token count (= the logical capacity), so every forward fits (a batch cannot reference
   more pages than exist, see ``build_peer_page_plan``); when decode runs per owner, what one
   prefill batch may reference (admission caps batches to it).
-* Slot 1 (``prefetch_slot_tokens``, requested in ``scratch_sizing``) lets a prefill forward
+* Slot 1 (``prefetch_slot_tokens``, requested in ``startup_rules``) lets a prefill forward
   gather layer ``l+1`` while layer ``l`` reads slot 0 (``peer_page_prefetch``). It only has to
   hold what one prefill forward references, so by default it is sized from the context length
   plus the chunked-prefill budget (+25% for owner padding), capped at the logical capacity; a
@@ -110,7 +110,7 @@ def reserve_scratch_bytes(
 
 def slot0_scratch_tokens(prefill_tokens: Optional[int], logical_tokens: int, page_size: int) -> int:
     """Slot 0's tokens: the logical capacity, or ``prefill_tokens`` rounded up to pages and capped
-    at it (see ``scratch_sizing``)."""
+    at it (see ``startup_rules.scratch_sizing``)."""
     if prefill_tokens is None:
         return logical_tokens
     return min(-(-prefill_tokens // page_size) * page_size, logical_tokens)

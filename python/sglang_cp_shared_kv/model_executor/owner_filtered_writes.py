@@ -21,7 +21,8 @@ The same hooks then assemble the gather scratch for the layer (see ``cp_shared_k
 from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 _POOL = "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool"
 _INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"

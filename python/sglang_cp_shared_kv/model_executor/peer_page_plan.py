@@ -16,7 +16,7 @@ layout). When the owners are unbalanced inside the batch and that does not fit t
 *exact* layout packs each owner's ``c_r`` pages back to back (rank r's j-th page is
 ``1 + c_0 + .. + c_{r-1} + j``) and the region is filled by one broadcast per owner: the batch then
 needs exactly ``1 + referenced pages`` scratch pages, whatever the owners, which is what lets a
-prefill-sized scratch bound its batches by their page counts alone (``scratch_sizing``).
+prefill-sized scratch bound its batches by their page counts alone (``scratch_sizing.prefill_batch_scratch_pages``).
 
 A page is *filled locally* when every referenced token in it is written by this forward: each rank
 sees the whole batch's KV and indexer K in the write hooks (NSA prefill CP all-gathers the chunk

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.peer_page_gather import as_pages, gather_peer_pages
 from sglang_cp_shared_kv.model_executor.peer_page_plan import PeerPagePlan
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@
   ``get_index_k_scale_buffer`` (ragged indexer in prefill) return the scratch's buffers, after the
   original's HiCache per-layer wait.
 * A decode forward that per-owner decode takes over (``forward_dispatch``) is not planned or
-  remapped, and the getters then serve the physical buffers (``serves_physical``).
+  remapped, and the getters then serve the physical buffers (the pool's state says so:
+  ``CpSharedKVState.reads_physical_pool``).
 * Readers this runtime does not serve raise: ``get_index_k_continuous`` /
   ``get_index_k_scale_continuous`` (in-seq-split CP and the non-CUDA indexer), ``get_mla_kv_buffer``
   (the dense MHA path, off under NSA prefill CP), and CUDA-graph capture / replay of the backend
@@ -26,12 +27,13 @@ from __future__ import annotations
 import dataclasses
 
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import serving_state
+from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
 from sglang_cp_shared_kv.model_executor.per_owner_decode import (
     cuda_graphs as per_owner_decode_graphs,
 )
-from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER_ID
-from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import serves_physical
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 
 _POOL = "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool"
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
@@ -52,18 +54,18 @@ def remap_index_tables(backend, plan) -> None:
 
 def get_key_buffer(original, pool, layer_id):
     buffer = original(pool, layer_id)
-    runtime = runtime_of(pool)
-    if runtime is None or serves_physical(runtime):
+    state = serving_state(pool)
+    if state is None or state.reads_physical_pool():
         return buffer
-    return original(runtime.kv_slot_for_read(layer_id), SCRATCH_LAYER_ID)
+    return original(state.runtime.kv_slot_for_read(layer_id), SCRATCH_LAYER_ID)
 
 
 def get_index_k_with_scale_buffer(original, pool, layer_id):
     buffer = original(pool, layer_id)
-    runtime = runtime_of(pool)
-    if runtime is None or runtime.writing_physical or serves_physical(runtime):
+    state = serving_state(pool)
+    if state is None or state.runtime.writing_physical or state.reads_physical_pool():
         return buffer
-    return original(runtime.index_slot_for_read(layer_id), SCRATCH_LAYER_ID)
+    return original(state.runtime.index_slot_for_read(layer_id), SCRATCH_LAYER_ID)
 
 
 def get_index_k_scale_buffer(

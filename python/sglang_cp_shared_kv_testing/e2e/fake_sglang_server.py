@@ -128,7 +128,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
 def decodes_per_owner(args: argparse.Namespace) -> bool:
     """``decode_path``'s rule for the decode impl sglang picks on Hopper (bf16 KV: fa3, fp8 KV:
     flashmla_kv), without importing sglang: ``per_owner`` always, ``auto`` with fa3 only."""
-    from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
+    from sglang_cp_shared_kv.startup_rules import AUTO_PER_OWNER_DECODE_IMPLS
     from sglang_cp_shared_kv.settings import AUTO, PER_OWNER, current_settings
 
     from sglang_cp_shared_kv_testing.e2e.server_process import hopper_nsa_decode_impl
@@ -177,7 +177,7 @@ def physical_pool_tokens(args: argparse.Namespace, cp_size: int) -> Tuple[int, O
     if not layers:
         return args.max_total_tokens, None
     from sglang_cp_shared_kv.model_executor.gather_scratch import scratch_bytes, slot0_scratch_tokens
-    from sglang_cp_shared_kv.model_executor.scratch_sizing import default_prefill_scratch_tokens
+    from sglang_cp_shared_kv.startup_rules import default_prefill_scratch_tokens
     from sglang_cp_shared_kv_testing.e2e.glm5_width import kv_bytes_per_token_per_layer, kv_row_bytes
 
     dtype = "fp8" if args.kv_cache_dtype.startswith("fp8") else "bf16"

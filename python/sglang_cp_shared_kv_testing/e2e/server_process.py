@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG
-from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG
+from sglang_cp_shared_kv.settings import MTP_ENV
 from sglang_cp_shared_kv_testing.e2e.server_log import ServedDecode, startup_error
 
 LOOPBACK = "127.0.0.1"
@@ -56,7 +56,7 @@ def hopper_nsa_decode_impl(server_args: Sequence[str]) -> str:
 def default_decode_is_per_owner(server_args: Sequence[str]) -> bool:
     """Whether a shared-KV server launched with these arguments and no decode setting decodes per
     owner (and so keeps CUDA graphs): ``auto`` in ``decode_path``, without MTP."""
-    from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
+    from sglang_cp_shared_kv.startup_rules import AUTO_PER_OWNER_DECODE_IMPLS
 
     impl = hopper_nsa_decode_impl(server_args)
     return impl in AUTO_PER_OWNER_DECODE_IMPLS and "--speculative-algorithm" not in server_args

@@ -78,11 +78,9 @@ def register() -> None:
 
 def _lift_tp_rule_for_the_reference(original, server_args, *args, **kwargs):
     """Shared KV off only: with the flag on, the product's own hook does this (and checks more)."""
-    from sglang_cp_shared_kv.server_args import (
-        cp_shared_kv_enabled,
-        lift_single_node_cp_tp_rule,
-        wants_round_robin_nsa_cp,
-    )
+    from sglang_cp_shared_kv.server_args import lift_single_node_cp_tp_rule
+    from sglang_cp_shared_kv.settings import cp_shared_kv_enabled
+    from sglang_cp_shared_kv.startup_rules import wants_round_robin_nsa_cp
 
     if cp_shared_kv_enabled(server_args) or not wants_round_robin_nsa_cp(server_args):
         return original(server_args, *args, **kwargs)

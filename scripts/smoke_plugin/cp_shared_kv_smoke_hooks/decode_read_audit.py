@@ -206,7 +206,7 @@ def register_hooks(registry, audit_dir: Path) -> None:
     def after_begin_forward(taken, state, backend, forward_batch, *args, **kwargs):
         if taken:
             metadata = backend.forward_metadata
-            audit().begin_forward(state.runtime.layout, metadata.page_table_1, metadata.cache_seqlens_int32)
+            audit().begin_forward(state.layout, metadata.page_table_1, metadata.cache_seqlens_int32)
         return None
 
     def after_owned_attention_indices(indices, selection, candidates, cp_rank, *args, **kwargs):
@@ -225,7 +225,7 @@ def register_hooks(registry, audit_dir: Path) -> None:
         state = getattr(backend, "_cp_per_owner_decode", None)
         metadata = getattr(backend, "forward_metadata", None)
         if state is not None and metadata is not None and forward_batch.forward_mode.is_decode():
-            audit().check_replay(state.runtime.layout, metadata.page_table_1, metadata.cache_seqlens_int32, runner.bs)
+            audit().check_replay(state.layout, metadata.page_table_1, metadata.cache_seqlens_int32, runner.bs)
         return None
 
     def after_refresh(tables, buffers, layout, real_page_table, seq_lens, *args, **kwargs):

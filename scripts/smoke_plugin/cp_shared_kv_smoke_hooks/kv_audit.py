@@ -261,7 +261,7 @@ def token_bytes(pages: torch.Tensor, slots: torch.Tensor, page_size: int, kind: 
 
 def register_hooks(registry, audit_dir: str) -> None:
     from cp_shared_kv_smoke_hooks import draft_audit
-    from sglang_cp_shared_kv.server_args import cp_shared_kv_enabled_in_env
+    from sglang_cp_shared_kv.settings import cp_shared_kv_enabled_in_env
 
     root = Path(audit_dir)
     root.mkdir(parents=True, exist_ok=True)

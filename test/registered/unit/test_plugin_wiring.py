@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, CP_SHARED_KV_FLAG
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV, CP_SHARED_KV_FLAG
 
 register_cpu_ci(est_time=40, suite="stage-a-test-cpu")
 

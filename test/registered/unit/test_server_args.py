@@ -16,11 +16,8 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
-from sglang_cp_shared_kv.server_args import (
-    CP_SHARED_KV_ENV,
-    CP_SHARED_KV_FLAG,
-)
+from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV, CP_SHARED_KV_FLAG
 from sglang_cp_shared_kv_testing.server_args_cases import (
     CP_ON,
     GLM5_LIKE_CONFIG,
@@ -137,7 +134,7 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         backend, storage without the host tier, storage with MTP and a prefetch policy the
         synchronous prefetch would ignore are refused by name. Planted: the policy check removed ->
         the --hicache-storage-prefetch-policy subtests fail."""
-        from sglang_cp_shared_kv.server_args import storage_problems
+        from sglang_cp_shared_kv.startup_rules import storage_problems
 
         def problems(**fields):
             args = dict(hicache_storage_backend="file", enable_hierarchical_cache=True,
@@ -288,7 +285,7 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
         sgl_kernel_cpu_shim.install()
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 
-        from sglang_cp_shared_kv.server_args import parse_storage_extra_config
+        from sglang_cp_shared_kv.startup_rules import parse_storage_extra_config
 
         files = {}
         for name, text in (("a.json", '{"file_path": "/x", "prefetch_threshold": 64}'),
@@ -455,7 +452,7 @@ class TestCpSharedKVServerArgs(ServerArgsHooksApplied, CustomTestCase):
     def test_the_nsa_host_pools_accept_exactly_the_allowed_layouts(self):
         """The allowed list against sglang itself: each layout through the two NSA host pool
         constructors (KV, then indexer K) on a tiny CPU pool."""
-        from sglang_cp_shared_kv.server_args import NSA_HICACHE_MEM_LAYOUTS
+        from sglang_cp_shared_kv.startup_rules import NSA_HICACHE_MEM_LAYOUTS
         from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack
         from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 

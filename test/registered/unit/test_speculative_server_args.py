@@ -27,28 +27,29 @@ from sglang.srt.server_args import ServerArgs
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
-from sglang_cp_shared_kv import server_args as cp_server_args
-from sglang_cp_shared_kv.model_executor.decode_path import (
-    DECODE_PATH_ENV,
-    GRAPH_DECODE_ENV,
-    decode_gather_reason,
-)
-from sglang_cp_shared_kv.server_args import (
-    CP_SHARED_KV_ENV,
-    CP_SHARED_KV_FLAG,
-    speculative_problems,
-)
-from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GRAPH_DECODE_ENV
+from sglang_cp_shared_kv import startup_rules
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV, CP_SHARED_KV_FLAG
+from sglang_cp_shared_kv.settings import MTP_ENV
 from sglang_cp_shared_kv_testing.server_args_cases import CP_ON as CP_FLAGS
 from sglang_cp_shared_kv_testing.server_args_cases import (
     Glm5LikeModelDir,
     ServerArgsHooksApplied,
+    decided_now,
     runtime_server_args,
 )
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
 MODEL = "/models/glm-5"
+
+
+def speculative_problems(server_args):
+    return startup_rules.speculative_problems(server_args, *decided_now(server_args))
+
+
+def runtime_problems(server_args):
+    return startup_rules.runtime_problems(server_args, *decided_now(server_args))
 
 
 def _spec_args(**overrides):
@@ -178,11 +179,11 @@ class TestSpeculativeRules(CustomTestCase):
         """``runtime_problems`` (checked again when the runtime attaches) carries the same rules."""
         spec = {k: v for k, v in vars(_spec_args(speculative_eagle_topk=2)).items()}
         with _env(NOT_OPTED_IN):
-            reasons = cp_server_args.runtime_problems(runtime_server_args(**spec))
+            reasons = runtime_problems(runtime_server_args(**spec))
         self.assertTrue(any("--speculative-eagle-topk 2" in r for r in reasons), reasons)
         self.assertTrue(any(MTP_ENV in r for r in reasons), reasons)
         with _env(OPTED_IN):
-            reasons = cp_server_args.runtime_problems(runtime_server_args(**spec))
+            reasons = runtime_problems(runtime_server_args(**spec))
         self.assertTrue(any("--speculative-eagle-topk 2" in r for r in reasons), reasons)
         self.assertFalse(any(MTP_ENV in r for r in reasons), reasons)
 
@@ -227,7 +228,7 @@ class TestRealServerArgs(Glm5LikeModelDir, ServerArgsHooksApplied, CustomTestCas
                     # which it otherwise decodes per owner: seen failing with that rule dropped
                     self.assertEqual(args.nsa_decode_backend, "fa3")
                     with _env(OPTED_IN):
-                        reason = decode_gather_reason(args)
+                        reason = decided_now(args)[1].decode_gather_reason
                     self.assertIn("--speculative-algorithm EAGLE", reason)
 
     def test_nextn_mtp_recipe_is_refused_without_the_opt_in_naming_it(self):

@@ -52,9 +52,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang_cp_shared_kv.disaggregation.mooncake.request_failures import RequestTransferFailures
 from sglang_cp_shared_kv.disaggregation.page_pairing import owned_page_pairs, position_aligned
 from sglang_cp_shared_kv.disaggregation.transfer_blocks import MAX_BLOCKS_PER_TRANSFER_CALL, bounded_calls
-from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, cp_shared_kv_enabled
+from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV, CP_SHARED_KV_FLAG, cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,6 @@ attends over its own pages only, and a fixed exchange per layer replaces the pag
   reference);
 * ``cuda_graphs``: static owner tables refreshed before each decode graph replay.
 
-Which decode path a server takes is decided outside, in ``model_executor.decode_path``, so that the
-startup rules need not import this package.
+Which decode path a server takes is decided outside, in ``startup_rules.decide_decode_path``, so
+that the startup rules need not import this package.
 """

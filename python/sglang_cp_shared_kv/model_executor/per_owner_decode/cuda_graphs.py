@@ -8,14 +8,15 @@ positions and rows of the score columns, candidates, the global selection, atten
 partials and their merge) is computed by kernels the graph captured, so it follows the tables.
 
 * ``ModelRunner.init_device_graphs`` (BEFORE, ``bind_graph_decode``; every attach hook has run):
-  bind the runner's per-owner state to its backend and move its collectives to the CP
-  ``GroupCoordinator`` (below). Nothing is bound without CUDA graphs or per-owner decode.
+  bind the runner's pool state (``CpSharedKVState``) and its per-owner decode to its backend and
+  move per-owner decode's collectives to the CP ``GroupCoordinator`` (below). Nothing is bound
+  without CUDA graphs or per-owner decode.
 * ``OwnerTableBuffers`` (one per backend, made AFTER ``init_cuda_graph_state``: ``max_num_tokens``
   rows, the backend's static ``real_page_table`` width) holds the tables; a batch of ``bs`` uses
   rows ``[:bs]``. Only one graph replays at a time, as for sglang's own static metadata.
 * ``init_forward_metadata_capture_cuda_graph`` (AFTER): build the tables of the capture batch into
-  the buffers, a static schedule tensor for this ``bs``, and the per-owner forward over both (so
-  the captured forward reads them).
+  the buffers, a static schedule tensor for this ``bs``, and the per-owner forward over both, begun
+  through the pool's state like an eager one, without a plan (so the captured forward reads them).
 * ``init_forward_metadata_replay_cuda_graph`` and ``..._from_precomputed`` (AFTER): sglang has just
   copied the replay's page table and lengths into its static metadata; rebuild this rank's tables
   from them and ``copy_`` into the buffers, and the schedule into its static tensor. Device work
@@ -40,30 +41,26 @@ not used here.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import FLAG, runtime_of
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import serving_state
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     OwnerDecodeTables,
     build_owner_decode_tables,
 )
 from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
-from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
-    _STATE_ATTR,
-    OwnerForward,
-    per_owner_of,
-)
+from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
 
 logger = logging.getLogger(__name__)
 
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
 _BUFFERS_ATTR = "_cp_per_owner_graph_buffers"
-_BOUND_ATTR = "_cp_per_owner_graph_bound"
+_BOUND_ATTR = "_cp_per_owner_graph_bound"  # the pool's CpSharedKVState, once bound
 
 
 class OwnerTableBuffers:
@@ -154,10 +151,10 @@ def coordinator_collectives(coordinator, cp_size: int):
 # ---- hooks ----
 
 
-def _per_owner_state(backend):
-    """The per-owner state bound to ``backend`` for graphs (``bind_graph_decode``), or None."""
-    state = getattr(backend, _STATE_ATTR, None)
-    return state if buffers_of(backend) is not None or getattr(backend, _BOUND_ATTR, False) else None
+def bound_state(backend):
+    """The pool's ``CpSharedKVState`` bound to ``backend`` for graphs (``bind_graph_decode``), or
+    None."""
+    return getattr(backend, _BOUND_ATTR, None)
 
 
 def buffers_of(backend) -> Optional[OwnerTableBuffers]:
@@ -165,17 +162,17 @@ def buffers_of(backend) -> Optional[OwnerTableBuffers]:
 
 
 def bind_graph_decode(model_runner) -> bool:
-    """Before sglang captures decode graphs: bind this runner's per-owner state to its backend and
-    move its collectives to the attention CP ``GroupCoordinator``. False (nothing bound) unless
-    the server runs graphs and decode per owner."""
+    """Before sglang captures decode graphs: bind this runner's pool state (and its per-owner
+    decode, for the kernel hooks) to its backend and move per-owner decode's collectives to the
+    attention CP ``GroupCoordinator``. False (nothing bound) unless the server runs graphs and
+    decode per owner."""
     from sglang.srt.distributed.parallel_state import get_tp_group
     from sglang.srt.layers.dp_attention import get_attention_cp_group
 
     if model_runner.server_args.disable_cuda_graph:
         return False
-    runtime = runtime_of(model_runner.token_to_kv_pool)
-    state = None if runtime is None else per_owner_of(runtime.pool)
-    if state is None:
+    state = serving_state(model_runner.token_to_kv_pool)
+    if state is None or state.per_owner is None:
         return False
     coordinator = get_attention_cp_group()
     if coordinator is not get_tp_group():
@@ -183,25 +180,26 @@ def bind_graph_decode(model_runner) -> bool:
             f"{FLAG} with CUDA graphs: the attention CP group must be the TP group (the one "
             f"sglang's graph_capture() makes capturable); use --disable-cuda-graph"
         )
-    state.all_gather, state.all_reduce_sum = coordinator_collectives(
-        coordinator, runtime.layout.cp_size
+    per_owner = state.per_owner
+    per_owner.all_gather, per_owner.all_reduce_sum = coordinator_collectives(
+        coordinator, state.spec.layout.cp_size
     )
     backend = model_runner.attn_backend
-    setattr(backend, _STATE_ATTR, state)
-    setattr(backend, _BOUND_ATTR, True)
+    setattr(backend, _STATE_ATTR, per_owner)
+    setattr(backend, _BOUND_ATTR, state)
     logger.info("CP shared KV: decode CUDA graphs capture per-owner decode (static owner tables)")
     return True
 
 
 def init_device_graphs_before(model_runner, *args, **kwargs):
     """BEFORE ``ModelRunner.init_device_graphs``: every attach hook has run by then."""
-    if runtime_of(model_runner.token_to_kv_pool) is not None:
+    if serving_state(model_runner.token_to_kv_pool) is not None:
         bind_graph_decode(model_runner)
 
 
 def init_cuda_graph_state_after(result, backend, max_bs, max_num_tokens, *args, **kwargs):
     """AFTER ``init_cuda_graph_state``: the owner tables' static buffers."""
-    if _per_owner_state(backend) is None:
+    if bound_state(backend) is None:
         return None
     page_table = backend.decode_cuda_graph_metadata["page_table"]
     page_size = backend.real_page_size
@@ -215,7 +213,7 @@ def capture_metadata_after(result, backend, bs, num_tokens, req_pool_indices, se
                            forward_mode, *args, **kwargs):
     """AFTER ``init_forward_metadata_capture_cuda_graph``: the forward about to be captured runs
     per owner over the static tables of ``bs``."""
-    state, buffers = _per_owner_state(backend), buffers_of(backend)
+    state, buffers = bound_state(backend), buffers_of(backend)
     if state is None or buffers is None:
         return None
     if not forward_mode.is_decode():
@@ -227,33 +225,27 @@ def capture_metadata_after(result, backend, bs, num_tokens, req_pool_indices, se
 def replay_metadata_after(result, backend, bs, *args, **kwargs):
     """AFTER ``init_forward_metadata_replay_cuda_graph`` (and ``..._from_precomputed``): refresh
     the static tables of ``bs`` from the replay's page table and lengths."""
-    state, buffers = _per_owner_state(backend), buffers_of(backend)
+    state, buffers = bound_state(backend), buffers_of(backend)
     if state is None or buffers is None:
         return None
-    refresh_static_forward(state, backend, bs, buffers)
-    runtime = state.runtime
-    runtime.plan = None
-    state.forward = OwnerForward(buffers.tables(bs), buffers.schedules.get(bs))
+    begin_static_forward(state, backend, bs, buffers)
     if cp_metrics() is not None:
         cp_metrics().observe_usage()  # the eager path samples in begin_forward, which a replay skips
     return None
 
 
 def begin_static_forward(state, backend, bs: int, buffers: OwnerTableBuffers) -> None:
-    """Capture: build the tables into the buffers and point the per-owner forward at them."""
-    tables = refresh_static_forward(state, backend, bs, buffers)
-    state.runtime.plan = None  # stores: owner-filtered only, no scratch, no gather
-    state.forward = OwnerForward(tables, buffers.schedules.get(bs))
-
-
-def refresh_static_forward(state, backend, bs: int, buffers: OwnerTableBuffers) -> OwnerDecodeTables:
+    """Capture or replay: build the batch's tables into the buffers, and the forward runs per
+    owner over them, without a plan (``CpSharedKVState.begin_captured_per_owner_forward``)."""
     metadata = backend.forward_metadata
-    return buffers.refresh(
-        state.runtime.layout,
+    schedule_fn = state.per_owner.schedule_fn
+    tables = buffers.refresh(
+        state.spec.layout,
         metadata.real_page_table[:bs],
         metadata.cache_seqlens_int32[:bs],
-        state.schedule_fn if metadata.paged_mqa_schedule_metadata is not None else None,
+        schedule_fn if metadata.paged_mqa_schedule_metadata is not None else None,
     )
+    state.begin_captured_per_owner_forward(tables, buffers.schedules.get(bs))
 
 
 def register_hooks(registry) -> None:

@@ -2,10 +2,11 @@
 
 In a decode forward each rank scores and attends over its own physical pool only:
 
-1. ``begin_forward`` (called by the backend's metadata hook, ``peer_page_reads``): no peer-page plan
-   (``CpSharedKVRuntime.plan = None``: the store hooks store owner-filtered rows and gather
-   nothing); instead this rank's block tables (``owner_decode_tables``) and the deep_gemm schedule
-   for its owned lengths. The pool getters then serve the physical buffers (``serves_physical``).
+1. ``begin_forward`` (asked by the per-forward dispatcher through the pool's state,
+   ``CpSharedKVState.begin_per_owner_forward``, which then runs the forward without a peer-page
+   plan: the store hooks store owner-filtered rows and gather nothing): this rank's block tables
+   (``owner_decode_tables``) and the deep_gemm schedule for its owned lengths. The pool getters
+   then serve the physical buffers (``CpSharedKVState.reads_physical_pool``).
 2. ``NativeSparseAttnBackend.get_indexer_metadata`` AFTER: ``PerOwnerIndexerMetadata``, whose
    ``attn_metadata`` carries the owned block table and lengths, and whose ``topk_transform`` turns
    the scores of owned tokens into candidates, all-gathers them, selects the global top-k and
@@ -27,10 +28,11 @@ In a decode forward each rank scores and attends over its own physical pool only
      ``cache_seqlens``; ``return_softmax_lse`` gives the natural-log LSE ([H, T] varlen).
 
 Served: decode forwards (not idle, not speculative) with one of ``SERVED_DECODE_IMPLS`` and fused
-top-k, where ``decode_path`` says decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE``: by
+top-k, where the spec's decode path says decode runs per owner (``SGLANG_CP_SHARED_KV_DECODE``: by
 default with ``fa3``). Whether it attaches is decided once per server at startup
-(``scratch_sizing.decide_scratch``, from state identical on every rank), and ``startup_wiring``
-calls ``attach`` with that decision; otherwise decode keeps the page gather, and the log says why.
+(``startup_rules.decide_decode_path``, in the model runner's ``CpSharedKVSpec``), and
+``startup_wiring`` calls ``attach`` with the pool's state; otherwise decode keeps the page gather,
+and the log says why.
 Prefill keeps the plan path. Decode CUDA graphs over it: ``per_owner_decode.cuda_graphs``.
 """
 
@@ -54,10 +56,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge imp
     natural_lse,
     process_group_collectives,
 )
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.model_executor.decode_path import (  # noqa: F401  (re-exported)
-    DECODE_PATH_ENV,
-)
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import serving_state
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge import (
     compact_owned_indices,
     local_candidates,
@@ -111,42 +110,47 @@ class OwnerForward:
 
 
 class PerOwnerDecode:
-    """Per-owner decode state of one runtime; constructing it attaches it to the runtime's pool."""
+    """Per-owner decode of one pool; constructing it attaches it to the pool's ``CpSharedKVState``
+    (``state.per_owner``), whose runtime (attached first) gives the CP group."""
 
-    def __init__(self, runtime, schedule_fn=None, decode_impl: str = "flashmla_kv"):
+    def __init__(self, state, schedule_fn=None, decode_impl: str = "flashmla_kv"):
         if decode_impl not in SERVED_DECODE_IMPLS:
             raise ValueError(f"per-owner decode does not serve NSA decode impl {decode_impl!r}")
-        self.runtime = runtime
         self.decode_impl = decode_impl
         self.lse_base = SERVED_DECODE_IMPLS[decode_impl]
-        self.cp_rank = runtime.layout.cp_rank
-        self.group = runtime.cp_group
-        self.all_gather, self.all_reduce_sum = process_group_collectives(runtime.cp_group)
+        self.layout = state.spec.layout
+        self.cp_rank = self.layout.cp_rank
+        self.all_gather, self.all_reduce_sum = process_group_collectives(state.runtime.cp_group)
         # (owned_seq_lens int32 [B]) -> deep_gemm schedule metadata; None where deep_gemm is absent.
         self.schedule_fn = schedule_fn
         self.forward: Optional[OwnerForward] = None
-        setattr(runtime.pool, _STATE_ATTR, self)
+        state.per_owner = self
 
     def begin_forward(self, backend, forward_batch) -> bool:
         """Take over a decode forward (True), or leave it to the page gather (False)."""
         mode = forward_batch.forward_mode
         if not mode.is_decode() or mode.is_idle():
-            self.forward = None
+            self.end_forward()
             return False
-        runtime = self.runtime
-        runtime.plan = None  # stores: owner-filtered only, no scratch, no gather
         if cp_metrics() is not None:
             cp_metrics().observe_usage()
         metadata = backend.forward_metadata
         tables = build_owner_decode_tables(
-            runtime.layout, metadata.real_page_table, metadata.cache_seqlens_int32
+            self.layout, metadata.real_page_table, metadata.cache_seqlens_int32
         )
         schedule = None
         if metadata.paged_mqa_schedule_metadata is not None and self.schedule_fn is not None:
             schedule = self.schedule_fn(tables.owned_seq_lens)
-        self.forward = OwnerForward(tables, schedule)
+        self.begin_static_forward(tables, schedule)
         setattr(backend, _STATE_ATTR, self)  # the attention hook finds the forward's state here
         return True
+
+    def begin_static_forward(self, tables: OwnerDecodeTables, paged_mqa_schedule) -> None:
+        """A decode forward over ``tables`` (built here, or a graph's static ones)."""
+        self.forward = OwnerForward(tables, paged_mqa_schedule)
+
+    def end_forward(self) -> None:
+        self.forward = None
 
     def select(self, logits: torch.Tensor, topk: int) -> torch.Tensor:
         """Scores of this rank's owned tokens [B, L] -> its attention indices [B, topk] int32.
@@ -168,19 +172,9 @@ class PerOwnerDecode:
 
 
 def per_owner_of(pool) -> Optional[PerOwnerDecode]:
-    return getattr(pool, _STATE_ATTR, None)
-
-
-def serves_physical(runtime) -> bool:
-    """True while a per-owner decode forward runs: the getters serve the physical pool."""
-    state = per_owner_of(runtime.pool)
-    return state is not None and state.forward is not None
-
-
-def begin_forward(runtime, backend, forward_batch) -> bool:
-    """Hook point of the backend's metadata hook: True when this forward is decoded per owner."""
-    state = per_owner_of(runtime.pool)
-    return state is not None and state.begin_forward(backend, forward_batch)
+    """Per-owner decode of ``pool`` (its state's); None where decode gathers or nothing serves it."""
+    state = serving_state(pool)
+    return None if state is None else state.per_owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +191,7 @@ class PerOwnerIndexerMetadata(NSAIndexerMetadata):
 
 def indexer_metadata_per_owner(result, backend, layer_id, forward_batch, *args, **kwargs):
     """AFTER ``get_indexer_metadata``: in a per-owner forward, score the owned pages."""
-    runtime = runtime_of(forward_batch.token_to_kv_pool)
-    state = None if runtime is None else per_owner_of(runtime.pool)
+    state = per_owner_of(forward_batch.token_to_kv_pool)
     if state is None or state.forward is None or result is None:
         return None
     state.forward.begin_layer(layer_id)
@@ -315,21 +308,19 @@ def _kept_lse(module, name: str, lse_of, lse_kwarg: bool = False):
 # ---- startup ----
 
 
-def attach(
-    runtime, decode_impl: Optional[str], gather_reason: Optional[str]
-) -> Optional[PerOwnerDecode]:
-    """Attach per-owner decode to ``runtime`` unless ``gather_reason`` (the startup's one decision,
-    ``scratch_sizing.ScratchDecision.decode_gather_reason``; the same on every rank) says decode
-    gathers. ``decode_impl``: the backend's NSA decode impl (sglang's ``--nsa-decode-backend``)."""
-    if gather_reason is not None:
-        logger.info("CP shared KV: decode uses the page gather: %s", gather_reason)
+def attach(state) -> Optional[PerOwnerDecode]:
+    """Attach per-owner decode to the pool's ``state`` (its runtime attached) unless the spec's
+    decode path (the startup's one decision, the same on every rank) says decode gathers."""
+    decode = state.spec.decode
+    if decode.gather_reason is not None:
+        logger.info("CP shared KV: decode uses the page gather: %s", decode.gather_reason)
         return None
-    state = PerOwnerDecode(runtime, schedule_fn=_deep_gemm_schedule(), decode_impl=decode_impl)
+    per_owner = PerOwnerDecode(state, schedule_fn=_deep_gemm_schedule(), decode_impl=decode.impl)
     logger.info(
         "CP shared KV: decode per owner with %s (local top-k + LSE merge, no page gather)",
-        decode_impl,
+        decode.impl,
     )
-    return state
+    return per_owner
 
 
 def _deep_gemm_schedule():

@@ -23,6 +23,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang_cp_shared_kv.disaggregation.mooncake.conn import CpSharedKVMooncakeKVManager  # noqa: E402
 from sglang_cp_shared_kv.disaggregation.transfer_class_hooks import init_kv_manager_around  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import CpSharedKVState, state_of  # noqa: E402
+from sglang_cp_shared_kv_testing.shared_kv_state import spec_for  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -83,9 +85,9 @@ class TestManagerInit(CustomTestCase):
             kv_cache_dtype="auto",
             load_balance_method="follow_bootstrap_room",
         )
-        # What the allocator does when it is installed: the pool carries the allocator's layout.
-        self.allocator_layout = CpSharedKVLayout(2, 1, 64)
-        self.pool._cp_shared_kv_layout = self.allocator_layout
+        # What the capacity hook does: the pool's state carries the server's spec and its layout.
+        state = state_of(self.pool) or CpSharedKVState(self.pool, spec_for(CpSharedKVLayout(2, 1, 64)))
+        self.allocator_layout = state.spec.layout
         queue = SimpleNamespace(token_to_kv_pool=self.pool)
 
         def stock_init_kv_manager(queue):
@@ -97,7 +99,7 @@ class TestManagerInit(CustomTestCase):
             manager = init_kv_manager_around(stock_init_kv_manager, queue)
         return manager, engine
 
-    def test_layout_from_the_allocator_and_stock_registration(self):
+    def test_layout_from_the_spec_and_stock_registration(self):
         manager, engine = self.build()
         self.assertIs(manager.cp_shared_kv_layout, self.allocator_layout)
         self.assertTrue(manager.enable_all_cp_ranks_for_transfer)

@@ -8,8 +8,8 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.server_args import ALL_CP_RANKS_ENV
-from sglang_cp_shared_kv.server_args import disaggregation_problems as unsupported_disaggregation_server_args
+from sglang_cp_shared_kv.settings import ALL_CP_RANKS_ENV, current_settings
+from sglang_cp_shared_kv.startup_rules import disaggregation_problems
 
 register_cpu_ci(est_time=2, suite="stage-a-test-cpu")
 
@@ -24,7 +24,7 @@ class TestDisaggregationRule(CustomTestCase):
         if env_value is not None:
             env[ALL_CP_RANKS_ENV] = env_value
         with mock.patch.dict(os.environ, env, clear=True):
-            return unsupported_disaggregation_server_args(server_args)
+            return disaggregation_problems(server_args, current_settings())
 
     def test_supported_prefill(self):
         for value in ("1", "true", "True", "yes"):

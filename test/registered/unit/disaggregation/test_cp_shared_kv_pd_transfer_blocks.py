@@ -60,7 +60,8 @@ def fresh_locs(cp_size, physical_pages, tokens, run):
     """Logical locs our allocator hands the first request of a fresh pool."""
     pool = SimpleNamespace(size=physical_pages * PAGE)
     alloc = CPSharedPagedTokenToKVPoolAllocator(
-        cp_size * pool.size, PAGE, torch.bfloat16, "cpu", pool, False, cp_size, 0, run
+        cp_size * pool.size, PAGE, torch.bfloat16, "cpu", pool, False,
+        CpSharedKVLayout(cp_size, 0, PAGE), run,
     )
     zero = torch.zeros(1, dtype=torch.int64)
     seq = torch.tensor([tokens])

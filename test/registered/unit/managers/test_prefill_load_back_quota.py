@@ -31,6 +31,7 @@ from sglang_cp_shared_kv.managers import prefill_load_back_quota  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
@@ -124,8 +125,7 @@ class TestPrefillLoadBackQuota(CustomTestCase):
             "cpu",
             kvcache=SimpleNamespace(size=PHYSICAL_TOKENS),
             need_sort=False,
-            cp_size=CP_SIZE,
-            cp_rank=cp_rank,
+            layout=CpSharedKVLayout(CP_SIZE, cp_rank, PAGE),
         )
         tree = _HiRadixCacheWithStubController(
             CacheInitParams(

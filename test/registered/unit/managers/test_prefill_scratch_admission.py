@@ -38,6 +38,8 @@ from sglang_cp_shared_kv.managers import prefill_scratch_admission  # noqa: E402
 from sglang_cp_shared_kv.mem_cache.allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import CpSharedKVState  # noqa: E402
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
@@ -49,10 +51,12 @@ SCRATCH_PAGES = 1 + 20  # dummy page + 80 tokens
 
 
 def _kvcache(scratch_serves_decode):
-    runtime = SimpleNamespace(
+    pool = SimpleNamespace(size=PHYSICAL_TOKENS)
+    state = CpSharedKVState(pool, spec=None)  # admission reads only the runtime's scratch
+    state.runtime = SimpleNamespace(
         scratch_serves_decode=scratch_serves_decode, scratch_num_pages=SCRATCH_PAGES
     )
-    return SimpleNamespace(size=PHYSICAL_TOKENS, _cp_shared_kv_runtime=runtime)
+    return pool
 
 
 class _Round:
@@ -68,8 +72,7 @@ class _Round:
             "cpu",
             kvcache=_kvcache(scratch_serves_decode),
             need_sort=False,
-            cp_size=CP_SIZE,
-            cp_rank=0,
+            layout=CpSharedKVLayout(CP_SIZE, 0, PAGE),
         )
         self.tree = RadixCache(
             CacheInitParams(

@@ -27,9 +27,10 @@ from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import cp_hiradix_cache, cp_hiradix_host_tier, nsa_host_kv_row_width
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.cp_hiradix_cache import CpHiRadixCache, _check_supported
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
 
 register_cpu_ci(est_time=30, suite="stage-a-test-cpu")
 
@@ -271,8 +272,7 @@ class TestConstructionChecks(CustomTestCase):
             device="cpu",
             kvcache=kv_pool,
             need_sort=False,
-            cp_size=cp_size,
-            cp_rank=cp_rank,
+            layout=CpSharedKVLayout(cp_size, cp_rank, PAGE),
         )
 
     def test_flag_on_with_the_stock_allocator_is_refused(self):

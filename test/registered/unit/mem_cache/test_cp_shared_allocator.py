@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.common import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
     _owner_quotas,
@@ -33,7 +34,8 @@ def make_allocator(cp_size, num_physical_pages, page_size, cp_rank=0, need_sort=
     # The allocator reads only .size of its pool; the capacity test uses a real NSATokenToKVPool.
     pool = SimpleNamespace(size=num_physical_pages * page_size)
     return CPSharedPagedTokenToKVPoolAllocator(
-        cp_size * pool.size, page_size, torch.bfloat16, "cpu", pool, need_sort, cp_size, cp_rank
+        cp_size * pool.size, page_size, torch.bfloat16, "cpu", pool, need_sort,
+        CpSharedKVLayout(cp_size, cp_rank, page_size),
     )
 
 
@@ -226,11 +228,12 @@ class TestCPSharedAllocatorBasics(CustomTestCase):
         pool = SimpleNamespace(size=4 * 64)
         with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv"):
             CPSharedPagedTokenToKVPoolAllocator(
-                4 * 64, 64, torch.bfloat16, "cpu", pool, False, 2, 0
+                4 * 64, 64, torch.bfloat16, "cpu", pool, False, CpSharedKVLayout(2, 0, 64)
             )
         with self.assertRaisesRegex(ValueError, "multiple of page_size"):
             CPSharedPagedTokenToKVPoolAllocator(
-                2 * 100, 64, torch.bfloat16, "cpu", SimpleNamespace(size=100), False, 2, 0
+                2 * 100, 64, torch.bfloat16, "cpu", SimpleNamespace(size=100), False,
+                CpSharedKVLayout(2, 0, 64),
             )
 
     def test_cpu_copy_is_refused(self):
@@ -430,7 +433,8 @@ class GeneralPathAllocator(CPSharedPagedTokenToKVPoolAllocator):
 def make_general_allocator(cp_size, num_physical_pages, page_size, need_sort=False):
     pool = SimpleNamespace(size=num_physical_pages * page_size)
     return GeneralPathAllocator(
-        cp_size * pool.size, page_size, torch.bfloat16, "cpu", pool, need_sort, cp_size, 0
+        cp_size * pool.size, page_size, torch.bfloat16, "cpu", pool, need_sort,
+        CpSharedKVLayout(cp_size, 0, page_size),
     )
 
 

@@ -30,22 +30,17 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache import req_to_page_mirror_writers
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import (
-    REQ_TO_PAGE_MIRROR_CHECK_ENV,
-    ReqToPageMirror,
-    mirror_of,
-)
+from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror, mirror_of
+from sglang_cp_shared_kv.settings import REQ_TO_PAGE_MIRROR_CHECK_ENV
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.mem_cache.tree_value_pages import inserting_from
 from sglang_cp_shared_kv_testing.cp_hicache_stack import build_cp_hicache_stack, settle_write_acks
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
-    CpSharedKVRuntime,
-    mark_dummy_run,
-)
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import mark_dummy_run
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv_testing.multi_rank import single_process_group
 from sglang_cp_shared_kv_testing.page_mirror import mirrored
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
 from sglang_cp_shared_kv_testing.scheduler_writes import SchedulerWrites, mirrored_cp_stack
 
@@ -302,32 +297,43 @@ class TestPlanSideOfTheMirror(CustomTestCase):
             req_to_page_mirror_writers.refuse_untracked_tree_cache(None, scheduler)
 
     def test_debug_check_catches_a_stale_mirror_in_the_plan(self):
-        shard = make_nsa_pool(8 * PAGE, "bf16", 1, "cpu")
-        runtime = CpSharedKVRuntime(
-            shard, CpSharedKVLayout(2, 0, PAGE), create_gather_scratch(shard, 2), None
-        )
+        """The check is a setting the spec read once: a runtime built with it on checks every
+        plan; one built with it off never does, whatever the environment says later (the per-forward
+        path reads no setting)."""
         pool = ReqToTokenPool(2, 4 * PAGE, "cpu", False)
         pool.req_to_token[1, : 2 * PAGE] = torch.arange(4 * PAGE, 6 * PAGE)
-        batch = mirrored(SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND, seq_lens_cpu=torch.tensor([2 * PAGE]),
-            extend_seq_lens_cpu=[PAGE], req_pool_indices=torch.tensor([1]), req_to_token_pool=pool,
-        ))  # fmt: skip
-        mirror_of(pool).pages[1, 1] = 7  # a write the mirror missed
-        runtime.begin_forward(batch)  # off by default: the plan trusts the mirror
+
+        def runtime_and_stale_batch():
+            shard = make_nsa_pool(8 * PAGE, "bf16", 1, "cpu")
+            runtime = attach_runtime(
+                shard, CpSharedKVLayout(2, 0, PAGE), create_gather_scratch(shard, 2), None
+            )
+            batch = mirrored(SimpleNamespace(
+                forward_mode=ForwardMode.EXTEND, seq_lens_cpu=torch.tensor([2 * PAGE]),
+                extend_seq_lens_cpu=[PAGE], req_pool_indices=torch.tensor([1]), req_to_token_pool=pool,
+                token_to_kv_pool=shard,
+            ))  # fmt: skip
+            mirror_of(pool).pages[1, 1] = 7  # a write the mirror missed
+            return runtime, batch
+
+        runtime, batch = runtime_and_stale_batch()
         with mock.patch.dict(os.environ, {REQ_TO_PAGE_MIRROR_CHECK_ENV: "1"}):
-            with self.assertRaisesRegex(RuntimeError, "row 1: 64 of 128 positions differ"):
-                runtime.begin_forward(batch)
+            runtime.begin_forward(batch)  # off when the spec was built: the plan trusts the mirror
+        with mock.patch.dict(os.environ, {REQ_TO_PAGE_MIRROR_CHECK_ENV: "1"}):
+            runtime, batch = runtime_and_stale_batch()
+        with self.assertRaisesRegex(RuntimeError, "row 1: 64 of 128 positions differ"):
+            runtime.begin_forward(batch)
 
 
     def test_warm_up_batches_plan_on_the_padding_row(self):
         # ModelRunner._dummy_run builds its batch without init_new (no host rows); its requests all
         # sit on row 0. Outside it, a batch without host rows is refused.
         shard = make_nsa_pool(8 * PAGE, "bf16", 1, "cpu")
-        runtime = CpSharedKVRuntime(
-            shard, CpSharedKVLayout(2, 0, PAGE), create_gather_scratch(shard, 2), None
-        )
         pool = ReqToTokenPool(2, 4 * PAGE, "cpu", False)
-        ReqToPageMirror.attach(pool, PAGE)
+        runtime = attach_runtime(
+            shard, CpSharedKVLayout(2, 0, PAGE), create_gather_scratch(shard, 2), None,
+            req_to_token_pool=pool,
+        )  # fmt: skip
         batch = SimpleNamespace(
             forward_mode=ForwardMode.DECODE, seq_lens_cpu=torch.tensor([1, 1]),
             req_pool_indices=torch.zeros(2, dtype=torch.int64), req_to_token_pool=pool,

@@ -3,6 +3,9 @@
 The stand-in runner carries the attributes ``init_memory_pool`` / ``_init_pools`` read; only memory
 profiling (``_resolve_memory_pool_config``) is replaced by a fixed physical size. Pools, the stock
 allocator and the draft-worker path are sglang's own code.
+
+Planted, caught: the capacity hook building a second layout for the allocator (equal, not the
+spec's object) and the pool's state missing (``test_the_spec_is_built_once_and_handed_on``).
 """
 
 import pkgutil
@@ -22,6 +25,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_capacity as capacity
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import state_of
+from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -33,15 +38,18 @@ class StandInRunner(ModelRunnerKVCacheMixin):
     """What init_memory_pool reads on a GLM-5 target (or MTP draft) worker, on CPU, one layer."""
 
     def __init__(self, flag=True, draft_of=None, routed_experts=False):
-        self.server_args = SimpleNamespace(
+        self.server_args = runtime_server_args(  # with what the spec's rules read
             enable_nsa_prefill_cp_shared_kv=flag,
             enable_return_routed_experts=routed_experts,
             speculative_num_draft_tokens=None,
             disaggregation_mode="null",
             enable_memory_saver=False,
+            kv_cache_dtype="bfloat16",
             nsa_prefill_backend="flashmla_sparse",
             nsa_decode_backend="fa3",
             attention_backend="nsa",
+            page_size=PAGE_SIZE,
+            chunked_prefill_size=8192,
         )
         self.model_config = SimpleNamespace(
             hf_config=SimpleNamespace(
@@ -102,6 +110,22 @@ class TestCpSharedKVCapacity(CustomTestCase):
         self.assertEqual(allocator.available_size(), runner.max_total_num_tokens)
         # TpModelWorker derives max_req_len from this property
         self.assertEqual(ModelRunner.max_token_pool_size.fget(runner), 4 * PHYSICAL_TOKENS)
+
+    def test_the_spec_is_built_once_and_handed_on(self):
+        """One ``CpSharedKVSpec`` per target runner, built where the capacity is installed: the
+        allocator allocates by its layout, the pool's state carries it to the attach, and nothing
+        of it is set on the model runner."""
+        runner = StandInRunner()
+        with mock.patch.object(capacity, "build_spec", wraps=capacity.build_spec) as build:
+            init_memory_pool(runner, cp_size=4, cp_rank=1)
+        self.assertEqual(build.call_count, 1)
+        spec = state_of(runner.token_to_kv_pool).spec
+        self.assertIs(runner.token_to_kv_pool_allocator.layout, spec.layout)
+        self.assertEqual((spec.layout.cp_size, spec.layout.cp_rank), (4, 1))
+        self.assertTrue(spec.decode.per_owner)  # fa3 under auto
+        self.assertEqual(spec.scratch.slot0.prefill_tokens, 4096 + 8192)
+        self.assertIsNone(state_of(runner.token_to_kv_pool).runtime)  # attached later
+        self.assertEqual([name for name in vars(runner) if name.startswith("_cp")], [])
 
     def test_flag_off_leaves_stock_sizing(self):
         runner = StandInRunner(flag=False)
@@ -167,12 +191,21 @@ class TestCpSharedKVCapacity(CustomTestCase):
                     capacity.INIT_MEMORY_POOL,
                     capacity.init_memory_pool_with_logical_capacity,
                     HookType.AROUND,
-                )
+                ),
+                (
+                    capacity.PROFILE_AVAILABLE_BYTES,
+                    capacity.reserve_scratch_before_pool_sizing,
+                    HookType.AFTER,
+                ),
             ],
         )
         self.assertIs(
             pkgutil.resolve_name(capacity.INIT_MEMORY_POOL),
             ModelRunnerKVCacheMixin.init_memory_pool,
+        )
+        self.assertIs(
+            pkgutil.resolve_name(capacity.PROFILE_AVAILABLE_BYTES),
+            ModelRunnerKVCacheMixin._profile_available_bytes,
         )
 
 

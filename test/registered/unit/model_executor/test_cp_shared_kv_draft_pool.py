@@ -7,7 +7,8 @@ construction in ``test_cp_shared_kv_capacity``.
 
 Planted bugs, each seen failing then reverted: ``draft_pool_problems`` not comparing ``size`` (the
 smaller draft pool accepted); the draft runtime built with its own scratch instead of the target's;
-attaching twice allowed.
+attaching twice allowed; the draft's state built with a spec of its own (equal, not the target's
+object: ``test_draft_runtime_shares_layout_group_and_scratch`` failed).
 """
 
 import unittest
@@ -26,12 +27,10 @@ from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import (  # noqa
     attach_draft_runtime,
     draft_pool_problems,
 )
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (  # noqa: E402
-    CpSharedKVRuntime,
-    runtime_of,
-)
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of  # noqa: E402
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch  # noqa: E402
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool  # noqa: E402
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime  # noqa: E402
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -42,7 +41,7 @@ PHYSICAL_TOKENS = 4 * PAGE_SIZE
 def _target(dtype_name="fp8", layers=3):
     pool = make_nsa_pool(PHYSICAL_TOKENS, dtype_name, layers, "cpu")
     layout = CpSharedKVLayout(CP_SIZE, 1, PAGE_SIZE)
-    runtime = CpSharedKVRuntime(pool, layout, create_gather_scratch(pool, CP_SIZE), "cp-group")
+    runtime = attach_runtime(pool, layout, create_gather_scratch(pool, CP_SIZE), "cp-group")
     return pool, runtime
 
 
@@ -54,7 +53,10 @@ class TestAttachDraftRuntime(CustomTestCase):
         self.assertIs(runtime_of(draft_pool), draft)
         self.assertIs(runtime_of(target_pool), target)  # the target keeps its own
         self.assertIs(draft.pool, draft_pool)
-        self.assertEqual(draft.layout, target.layout)
+        # The draft reuses the target's spec and mirror: one birth of every decision.
+        self.assertIs(draft.state.spec, target.state.spec)
+        self.assertIs(draft.state.mirror, target.state.mirror)
+        self.assertIs(draft.layout, target.layout)
         self.assertIs(draft.cp_group, target.cp_group)
         self.assertIs(draft.scratch, target.scratch)  # no second scratch to reserve memory for
         self.assertEqual(draft.num_logical_pages, target.num_logical_pages)

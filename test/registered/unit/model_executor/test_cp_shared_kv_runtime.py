@@ -14,20 +14,26 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.plugins.hook_registry import HookType
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.mem_cache.allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import mirror_of
+from sglang_cp_shared_kv.model_executor import cp_shared_kv_capacity as capacity
 from sglang_cp_shared_kv.model_executor import cp_shared_kv_runtime, startup_wiring
-from sglang_cp_shared_kv.model_executor.gather_scratch import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_spec import build_spec
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import state_of
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV as _SLOT_ENV
 from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import runtime_of
-from sglang_cp_shared_kv.server_args import runtime_problems as unsupported_server_args
-from sglang_cp_shared_kv.speculative.mtp_opt_in import MTP_ENV
+from sglang_cp_shared_kv.startup_rules import runtime_problems
+from sglang_cp_shared_kv.settings import MTP_ENV
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
-from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
+from sglang_cp_shared_kv_testing.server_args_cases import decided_now, runtime_server_args
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
 _server_args = runtime_server_args
+
+
+def unsupported_server_args(server_args):
+    return runtime_problems(server_args, *decided_now(server_args))
 
 
 class TestUnsupportedServerArgs(CustomTestCase):
@@ -159,7 +165,8 @@ class _Attention(torch.nn.Module):
 
 
 class _AttachCase(CustomTestCase):
-    """Stand-in model runners and the startup's attach (``startup_wiring``) as a TP worker runs it."""
+    """Stand-in model runners, the capacity hook's install (the spec built, the allocator, the
+    pool's state) and the startup's attach (``startup_wiring``) as a TP worker runs them."""
 
     CONTEXT_LEN, CHUNK = 100, 28  # slot 1: (100 + 28) * 5 // 4 = 160 -> 192 tokens (3 pages)
 
@@ -172,15 +179,37 @@ class _AttachCase(CustomTestCase):
             token_to_kv_pool=pool,
             token_to_kv_pool_allocator=allocator,
             req_to_token_pool=ReqToTokenPool(4, 8 * PAGE_SIZE, "cpu", False),
-            server_args=_server_args(chunked_prefill_size=self.CHUNK, **overrides),
+            server_args=_server_args(
+                chunked_prefill_size=self.CHUNK,
+                page_size=PAGE_SIZE,
+                enable_return_routed_experts=False,
+                **overrides,
+            ),
             model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             model=model,
             is_draft_worker=False,
+            page_size=PAGE_SIZE,
+            kv_cache_dtype=torch.int64,
+            device="cpu",
         )
 
-    def _attach(self, model_runner, cp_rank=1, prefetch_slot="auto"):
-        """``startup_wiring``'s attach as a TP worker runs it. ``prefetch_slot``: the slot-1 setting when the
-        test has not set one (the prefetch is opt-in; None leaves it unset, as a server runs)."""
+    def _installed(self, pool, cp_rank=1, prefetch_slot="auto", env=None, **overrides):
+        """A target runner over ``pool`` once the capacity hook ran: its spec built (with this
+        environment; ``prefetch_slot``: the slot-1 setting when ``env`` sets none, the prefetch being
+        opt-in, None leaves it unset as a server runs), the allocator by its layout, the pool's
+        state."""
+        runner = self._model_runner(pool, SimpleNamespace(need_sort=False), **overrides)
+        with mock.patch.dict(os.environ, env or {}):
+            if prefetch_slot is None:
+                os.environ.pop(_SLOT_ENV, None)
+            else:
+                os.environ.setdefault(_SLOT_ENV, prefetch_slot)
+            spec = build_spec(runner.server_args, self.CONTEXT_LEN, 2, cp_rank)
+        capacity.install_logical_capacity(runner, spec)
+        return runner
+
+    def _attach(self, model_runner):
+        """``startup_wiring``'s attach as a TP worker runs it."""
         group = SimpleNamespace(device_group="cp-device-group", ranks=[0, 1])
         world = SimpleNamespace(cpu_group="world-cpu-group")
         self.group_calls = []
@@ -189,39 +218,29 @@ class _AttachCase(CustomTestCase):
             self.group_calls.append((list(ranks), coordination_group, backend))
             return "prefetch-group"
 
-        with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=2), \
-             mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_rank", return_value=cp_rank), \
-             mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group), \
+        with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=group), \
              mock.patch("sglang.srt.distributed.parallel_state.get_world_group", return_value=world), \
              mock.patch.object(startup_wiring, "create_prefetch_group", create_prefetch_group), \
              mock.patch.object(  # the stand-in CP group has no collectives (per-owner decode's attach)
                  startup_wiring.per_owner_decode, "process_group_collectives", return_value=(None, None)
              ), \
-             mock.patch("torch.distributed.get_backend", return_value="nccl"), \
-             mock.patch.dict("os.environ"):
-            if prefetch_slot is None:
-                os.environ.pop(_SLOT_ENV, None)
-            else:
-                os.environ.setdefault(_SLOT_ENV, prefetch_slot)
+             mock.patch("torch.distributed.get_backend", return_value="nccl"):
             startup_wiring.attach_after_attention_backend(None, model_runner)
-
-    def _allocator(self, pool, cp_rank=1):
-        return CPSharedPagedTokenToKVPoolAllocator(
-            2 * pool.size, PAGE_SIZE, torch.int64, "cpu", pool, False, 2, cp_rank
-        )
 
 
 class TestAttachRuntime(_AttachCase):
     def test_per_owner_decode_gets_a_prefill_sized_scratch_and_gathering_decode_raises(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
-        runner = self._model_runner(pool, self._allocator(pool), nsa_decode_backend="flashmla_kv")
-        with mock.patch.dict(os.environ, {"SGLANG_CP_SHARED_KV_DECODE": "per_owner"}):
-            self._attach(runner, prefetch_slot=None)
+        runner = self._installed(
+            pool, prefetch_slot=None, env={"SGLANG_CP_SHARED_KV_DECODE": "per_owner"},
+            nsa_decode_backend="flashmla_kv",
+        )  # fmt: skip
+        self._attach(runner)
         runtime = runtime_of(pool)
         # Context 100 + chunk 28 = 128 tokens (2 pages), below the logical 384.
         self.assertEqual(runtime.scratch.size, 2 * PAGE_SIZE)
         self.assertFalse(runtime.scratch_serves_decode)
-        # The same decision attached per-owner decode, after the runtime, in the same hook
+        # The same spec attached per-owner decode, after the runtime, in the same hook
         # (planted, caught: startup_wiring skipping per-owner decode's attach).
         from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import per_owner_of
 
@@ -232,13 +251,15 @@ class TestAttachRuntime(_AttachCase):
 
     def test_attaches_once_with_a_logical_size_scratch(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
-        runner = self._model_runner(pool, self._allocator(pool))
+        runner = self._installed(pool)
         self._attach(runner)
         runtime = runtime_of(pool)
         self.assertEqual((runtime.layout.cp_size, runtime.layout.cp_rank), (2, 1))
-        # One birth of the layout: the runtime holds the allocator's object (planted: rebuilding it
-        # from get_attention_cp_size() in the attach failed this and test_the_layout_is_built_once).
+        # One birth of the layout: the runtime holds the spec's object, which the allocator holds
+        # (planted: rebuilding it from get_attention_cp_size() in the attach failed this and
+        # test_the_layout_is_built_once).
         self.assertIs(runtime.layout, runner.token_to_kv_pool_allocator.layout)
+        self.assertIs(runtime.state, state_of(pool))
         self.assertEqual(runtime.scratch.size, 2 * pool.size)
         self.assertEqual(runtime.cp_group, "cp-device-group")
         self.assertIsNone(runtime_of(runtime.scratch))
@@ -250,17 +271,17 @@ class TestAttachRuntime(_AttachCase):
         self.assertEqual(runtime.pipeline.prefetch_group, "prefetch-group")
         self.assertEqual(self.group_calls, [([0, 1], "world-cpu-group", "nccl")])
         self.assertEqual(runtime.pipeline.indexer_layer_ids, frozenset({0}))  # layer 1 skips
-        # The plan's host mirror of req_to_token: one page id per page of every row.
+        # The plan's host mirror of req_to_token: one page id per page of every row, in the state.
         mirror = mirror_of(runner.req_to_token_pool)
         self.assertEqual(mirror.pages.shape, (5, 8))
+        self.assertIs(runtime.state.mirror, mirror)
         self._attach(runner)
         self.assertIs(runtime_of(pool), runtime)
         self.assertIs(mirror_of(runner.req_to_token_pool), mirror)
 
     def test_prefetch_off_unless_asked_for(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
-        runner = self._model_runner(pool, self._allocator(pool))
-        self._attach(runner, prefetch_slot=None)
+        self._attach(self._installed(pool, prefetch_slot=None))
         runtime = runtime_of(pool)
         self.assertEqual(len(runtime.pipeline.slots), 1)
         self.assertFalse(runtime.pipeline.can_prefetch)
@@ -268,9 +289,7 @@ class TestAttachRuntime(_AttachCase):
 
     def test_prefetch_off_with_a_zero_token_second_slot(self):
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
-        runner = self._model_runner(pool, self._allocator(pool))
-        with mock.patch.dict("os.environ", {"SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS": "0"}):
-            self._attach(runner)
+        self._attach(self._installed(pool, env={"SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS": "0"}))
         runtime = runtime_of(pool)
         self.assertEqual(len(runtime.pipeline.slots), 1)
         self.assertFalse(runtime.pipeline.can_prefetch)
@@ -280,33 +299,54 @@ class TestAttachRuntime(_AttachCase):
         pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
         runner = self._model_runner(pool, object(), enable_nsa_prefill_cp_shared_kv=False)
         self._attach(runner)  # a stock allocator is fine: nothing of ours runs
-        self.assertIsNone(runtime_of(pool))
+        self.assertIsNone(state_of(pool))
         self.assertIsNone(mirror_of(runner.req_to_token_pool))
 
     def test_refusals_name_the_flag(self):
-        pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
+        """Where the spec is built (the capacity hook) or where the runtime attaches, each naming
+        the flag and what to change."""
+
+        def graphs_on():
+            self._installed(make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu"), disable_cuda_graph=False)
+
+        def no_capacity_hook():
+            self._attach(self._model_runner(make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu"), object()))
+
+        def another_allocator():
+            runner = self._installed(make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu"))
+            runner.token_to_kv_pool_allocator = object()
+            self._attach(runner)
+
+        def draft_without_speculative_decoding():
+            runner = self._installed(make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu"))
+            runner.is_draft_worker = True
+            self._attach(runner)
+
+        def hisparse_like():
+            pool = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
+            pool.__class__ = type("HiSparseNSATokenToKVPool", (NSATokenToKVPool,), {})
+            self._attach(self._installed(pool))
+
         cases = [
-            ("--disable-cuda-graph", self._model_runner(pool, self._allocator(pool), disable_cuda_graph=False)),
-            ("CPSharedPagedTokenToKVPoolAllocator", self._model_runner(pool, object())),
+            ("--disable-cuda-graph", graphs_on),
+            ("capacity hook", no_capacity_hook),
+            ("CPSharedPagedTokenToKVPoolAllocator", another_allocator),
+            ("draft worker", draft_without_speculative_decoding),
+            ("HiSparseNSATokenToKVPool", hisparse_like),
         ]
-        draft = self._model_runner(pool, self._allocator(pool))
-        draft.is_draft_worker = True
-        cases.append(("draft worker", draft))
-        hisparse_like = type("HiSparseNSATokenToKVPool", (NSATokenToKVPool,), {})
-        other = make_nsa_pool(3 * PAGE_SIZE, "bf16", 1, "cpu")
-        other.__class__ = hisparse_like
-        cases.append(("HiSparseNSATokenToKVPool", self._model_runner(other, self._allocator(other))))
-        for expected, runner in cases:
-            with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv") as raised:
-                self._attach(runner)
-            self.assertIn(expected, str(raised.exception))
-            self.assertIsNone(runtime_of(runner.token_to_kv_pool))
+        for expected, refused in cases:
+            with self.subTest(expected):
+                with self.assertRaisesRegex(ValueError, "enable-nsa-prefill-cp-shared-kv") as raised:
+                    refused()
+                self.assertIn(expected, str(raised.exception))
 
 
 class TestAttachDraftRuntime(_AttachCase):
-    """The MTP draft worker's attach (after the target's). Planted, caught: the draft
-    worker attached like a target (a runtime with a scratch of its own); the draft hook attaching
-    despite a refused setting."""
+    """The MTP draft worker's attach (after the target's), with the target's spec. Planted, caught:
+    the draft worker attached like a target (a runtime with a scratch of its own); the draft's state
+    built with a spec of its own."""
+
+    SPEC = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1)
 
     def _draft_runner(self, target_runner, **server_args):
         draft_pool = make_nsa_pool(target_runner.token_to_kv_pool.size, "fp8", 1, "cpu")
@@ -315,33 +355,31 @@ class TestAttachDraftRuntime(_AttachCase):
         runner.req_to_token_pool = target_runner.req_to_token_pool  # shared, as EAGLEWorker does
         return runner
 
-    def test_draft_pool_gets_a_runtime_sharing_the_targets_scratch_once_spec_is_accepted(self):
+    def test_mtp_is_judged_once_where_the_spec_is_built(self):
+        """The rules MTP must pass are judged with the target's spec (the same server args as the
+        draft's); the draft reuses it."""
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
-        target_runner = self._model_runner(pool, self._allocator(pool))
+        with self.assertRaisesRegex(ValueError, f"--speculative-algorithm EAGLE.*{MTP_ENV}=1"):
+            self._installed(pool, env={MTP_ENV: "0"}, **self.SPEC)  # MTP is not served yet
+        with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):  # whatever is opted in
+            self._installed(pool, env={MTP_ENV: "1"}, **{**self.SPEC, "speculative_eagle_topk": 2})
+        self.assertIsNone(state_of(pool))
+
+    def test_draft_pool_gets_a_runtime_sharing_the_targets_spec_and_scratch(self):
+        pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
+        target_runner = self._installed(pool, env={MTP_ENV: "1"}, **self.SPEC)
         self._attach(target_runner)
         target = runtime_of(pool)
         mirror = mirror_of(target_runner.req_to_token_pool)
-        spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1)
-        draft_runner = self._draft_runner(target_runner, **spec)
-        # Refused without the opt-in (MTP is not served yet).
-        with mock.patch.dict(os.environ, {MTP_ENV: "0"}):
-            with self.assertRaisesRegex(ValueError, f"--speculative-algorithm EAGLE.*{MTP_ENV}=1"):
-                self._attach(draft_runner)
-        self.assertIsNone(runtime_of(draft_runner.token_to_kv_pool))
-        with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
-            self._attach(draft_runner)  # the draft worker's step of the one attach hook
+        draft_runner = self._draft_runner(target_runner, **self.SPEC)
+        self._attach(draft_runner)  # the draft worker's step of the one attach hook
         draft = runtime_of(draft_runner.token_to_kv_pool)
         self.assertIsNotNone(draft)
         self.assertIsNot(draft, target)
         self.assertIs(draft.scratch, target.scratch)
-        self.assertEqual(draft.layout, target.layout)
+        self.assertIs(draft.state.spec, target.state.spec)
+        self.assertIs(draft.state.mirror, mirror)
         self.assertIs(mirror_of(target_runner.req_to_token_pool), mirror)  # not re-attached
-        # top-k 2 stays refused whatever is served
-        other = self._draft_runner(target_runner, speculative_algorithm="EAGLE", speculative_eagle_topk=2)
-        with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
-            with self.assertRaisesRegex(ValueError, "--speculative-eagle-topk 2"):
-                self._attach(other)
-        self.assertIsNone(runtime_of(other.token_to_kv_pool))
 
     def test_a_pd_prefill_server_attaches_the_draft_to_its_prefill_sized_scratch(self):
         """A PD prefill server runs no decode (its scratch holds prefill batches only) and its
@@ -349,14 +387,12 @@ class TestAttachDraftRuntime(_AttachCase):
         Planted, each caught: the PD prefill server judged as one that runs draft steps; the draft
         runtime built as if the scratch held the logical capacity (which first failed here)."""
         pool = make_nsa_pool(3 * PAGE_SIZE, "fp8", 2, "cpu")
-        pd = dict(disaggregation_mode="prefill")
-        target_runner = self._model_runner(pool, self._allocator(pool), **pd)
-        self._attach(target_runner, prefetch_slot=None)
+        server_args = dict(disaggregation_mode="prefill", **self.SPEC)
+        target_runner = self._installed(pool, prefetch_slot=None, env={MTP_ENV: "1"}, **server_args)
+        self._attach(target_runner)
         self.assertFalse(runtime_of(pool).scratch_serves_decode)
-        spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, **pd)
-        draft_runner = self._draft_runner(target_runner, **spec)
-        with mock.patch.dict(os.environ, {MTP_ENV: "1"}):
-            self._attach(draft_runner, prefetch_slot=None)
+        draft_runner = self._draft_runner(target_runner, **server_args)
+        self._attach(draft_runner)
         draft = runtime_of(draft_runner.token_to_kv_pool)
         self.assertIs(draft.scratch, runtime_of(pool).scratch)
         step = SimpleNamespace(forward_mode=ForwardMode.DECODE)
@@ -387,7 +423,8 @@ class TestHookTargets(CustomTestCase):
     def test_every_target_resolves_in_sglang(self):
         registered = []
         registry = SimpleNamespace(register=lambda target, hook, kind: registered.append(target))
-        for module in (cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads, forward_dispatch, startup_wiring):
+        for module in (capacity, cp_shared_kv_runtime, owner_filtered_writes, peer_page_reads, forward_dispatch,
+                       startup_wiring):
             module.register_hooks(registry)
         self.assertEqual(len(registered), len(set(registered)))
         for target in registered:
@@ -399,6 +436,7 @@ class TestHookTargets(CustomTestCase):
             "NSATokenToKVPool.get_key_buffer",
             "NSATokenToKVPool.get_index_k_scale_buffer",
             "NativeSparseAttnBackend.init_forward_metadata",
+            "ModelRunnerKVCacheMixin.init_memory_pool",
             "ModelRunnerKVCacheMixin._profile_available_bytes",
             "ModelRunner.init_attention_backend",
         ):

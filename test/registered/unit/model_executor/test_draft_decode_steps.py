@@ -30,19 +30,16 @@ from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import draft_decode_steps, forward_dispatch, peer_page_reads
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner_decode
 from sglang_cp_shared_kv.model_executor.cp_shared_kv_draft_pool import attach_draft_runtime
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import (
-    CpSharedKVRuntime,
-    draft_step_lengths,
-)
+from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import draft_step_lengths
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import (
     PerOwnerDecode,
-    serves_physical,
 )
 from sglang_cp_shared_kv_testing.device_sync_recorder import DeviceSyncRecorder
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_lookup
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
 register_cpu_ci(est_time=25, suite="stage-a-test-cpu")
 
@@ -62,11 +59,12 @@ class _Case(CustomTestCase):
         shard = make_nsa_pool(PHYSICAL_PAGES * PAGE_SIZE, "bf16", 1, self.device)
         layout = CpSharedKVLayout(CP_SIZE, RANK, PAGE_SIZE)
         scratch = create_gather_scratch(shard, CP_SIZE, scratch_tokens)
-        runtime = CpSharedKVRuntime(
-            shard, layout, scratch, None, scratch_serves_decode=scratch_tokens is None
-        )
         self.req_to_token_pool = ReqToTokenPool(4, 8 * PAGE_SIZE, self.device, False)
         mirror = ReqToPageMirror.attach(self.req_to_token_pool, PAGE_SIZE)
+        runtime = attach_runtime(
+            shard, layout, scratch, None, req_to_token_pool=self.req_to_token_pool,
+            scratch_serves_decode=scratch_tokens is None,
+        )  # fmt: skip
         for row, pages in ROW_PAGES.items():
             mirror.write(row, 0, np.array(pages))
         return runtime
@@ -199,11 +197,11 @@ class TestStepPlanSelection(_Case):
         # No collective runs here (the steps never reach per-owner decode's exchanges).
         no_collectives = (None, None)
         with mock.patch.object(per_owner_decode, "process_group_collectives", return_value=no_collectives):
-            state = PerOwnerDecode(runtime)
+            state = PerOwnerDecode(runtime.state)
         state.forward = object()  # as a per-owner decode forward of this pool left it
         batch = self._batch(runtime)
         backends = self._plan_steps(runtime, batch)
-        self.assertFalse(serves_physical(runtime))
+        self.assertFalse(runtime.state.reads_physical_pool())
         self.assertEqual(len(runtime.draft_step_plans), NUM_STEPS - 1)
         batch.attn_backend = backends[0]
         draft_decode_steps.select_draft_step_plan(None, batch)

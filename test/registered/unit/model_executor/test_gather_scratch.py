@@ -9,19 +9,12 @@ import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang_cp_shared_kv.model_executor.gather_scratch import (
-    PREFETCH_SLOT_TOKENS_ENV,
-    create_gather_scratch,
-    create_prefetch_slot,
-    index_k_bytes_per_token,
-    prefetch_slot_tokens,
-    reserve_scratch_bytes,
-    scratch_bytes,
-    slot0_scratch_tokens,
-)
-from sglang_cp_shared_kv.model_executor.scratch_sizing import configured_prefetch_slot_tokens
-from sglang_cp_shared_kv.model_executor.startup_wiring import reserve_scratch_before_pool_sizing
+from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch, create_prefetch_slot, index_k_bytes_per_token, prefetch_slot_tokens, reserve_scratch_bytes, scratch_bytes, slot0_scratch_tokens
+from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV, current_settings
+from sglang_cp_shared_kv.startup_rules import configured_prefetch_slot_tokens
+from sglang_cp_shared_kv.model_executor import cp_shared_kv_capacity as capacity
 from sglang_cp_shared_kv_testing.runtime_check import KV_DIMS, make_nsa_pool
+from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -65,16 +58,16 @@ class TestScratchSize(CustomTestCase):
     def test_second_slot_default_and_setting(self):
         with mock.patch.dict("os.environ", {}, clear=False) as env:
             env.pop(PREFETCH_SLOT_TOKENS_ENV, None)
-            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), 0)  # off by default
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 131072, 8192), 0)  # off by default
             env[PREFETCH_SLOT_TOKENS_ENV] = "auto"
             # context + one chunk, +25% for owner padding; no chunking: two contexts.
-            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), (131072 + 8192) * 5 // 4)
-            self.assertEqual(configured_prefetch_slot_tokens(1000, -1), 2500)
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 131072, 8192), (131072 + 8192) * 5 // 4)
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 1000, -1), 2500)
             env[PREFETCH_SLOT_TOKENS_ENV] = "4096"
-            self.assertEqual(configured_prefetch_slot_tokens(131072, 8192), 4096)
+            self.assertEqual(configured_prefetch_slot_tokens(current_settings(), 131072, 8192), 4096)
             env[PREFETCH_SLOT_TOKENS_ENV] = "-3"
             with self.assertRaisesRegex(ValueError, PREFETCH_SLOT_TOKENS_ENV):
-                configured_prefetch_slot_tokens(131072, 8192)
+                configured_prefetch_slot_tokens(current_settings(), 131072, 8192)
 
     def test_indexer_row_bytes_come_from_the_pool_geometry(self):
         pool = make_nsa_pool(2 * PAGE, "fp8", 1, "cpu")
@@ -134,16 +127,12 @@ class TestReservationHook(CustomTestCase):
         slot 0 is sized for prefill."""
         return SimpleNamespace(
             is_draft_worker=is_draft_worker,
-            server_args=SimpleNamespace(
+            server_args=runtime_server_args(
                 page_size=PAGE,
                 max_total_tokens=max_total_tokens,
                 enable_nsa_prefill_cp_shared_kv=flag,
                 chunked_prefill_size=self.CHUNK,
-                max_prefill_tokens=16384,
                 nsa_decode_backend=decode_backend,
-                enable_mixed_chunk=False,
-                disaggregation_mode="null",
-                speculative_algorithm=None,
             ),
             model_config=SimpleNamespace(context_len=self.CONTEXT_LEN),
             calculate_mla_kv_cache_dim=lambda: 656,
@@ -151,18 +140,27 @@ class TestReservationHook(CustomTestCase):
         )
 
     def _run(self, model_runner, available):
+        """The reservation as sglang calls it, from inside ``init_memory_pool`` (here: its whole
+        body) under the capacity hook, which builds the spec the reservation reads (the capacity's
+        own install, after the pool exists, is left out)."""
         configurator = SimpleNamespace(
             calculate_pool_sizes=lambda b, page: SimpleNamespace(
                 max_total_num_tokens=_pool_tokens(b, self.CELL)
             )
         )
+
+        def init_memory_pool(runner, *args):
+            return capacity.reserve_scratch_before_pool_sizing(available, runner, 0)
+
         with mock.patch(
             "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
             return_value=configurator,
-        ), mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_size", return_value=8), \
+        ), mock.patch.object(capacity, "get_attention_cp_size", return_value=8), \
+            mock.patch.object(capacity, "get_attention_cp_rank", return_value=0), \
+            mock.patch.object(capacity, "install_logical_capacity"), \
             mock.patch.dict("os.environ") as env:
             env[PREFETCH_SLOT_TOKENS_ENV] = "auto"
-            return reserve_scratch_before_pool_sizing(available, model_runner, 0)
+            return capacity.init_memory_pool_with_logical_capacity(init_memory_pool, model_runner)
 
     def test_returns_the_budget_minus_both_slots_of_the_unreserved_pool(self):
         available = 40 << 30

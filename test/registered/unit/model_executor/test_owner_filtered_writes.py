@@ -15,7 +15,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv_testing.nsa_cpu_kernels import (
@@ -26,6 +25,7 @@ from sglang_cp_shared_kv_testing.nsa_cpu_kernels import (
 )
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
 from sglang_cp_shared_kv_testing.page_mirror import mirrored
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -40,7 +40,7 @@ LOGICAL_LOCS = torch.tensor(
 def _served_shard(rank, dtype_name, layers=2):
     layout = CpSharedKVLayout(CP_SIZE, rank, PAGE_SIZE)
     shard = make_nsa_pool(PHYSICAL_PAGES * PAGE_SIZE, dtype_name, layers, "cpu")
-    return CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
+    return attach_runtime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
 
 
 def _replica(dtype_name, layers=2):
@@ -149,6 +149,7 @@ class TestIndexKWrites(CustomTestCase):
                         extend_seq_lens_cpu=[192],
                         req_pool_indices=torch.tensor([1]),
                         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+                        token_to_kv_pool=runtime.pool,
                     ))
                 )
                 owner_filtered_writes.store_index_k_cache(fused_like_store, None, batch, 1, key)

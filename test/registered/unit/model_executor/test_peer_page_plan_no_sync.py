@@ -23,10 +23,10 @@ from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror import ReqToPageMirror
 from sglang_cp_shared_kv.mem_cache.req_to_page_mirror_writers import ROWS_ATTR
 from sglang_cp_shared_kv.model_executor import forward_dispatch
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv_testing.device_sync_recorder import DeviceSyncRecorder
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -38,9 +38,12 @@ class TestPlanHasNoDeviceSync(CustomTestCase):
     def setUp(self):
         shard = make_nsa_pool(PHYSICAL_PAGES * PAGE_SIZE, "bf16", 2, DEVICE)
         layout = CpSharedKVLayout(CP_SIZE, RANK, PAGE_SIZE)
-        self.runtime = CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, CP_SIZE), None)
         self.req_to_token_pool = ReqToTokenPool(4, 32 * PAGE_SIZE, DEVICE, False)
         mirror = ReqToPageMirror.attach(self.req_to_token_pool, PAGE_SIZE)
+        self.runtime = attach_runtime(
+            shard, layout, create_gather_scratch(shard, CP_SIZE), None,
+            req_to_token_pool=self.req_to_token_pool,
+        )  # fmt: skip
         # Request 1: a 10-page cached prefix shared with request 2; each has its own pages after it.
         rng = np.random.default_rng(0)
         pages = rng.permutation(np.arange(CP_SIZE, CP_SIZE * (PHYSICAL_PAGES + 1)))

@@ -13,12 +13,12 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import create_gather_scratch
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool, nsa_metadata_for
 from sglang_cp_shared_kv_testing.page_mirror import mirrored
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
 register_cpu_ci(est_time=20, suite="stage-a-test-cpu")
 
@@ -33,7 +33,7 @@ LOGICAL_LOCS = torch.tensor([PAGES[p // 64] * 64 + p % 64 for p in range(SEQ_LEN
 def _runtime(dtype_name="bf16"):
     shard = make_nsa_pool(PHYSICAL_PAGES * PAGE_SIZE, dtype_name, 2, "cpu")
     layout = CpSharedKVLayout(CP_SIZE, RANK, PAGE_SIZE)
-    return CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
+    return attach_runtime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
 
 
 def _forward_batch(pool, mode=ForwardMode.EXTEND):

@@ -20,7 +20,8 @@ selection's padding attending row 0 (short requests); the dummy page owned by ra
 requests); an empty partial's LSE entering the global LSE (a rank owning none of a request's rows);
 the second step reusing the first step's tables; fa3 without the compaction; the kernel's LSE base.
 Earlier plants, also caught (then reverted): the attention hook returning the partial without the
-merge; the indexer hook keeping the logical ``real_page_table``; ``serves_physical`` always False;
+merge; the indexer hook keeping the logical ``real_page_table``; the getters never told to serve the
+physical pool (then ``serves_physical``, now ``CpSharedKVState.reads_physical_pool``, always False);
 ``attach`` ignoring SGLANG_NSA_FUSE_TOPK.
 """
 
@@ -31,17 +32,18 @@ from unittest import mock
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV
 from sglang_cp_shared_kv_testing import per_owner_decode_hooked as hooked
 
 register_cpu_ci(est_time=300, suite="stage-a-test-cpu")
 
 
-def attach_as_startup_decides(runtime, impl):
-    """``attach`` with the decision the startup takes for ``impl`` (``scratch_sizing``)."""
-    from sglang_cp_shared_kv.model_executor.decode_path import impl_gather_reason
+def attach_as_startup_decides(runtime):
+    """``attach`` with the decision of the runtime's spec (the startup's, for its decode impl and
+    this process's settings when the runtime was built)."""
     from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import attach
 
-    return attach(runtime, impl, impl_gather_reason(impl))
+    return attach(runtime.state)
 
 
 PAGE = hooked.PAGE
@@ -132,21 +134,24 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
     def setUp(self):
         # Per-owner decode is opt-in: these tests judge what it does once opted in; the default
         # (gather) is asserted where the env is cleared explicitly.
-        from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, PER_OWNER
+        from sglang_cp_shared_kv.settings import PER_OWNER
 
         patcher = mock.patch.dict(os.environ, {DECODE_PATH_ENV: PER_OWNER})
         patcher.start()
         self.addCleanup(patcher.stop)
 
-    def _runtime(self, kv_dtype="fp8"):
+    def _runtime(self, decode_impl="flashmla_kv", kv_dtype="fp8"):
+        """A runtime whose spec decided the decode path for ``decode_impl`` with this process's
+        settings (as the capacity hook decides it)."""
         from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-        from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
         from sglang_cp_shared_kv_testing.multi_rank import single_process_group
         from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
+        from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
         pool = make_nsa_pool(2 * PAGE, kv_dtype, 1, "cpu")
         scratch = make_nsa_pool(2 * PAGE, kv_dtype, 1, "cpu")
-        return CpSharedKVRuntime(pool, CpSharedKVLayout(1, 0, PAGE), scratch, single_process_group())
+        layout = CpSharedKVLayout(1, 0, PAGE)
+        return attach_runtime(pool, layout, scratch, single_process_group(), decode_impl=decode_impl)
 
     def test_attaches_only_for_served_impls_with_fused_top_k(self):
         from sglang.srt.environ import envs
@@ -155,38 +160,38 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         )
 
         for impl in ("trtllm", "tilelang", "aiter", None):
-            runtime = self._runtime()
+            runtime = self._runtime(impl)
             with self.assertLogs(per_owner_decode.logger, "INFO") as logs:
-                self.assertIsNone(attach_as_startup_decides(runtime, impl))
+                self.assertIsNone(attach_as_startup_decides(runtime))
             self.assertIn("decode uses the page gather", logs.output[0])
             self.assertIsNone(per_owner_decode.per_owner_of(runtime.pool))
         with envs.SGLANG_NSA_FUSE_TOPK.override(False):
-            self.assertIsNone(attach_as_startup_decides(self._runtime(), "flashmla_kv"))
+            self.assertIsNone(attach_as_startup_decides(self._runtime("flashmla_kv")))
         for impl, base in (("flashmla_kv", "e"), ("flashmla_sparse", 2), ("fa3", "e")):
-            runtime = self._runtime()
-            state = attach_as_startup_decides(runtime, impl)
+            runtime = self._runtime(impl)
+            state = attach_as_startup_decides(runtime)
             self.assertIs(per_owner_decode.per_owner_of(runtime.pool), state)
             self.assertEqual(state.decode_impl, impl)
             self.assertAlmostEqual(state.lse_base, 2.718281828459045 if base == "e" else 2.0)
-            self.assertFalse(per_owner_decode.serves_physical(runtime))  # no decode forward begun
+            self.assertFalse(runtime.state.reads_physical_pool())  # no decode forward begun
 
     def test_decode_mode_env(self):
         from sglang_cp_shared_kv.model_executor.per_owner_decode import (
             decode_forward as per_owner_decode,
         )
 
-        env = per_owner_decode.DECODE_PATH_ENV
+        env = DECODE_PATH_ENV
         self.assertEqual(env, "SGLANG_CP_SHARED_KV_DECODE")
         with mock.patch.dict(os.environ, {env: "gather"}):
-            runtime = self._runtime()
+            runtime = self._runtime("flashmla_kv")
             with self.assertLogs(per_owner_decode.logger, "INFO") as logs:
-                self.assertIsNone(attach_as_startup_decides(runtime, "flashmla_kv"))
+                self.assertIsNone(attach_as_startup_decides(runtime))
             self.assertIn(f"{env}=gather", logs.output[0])
         with mock.patch.dict(os.environ, {env: "per_owner"}):
-            self.assertIsNotNone(attach_as_startup_decides(self._runtime(), "flashmla_kv"))
+            self.assertIsNotNone(attach_as_startup_decides(self._runtime("flashmla_kv")))
         with mock.patch.dict(os.environ, {env: "per-owner"}):
             with self.assertRaisesRegex(ValueError, env):
-                attach_as_startup_decides(self._runtime(), "flashmla_kv")
+                attach_as_startup_decides(self._runtime("flashmla_kv"))
 
     def _plugin_decode_forward(self, mode):
         """The plugin's runtime hooks applied; init_attention_backend on a model runner holding an
@@ -201,10 +206,10 @@ class TestPerOwnerDecodeStartup(CustomTestCase):
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         sgl_kernel_cpu_shim.install()  # the plugin's hook modules import sglang's host pools
-        env = {} if mode is None else {per_owner_decode.DECODE_PATH_ENV: mode}
+        env = {} if mode is None else {DECODE_PATH_ENV: mode}
         with mock.patch.dict(os.environ, env), applied_hooks(plugin.register_runtime_hooks):
             if mode is None:
-                os.environ.pop(per_owner_decode.DECODE_PATH_ENV, None)
+                os.environ.pop(DECODE_PATH_ENV, None)
             runtime = self._runtime()
             backend = SimpleNamespace(nsa_decode_impl="flashmla_kv", forward_metadata=None)
             hooked.init_attention_backend(runtime.pool, backend)

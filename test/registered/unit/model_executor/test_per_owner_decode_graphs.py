@@ -26,11 +26,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
-from sglang_cp_shared_kv.model_executor.decode_path import (
-    DECODE_PATH_ENV,
-    GRAPH_DECODE_ENV,
-    cuda_graph_problem,
-)
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GRAPH_DECODE_ENV
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     build_owner_decode_tables,
 )
@@ -38,9 +34,10 @@ from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
 from sglang_cp_shared_kv_testing import cpu_graph_recorder
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG, runtime_problems
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
-from sglang_cp_shared_kv_testing.server_args_cases import runtime_server_args
+from sglang_cp_shared_kv.startup_rules import cuda_graph_problem, runtime_problems
+from sglang_cp_shared_kv_testing.server_args_cases import decided_now, runtime_server_args
+from sglang_cp_shared_kv_testing.shared_kv_state import per_owner_pool_state
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -102,19 +99,15 @@ class TestGraphHooks(CustomTestCase):
     MAX_BS, CONTEXT = 4, 12 * PAGE
 
     def _backend(self, bound=True):
-        state = SimpleNamespace(
-            runtime=SimpleNamespace(layout=CpSharedKVLayout(CP_SIZE, 2, PAGE), plan="last prefill's plan"),
-            schedule_fn=None,
-            forward=None,
-        )
+        state = per_owner_pool_state(CpSharedKVLayout(CP_SIZE, 2, PAGE))
         backend = SimpleNamespace(
             decode_cuda_graph_metadata={"page_table": torch.zeros(self.MAX_BS, self.CONTEXT, dtype=torch.int32)},
             real_page_size=PAGE,
             forward_metadata=None,
         )
-        setattr(backend, _STATE_ATTR, state)
+        setattr(backend, _STATE_ATTR, state.per_owner)
         if bound:
-            setattr(backend, graphs._BOUND_ATTR, True)
+            setattr(backend, graphs._BOUND_ATTR, state)
         return backend, state
 
     def _set_batch(self, backend, batch):
@@ -141,9 +134,10 @@ class TestGraphHooks(CustomTestCase):
         self._set_batch(backend, capture)
         graphs.capture_metadata_after(None, backend, 4, 4, None, None, None, ForwardMode.DECODE, None)
         self.assertIsNone(state.runtime.plan)  # the captured stores are owner-filtered only
-        captured = state.forward.tables
+        self.assertTrue(state.reads_physical_pool())
+        captured = state.per_owner.forward.tables
         self.assertEqual(captured.physical_page_table.data_ptr(), buffers.physical_page_table.data_ptr())
-        layout = state.runtime.layout
+        layout = state.spec.layout
         _assert_tables_equal(self, captured, build_owner_decode_tables(layout, backend.forward_metadata.real_page_table, backend.forward_metadata.cache_seqlens_int32))
 
         replay = _batch(6, [200, 650, 5, 400])
@@ -195,16 +189,11 @@ class TestCapturedRuns(CustomTestCase):
     BS, WIDTH_PAGES, TOPK = 4, 12, 96
 
     def _state(self, layout):
-        pool = SimpleNamespace()
-        runtime = SimpleNamespace(layout=layout, cp_group=None, pool=pool, plan=None)
-        setattr(pool, "_cp_shared_kv_runtime", runtime)
-
         def all_gather(scores):  # this rank's candidates; the other rank owns none of these
             return torch.stack([scores, torch.full_like(scores, float("-inf"))])
 
-        with mock.patch.object(per_owner, "process_group_collectives", return_value=(all_gather, None)):
-            state = per_owner.PerOwnerDecode(runtime, decode_impl="fa3")
-        return state, pool
+        pool_state = per_owner_pool_state(layout, collectives=(all_gather, None))
+        return pool_state, pool_state.pool
 
     def test_a_replay_reads_the_replayed_batch_columns_not_the_warm_up_ones(self):
         layout = CpSharedKVLayout(2, 0, PAGE)
@@ -213,8 +202,8 @@ class TestCapturedRuns(CustomTestCase):
             decode_cuda_graph_metadata={"page_table": torch.zeros(self.BS, self.WIDTH_PAGES * PAGE, dtype=torch.int32)},
             real_page_table=None, real_page_size=PAGE, forward_metadata=None,
         )  # fmt: skip
-        setattr(backend, _STATE_ATTR, state)
-        setattr(backend, graphs._BOUND_ATTR, True)
+        setattr(backend, _STATE_ATTR, state.per_owner)
+        setattr(backend, graphs._BOUND_ATTR, state)
         graphs.init_cuda_graph_state_after(None, backend, self.BS, self.BS)
         # sglang's capture batch: every request padded (seq len 1 on the dummy page 0).
         backend.forward_metadata = _AttnMetadata(
@@ -242,10 +231,10 @@ class TestCapturedRuns(CustomTestCase):
         graphs.replay_metadata_after(None, backend, self.BS)
         capture.replay()
 
-        state.forward = per_owner.OwnerForward(
+        state.per_owner.forward = per_owner.OwnerForward(
             build_owner_decode_tables(layout, backend.forward_metadata.real_page_table,
                                       backend.forward_metadata.cache_seqlens_int32), None)  # fmt: skip
-        expected = state.select(logits, self.TOPK)
+        expected = state.per_owner.select(logits, self.TOPK)
         self.assertGreater(int((expected >= 0).sum()), 0)
         for layer_indices in captured:
             self.assertTrue(torch.equal(layer_indices, expected))
@@ -287,29 +276,26 @@ class TestCollectivesAndBinding(CustomTestCase):
         self.assertEqual(calls, ["all_gather_into_tensor", "all_reduce"])
 
     def _runner(self, disable_cuda_graph=False, cp_size=2):
-        pool = SimpleNamespace()
-        state = SimpleNamespace(all_gather=None, all_reduce_sum=None)
-        runtime = SimpleNamespace(pool=pool, layout=CpSharedKVLayout(cp_size, 0, PAGE))
+        state = per_owner_pool_state(CpSharedKVLayout(cp_size, 0, PAGE))
         runner = SimpleNamespace(
             server_args=SimpleNamespace(disable_cuda_graph=disable_cuda_graph),
-            token_to_kv_pool=pool,
+            token_to_kv_pool=state.pool,
             attn_backend=SimpleNamespace(),
         )
-        return runner, runtime, state
+        return runner, state
 
     def test_binding_needs_the_cp_group_to_be_the_tp_group(self):
-        runner, runtime, state = self._runner()
+        runner, state = self._runner()
         tp, other = object(), object()
-        with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
-             mock.patch.object(graphs, "per_owner_of", return_value=state), \
-             mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp):
+        with mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp):
             with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=other):
                 with self.assertRaisesRegex(ValueError, "TP group"):
                     graphs.bind_graph_decode(runner)
             with mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=tp):
                 self.assertTrue(graphs.bind_graph_decode(runner))
-        self.assertIs(getattr(runner.attn_backend, _STATE_ATTR), state)
-        self.assertIsNotNone(state.all_gather)
+        self.assertIs(getattr(runner.attn_backend, _STATE_ATTR), state.per_owner)
+        self.assertIs(graphs.bound_state(runner.attn_backend), state)
+        self.assertIsNotNone(state.per_owner.all_gather)
 
     def test_binding_at_every_cp_size_the_flag_accepts(self):
         """Per-owner graphs have served clean at CP 2, 4 and 8 with padded replays: a padded capture
@@ -318,20 +304,16 @@ class TestCollectivesAndBinding(CustomTestCase):
         tp = object()
         for cp_size, binds in ((2, True), (4, True), (8, True)):
             with self.subTest(cp_size=cp_size):
-                runner, runtime, state = self._runner(cp_size=cp_size)
+                runner, state = self._runner(cp_size=cp_size)
                 runner.server_args.cuda_graph_bs = [2, 4, 8, 12, 16]
-                with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
-                     mock.patch.object(graphs, "per_owner_of", return_value=state), \
-                     mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp), \
+                with mock.patch("sglang.srt.distributed.parallel_state.get_tp_group", return_value=tp), \
                      mock.patch("sglang.srt.layers.dp_attention.get_attention_cp_group", return_value=tp):
                     self.assertTrue(graphs.bind_graph_decode(runner))
                 self.assertEqual(hasattr(runner.attn_backend, _STATE_ATTR), binds)
 
     def test_nothing_bound_without_graphs(self):
-        runner, runtime, state = self._runner(disable_cuda_graph=True)
-        with mock.patch.object(graphs, "runtime_of", return_value=runtime), \
-             mock.patch.object(graphs, "per_owner_of", return_value=state):
-            self.assertFalse(graphs.bind_graph_decode(runner))
+        runner, state = self._runner(disable_cuda_graph=True)
+        self.assertFalse(graphs.bind_graph_decode(runner))
         self.assertFalse(hasattr(runner.attn_backend, _STATE_ATTR))
 
 
@@ -348,9 +330,8 @@ class TestGraphDecodeStartupRule(CustomTestCase):
             if opt_in:
                 environ[DECODE_PATH_ENV] = "per_owner"
             environ.update(env or {})
-            return cuda_graph_problem(_server_args(**overrides), CP_SHARED_KV_FLAG), runtime_problems(
-                _server_args(**overrides)
-            )
+            args = _server_args(**overrides)
+            return cuda_graph_problem(args, *decided_now(args)), runtime_problems(args, *decided_now(args))
 
     def test_defaults_run_graphs_where_decode_runs_per_owner(self):
         """Nothing set: with fa3 (bf16 KV) decode runs per owner under graphs, no

@@ -17,13 +17,13 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.model_executor import owner_filtered_writes, peer_page_reads
-from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import CpSharedKVRuntime
 from sglang_cp_shared_kv.model_executor.gather_scratch import SCRATCH_LAYER, create_gather_scratch
 from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 from sglang_cp_shared_kv_testing.nsa_cpu_kernels import IndexerStub, act_quant_torch, cpu_kernels
 from sglang_cp_shared_kv_testing.page_mirror import mirrored
 from sglang_cp_shared_kv_testing.peer_page_plan_fills import fill_locs
 from sglang_cp_shared_kv_testing.runtime_check import PAGE_SIZE, make_nsa_pool
+from sglang_cp_shared_kv_testing.shared_kv_state import attach_runtime
 
 register_cpu_ci(est_time=15, suite="stage-a-test-cpu")
 
@@ -43,15 +43,16 @@ def _locs():
 def _planned_runtime(rank, dtype_name):
     layout = CpSharedKVLayout(CP_SIZE, rank, PAGE_SIZE)
     shard = make_nsa_pool(PHYSICAL_PAGES * PAGE_SIZE, dtype_name, 2, "cpu")
-    runtime = CpSharedKVRuntime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
+    runtime = attach_runtime(shard, layout, create_gather_scratch(shard, CP_SIZE), cp_group=None)
     req_to_token = torch.zeros((2, 512), dtype=torch.int32)
     req_to_token[1, :SEQ_LEN] = _locs()[:SEQ_LEN].int()
-    runtime.begin_forward(_extend_batch(req_to_token))
+    runtime.begin_forward(_extend_batch(req_to_token, shard))
     return runtime
 
 
-def _extend_batch(req_to_token):
-    """An EXTEND of request 1's ``SEQ_LEN`` new tokens over ``req_to_token``, with its host mirror."""
+def _extend_batch(req_to_token, pool):
+    """An EXTEND of request 1's ``SEQ_LEN`` new tokens over ``req_to_token``, with its host mirror
+    (the one ``pool``'s runtime plans from)."""
     return mirrored(
         SimpleNamespace(
             forward_mode=ForwardMode.EXTEND,
@@ -59,6 +60,7 @@ def _extend_batch(req_to_token):
             extend_seq_lens_cpu=[SEQ_LEN],
             req_pool_indices=torch.tensor([1]),
             req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+            token_to_kv_pool=pool,
         )
     )
 
@@ -153,7 +155,7 @@ class TestRowMapsOncePerForward(CustomTestCase):
         self.assertIs(runtime.row_maps(runtime.plan, locs), maps)
         self.assertIsNot(runtime.row_maps(runtime.plan, locs.clone()), maps)  # another tensor
         old_plan = runtime.plan
-        runtime.begin_forward(_extend_batch(torch.zeros((2, 512), dtype=torch.int32)))
+        runtime.begin_forward(_extend_batch(torch.zeros((2, 512), dtype=torch.int32), runtime.pool))
         self.assertIsNot(runtime.plan, old_plan)
         self.assertIsNot(runtime.row_maps(runtime.plan, locs), maps)  # a new forward rebuilds
 

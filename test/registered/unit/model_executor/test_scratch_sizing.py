@@ -22,18 +22,17 @@ import numpy as np
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 from sglang_cp_shared_kv.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV
+from sglang_cp_shared_kv.settings import DECODE_PATH_ENV
 from sglang_cp_shared_kv.model_executor.gather_scratch import (
     create_gather_scratch,
     slot0_scratch_tokens,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_plan import build_peer_page_plan
-from sglang_cp_shared_kv.model_executor.scratch_sizing import (
-    PREFILL_SCRATCH_TOKENS_ENV,
-    request_scratch_pages,
-    scratch_sizing,
-)
+from sglang_cp_shared_kv.model_executor.scratch_sizing import request_scratch_pages
+from sglang_cp_shared_kv.settings import PREFILL_SCRATCH_TOKENS_ENV
+from sglang_cp_shared_kv.startup_rules import scratch_sizing
 from sglang_cp_shared_kv_testing.runtime_check import make_nsa_pool
+from sglang_cp_shared_kv_testing.server_args_cases import decided_now
 
 register_cpu_ci(est_time=10, suite="stage-a-test-cpu")
 
@@ -68,7 +67,8 @@ def _sizing(env=None, opt_in=True, **overrides):
         if opt_in:
             environ[DECODE_PATH_ENV] = "per_owner"
         environ.update(env or {})
-        return scratch_sizing(_server_args(**overrides), CONTEXT_LEN)
+        args = _server_args(**overrides)
+        return scratch_sizing(args, *decided_now(args), CONTEXT_LEN)
 
 
 class TestScratchSizing(CustomTestCase):
@@ -110,7 +110,7 @@ class TestScratchSizing(CustomTestCase):
         keeps MTP on per owner (refused there by the MTP rules, not moved to the gather).
         Seen failing with auto treated as per_owner (flashmla_kv per owner) and with the MTP
         condition dropped."""
-        from sglang_cp_shared_kv.model_executor.decode_path import AUTO_PER_OWNER_DECODE_IMPLS
+        from sglang_cp_shared_kv.startup_rules import AUTO_PER_OWNER_DECODE_IMPLS
 
         self.assertEqual(AUTO_PER_OWNER_DECODE_IMPLS, ("fa3",))
         self.assertTrue(_sizing(opt_in=False, nsa_decode_backend="fa3").prefill_only)
@@ -130,7 +130,7 @@ class TestScratchSizing(CustomTestCase):
         from sglang_cp_shared_kv.model_executor.per_owner_decode import (
             decode_forward as per_owner_decode,
         )
-        from sglang_cp_shared_kv.model_executor.decode_path import PER_OWNER_DECODE_IMPLS
+        from sglang_cp_shared_kv.startup_rules import PER_OWNER_DECODE_IMPLS
 
         served = getattr(per_owner_decode, "SERVED_DECODE_IMPLS", None)
         served = (per_owner_decode.SERVED_DECODE_IMPL,) if served is None else tuple(served)

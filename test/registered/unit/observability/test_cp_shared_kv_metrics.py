@@ -147,17 +147,18 @@ class TestLabelsAndGraphReplay(CustomTestCase):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang_cp_shared_kv.model_executor.per_owner_decode import cuda_graphs as graphs
         from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
+        from sglang_cp_shared_kv_testing.shared_kv_state import per_owner_pool_state
 
         view = build_cp_hicache_stack(cp_size=2, cp_rank=1, group=single_process_group(), physical_pages=12)
         metrics = cp_shared_kv_metrics.install(cp_rank=1, registry=self.registry)
         metrics.watch(allocator=view.allocator)
-        state = SimpleNamespace(runtime=SimpleNamespace(layout=view.layout, plan=None), schedule_fn=None, forward=None)
+        state = per_owner_pool_state(view.layout)
         backend = SimpleNamespace(
             decode_cuda_graph_metadata={"page_table": torch.zeros(2, 4 * PAGE, dtype=torch.int32)},
             real_page_size=PAGE, forward_metadata=None,
         )  # fmt: skip
-        setattr(backend, _STATE_ATTR, state)
-        setattr(backend, graphs._BOUND_ATTR, True)
+        setattr(backend, _STATE_ATTR, state.per_owner)
+        setattr(backend, graphs._BOUND_ATTR, state)
         graphs.init_cuda_graph_state_after(None, backend, 2, 2)
 
         allocated = []

@@ -83,7 +83,7 @@ class TestFakeServerPerOwnerPools(CustomTestCase):
         """The tiny model (4 layers) at CP 8: a logical-capacity slot 0 takes the whole budget; a
         prefill-sized one (context + one chunk) leaves a pool, and the fake logs its size as the
         runtime does, so the benchmark judges the pool against that reservation."""
-        from sglang_cp_shared_kv.model_executor.decode_path import DECODE_PATH_ENV, GATHER, PER_OWNER
+        from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, PER_OWNER
         from sglang_cp_shared_kv_testing.e2e import fake_sglang_server as fake
         from sglang_cp_shared_kv_testing.e2e.server_log import parse_capacity_lines
 

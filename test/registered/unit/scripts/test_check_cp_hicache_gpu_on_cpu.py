@@ -18,7 +18,7 @@ from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
 # Installs the CPU stand-in of sgl_kernel (sglang's host pools import it) before the controller.
 from sglang_cp_shared_kv_testing import cp_hicache_stack  # noqa: F401  isort: skip
-from sglang_cp_shared_kv.managers.cp_hicache_controller import CpHybridCacheController  # isort: skip
+from sglang_cp_shared_kv.mem_cache.cp_hybrid_cache_controller import CpHybridCacheController  # isort: skip
 
 register_cpu_ci(est_time=55, suite="stage-a-test-cpu")
 

@@ -162,7 +162,9 @@ class TestPDSmokeCli(ScriptCliCase, CustomTestCase):
         ServerArgs on the tiny GLM-5 (page 64, chunk cache, no shared KV)."""
         from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.server_args import register_server_args_hooks
+
+        from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         commands, _ = self.dry_run("--shared-kv", "on")

@@ -84,7 +84,9 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
     def test_sglang_accepts_each_command_and_resolves_nsa_prefill_cp(self):
         from sglang.srt.server_args import prepare_server_args
 
-        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.server_args import register_server_args_hooks
+
+        from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         commands, _ = self.dry_run_commands("--shared-kv", "both")
@@ -133,7 +135,9 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
         the startup rules accept MTP under the opt-in, the only refusal it may meet is theirs."""
         from sglang.srt.server_args import prepare_server_args
 
-        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV, register_server_args_hooks
+        from sglang_cp_shared_kv.server_args import register_server_args_hooks
+
+        from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         commands, _ = self.dry_run_commands("--mtp", model_dir=self.nextn_dir)

@@ -48,7 +48,7 @@ def _rank(rank, world_size, audit_dir, plant):
         owner_filtered_writes,
         peer_page_reads,
     )
-    from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
+    from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
     from sglang_cp_shared_kv_testing.nsa_cpu_kernels import act_quant_torch, cpu_kernels
 
     os.environ[CP_SHARED_KV_ENV] = "1"

@@ -43,10 +43,12 @@ SUFFIX_A, SUFFIX_B = list(range(1000, 1000 + PAGE)), list(range(2000, 2000 + PAG
 def _dump(view, draft_view, run_dir, rid, locs, token_ids, cached_tokens, rank):
     """What the smoke's pool dump of a finished request writes on this rank (its owned rows: the dump
     finds the layout through the pools' runtime, here a stand-in holding the stack's layout)."""
-    from sglang_cp_shared_kv.model_executor.cp_shared_kv_runtime import _RUNTIME_ATTR
+    from sglang_cp_shared_kv.model_executor.cp_shared_kv_state import CpSharedKVState, state_of
 
     for pool in (view.kv_pool, draft_view.kv_pool):
-        setattr(pool, _RUNTIME_ATTR, SimpleNamespace(layout=view.layout))
+        if state_of(pool) is None:
+            state = CpSharedKVState(pool, SimpleNamespace(layout=view.layout))
+            state.runtime = SimpleNamespace(layout=view.layout)
     n = len(token_ids)
     req_to_token = torch.zeros((2, n), dtype=torch.int64)
     req_to_token[1] = locs

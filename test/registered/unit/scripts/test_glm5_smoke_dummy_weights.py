@@ -79,7 +79,7 @@ class TestSmokeDummyWeights(CustomTestCase):
         from sglang.srt.model_loader import loader, weight_utils
 
         from sglang_cp_shared_kv import plugin
-        from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
+        from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
         from sglang_cp_shared_kv_testing.hook_sandbox import applied_hooks
 
         def norm_weight_after_dummy_load() -> float:

@@ -60,7 +60,7 @@ def _apply_hooks(audit_dir: str, plant: bool, runtimes: list) -> None:
     plugin registers them (audit before plant)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang_cp_shared_kv.model_executor import forward_dispatch, owner_filtered_writes, peer_page_reads
-    from sglang_cp_shared_kv.server_args import CP_SHARED_KV_ENV
+    from sglang_cp_shared_kv.settings import CP_SHARED_KV_ENV
 
     os.environ[CP_SHARED_KV_ENV] = "1"  # the audit registers its read hooks on shared-KV servers only
     HookRegistry.reset()

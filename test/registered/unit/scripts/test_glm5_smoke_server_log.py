@@ -186,12 +186,14 @@ class TestServedDecode(CustomTestCase):
 
     def startup_lines(self, impl, gather_reason, graphs):
         from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward
+        from sglang_cp_shared_kv.startup_rules import DecodePath
 
         def emit():
             with mock.patch.object(decode_forward, "PerOwnerDecode"), mock.patch.object(
                 decode_forward, "_deep_gemm_schedule"
             ):
-                decode_forward.attach(None, impl, gather_reason)
+                decode = DecodePath(impl=impl, gather_reason=gather_reason)
+                decode_forward.attach(types.SimpleNamespace(spec=types.SimpleNamespace(decode=decode)))
             if graphs:  # ModelRunner.init_device_graphs, sglang 0.5.11
                 logging.getLogger("sglang.srt.model_executor.model_runner").info(
                     "Capture cuda graph end. Time elapsed: 12.34 s. mem usage=0.41 GB. avail mem=60.10 GB."

@@ -206,7 +206,7 @@ class TestReadAuditSkipsPlanlessForwards(CustomTestCase):
         runtime = SimpleNamespace(plan=None, pool=SimpleNamespace(start_layer=0, kv_buffer=[0] * 4))
         runtime.kv_slot_for_read = runtime.index_slot_for_read = mock.Mock(side_effect=RuntimeError("not assembled"))
         with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"SGLANG_CP_SHARED_KV": "1"}), mock.patch(
-            "sglang_cp_shared_kv.server_args.cp_shared_kv_enabled_in_env", return_value=True
+            "sglang_cp_shared_kv.settings.cp_shared_kv_enabled_in_env", return_value=True
         ):
             kv_audit.register_hooks(registry, tmp)
         hooks["after_store_mla_kv"](None, runtime, None, SimpleNamespace(layer_id=0))

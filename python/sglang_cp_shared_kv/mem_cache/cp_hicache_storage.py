@@ -46,8 +46,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from sglang_cp_shared_kv.mem_cache.cp_hicache_storage_keys import StorageNamespace
-from sglang_cp_shared_kv.server_args import CP_SHARED_KV_FLAG as FLAG
-from sglang_cp_shared_kv.server_args import STORAGE_BACKEND_LAYOUTS, storage_layout_problem  # noqa: F401
+from sglang_cp_shared_kv.settings import CP_SHARED_KV_FLAG as FLAG
+from sglang_cp_shared_kv.startup_rules import storage_layout_problem
 
 logger = logging.getLogger(__name__)
 
