@@ -24,6 +24,7 @@ from pathlib import Path
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
+from sglang_cp_shared_kv_testing.e2e.server_log import ServedDecode
 from sglang_cp_shared_kv_testing.e2e.smoke_report import RunReport
 from sglang_cp_shared_kv_testing.repo_scripts import REPO_ROOT, load_script
 
@@ -119,6 +120,80 @@ class TestPDPairValues(CustomTestCase):
         self.assertEqual(figures["value_tolerance_prefill"]["source"], value_audit_compare.RECORDED_SOURCE)
         self.assertEqual(len(failures), 1, failures)  # 0.015 within 3 x 0.0117 (and 2 x 0.0081), 0.05 beyond
         self.assertIn("decode value audit (decode_graph): 1 of 4 rows off by more than 0.0351", failures[0])
+
+
+class TestSoakValues(CustomTestCase):
+    SERVED = ServedDecode(per_owner_impls=("fa3",), graphs=True)
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.driver = load_script("scripts/glm5_cp_hicache_soak.py", "glm5_cp_hicache_soak_values_under_test")
+
+    def audits(self, errors_by_kind, replays=REPLAYS):
+        with tempfile.TemporaryDirectory() as tmp:
+            write_values(self.driver.audit_dir(Path(tmp)), errors_by_kind, replays)
+            figures, failures = self.driver.audit_failures(Path(tmp), self.SERVED)
+        return figures, value_failures(failures)
+
+    def test_rows_beyond_the_recorded_stock_tolerance_fail_and_clean_ones_pass(self):
+        clean = {**CLEAN_PREFILL, **CLEAN_DECODE}
+        figures, failures = self.audits(clean)
+        self.assertEqual(failures, [])
+        self.assertEqual(figures["value_tolerance"]["max"], 3 * value_audit_compare.STOCK_MAX_SEEN)
+        self.assertEqual(figures["value_audit"]["all"]["rows"], 7)
+        _, failures = self.audits(with_row(clean, "decode_graph", 0.05))
+        self.assertEqual(len(failures), 1, failures)
+        self.assertIn("value audit (decode_graph): 1 of 4 rows off by more than 0.0351 (max 0.05; recorded stock",
+                      failures[0])  # fmt: skip
+
+    def test_nothing_checked_or_no_replay_checked_fails(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = Path(tmp)
+            write_values(run_dir, {})
+            self.assertEqual(self.driver.value_failures(run_dir, self.SERVED)[1],
+                             ["value audit: no output row was checked"])  # fmt: skip
+            write_values(run_dir, CLEAN_PREFILL)  # eager rows only, under graphs
+            self.assertEqual(self.driver.value_failures(run_dir, self.SERVED)[1],
+                             ["value audit: CUDA-graph replays ran but none of their outputs was checked"])  # fmt: skip
+            eager = ServedDecode(gather_reasons=("fp8 KV",))
+            self.assertEqual(self.driver.value_failures(run_dir, eager)[1], [])
+
+
+class TestL3RestartValues(CustomTestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.driver = load_script("scripts/glm5_cp_l3_restart_smoke.py", "glm5_cp_l3_restart_values_under_test")
+
+    def judge(self, errors_by_server):
+        from sglang_cp_shared_kv_testing.e2e import l3_restart
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            args = self.driver.parse_args(["--model-path", tmp, "--tp", "2"])
+            for name, errors in errors_by_server.items():
+                write_values(self.driver.audit_dir(out, name), errors, REPLAYS)
+            figures = {}
+            failures = self.driver.judge(args, out, [], {}, figures)
+        self.assertTrue(failures)  # no requests, dumps or logs here: only the value verdict is read
+        return value_failures(failures), l3_restart.verdict_line(2, [], figures)
+
+    def test_every_server_is_judged_by_the_recorded_stock_figures(self):
+        clean = {**CLEAN_PREFILL, **CLEAN_DECODE}
+        failures, line = self.judge({name: clean for name in self.driver.SERVERS})
+        self.assertEqual(failures, [])
+        self.assertIn("values 21 rows, max rel err 0.008, p99 0.008 (tolerance 0.035, recorded stock", line)
+        failures, _ = self.judge({"write": clean, "recompute": clean, "restart": with_row(clean, "extend", OFF)})
+        self.assertEqual(len(failures), 1, failures)
+        self.assertTrue(failures[0].startswith("restart: value audit (extend): 1 of 5 rows off by more than 0.0351"),
+                        failures[0])  # fmt: skip
+
+    def test_a_server_that_checked_nothing_fails(self):
+        clean = {**CLEAN_PREFILL, **CLEAN_DECODE}
+        failures, _ = self.judge({"write": {}, "recompute": clean})
+        self.assertEqual(failures, ["write: value audit: no output row was checked",
+                                    "restart: value audit: no value audit file (the audit did not run)"])  # fmt: skip
 
 
 if __name__ == "__main__":
