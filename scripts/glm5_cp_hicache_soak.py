@@ -15,15 +15,16 @@ evicts and loads back; clients that disconnect in prefill or decode; ``/abort_re
 ``/server_info`` makes every rank dump its tree and host-slot ledger at the same step, and the
 dumps are compared.
 
-Verdict (one ``VERDICT:`` line naming the decode the server logged, then a table row for
-docs/gpu.md): the server logged the decode asked for (graphs captured exactly when asked), 0 server
-errors (HTTP 5xx, error lines of the server log), every rank alive (``/health_generate``, every
-scheduler process), the read audits clean (the smoke's judgement; under per-owner decode its decode
-read audit must have reported, graph replays included) and the sampled pool rows consistent, the
-trees identical across ranks at every checkpoint, no request lost, nothing left running, and the run
-did evict and load back. A server that never answers ``/health`` is a FAIL quoting the error its log
-ends with. Exit 0 on PASS, 1 on FAIL, 2 on bad arguments. ``--plant`` plants a bug (the
-soak must FAIL).
+Verdict (one ``VERDICT:`` line naming the decode the server logged and the values checked, then a
+table row for docs/gpu.md): the server logged the decode asked for (graphs captured exactly when
+asked), 0 server errors (HTTP 5xx, error lines of the server log), every rank alive
+(``/health_generate``, every scheduler process), the read audits clean (the smoke's judgement; under
+per-owner decode its decode read audit must have reported, graph replays included), the value audit
+within the recorded stock figures' tolerance (no stock server runs here; under graphs replayed rows
+checked) and the sampled pool rows consistent, the trees identical across ranks at every checkpoint,
+no request lost, nothing left running, and the run did evict and load back. A server that never
+answers ``/health`` is a FAIL quoting the error its log ends with. Exit 0 on PASS, 1 on FAIL, 2 on
+bad arguments. ``--plant`` plants a bug (the soak must FAIL).
 
   python scripts/glm5_cp_hicache_soak.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --dry-run
   python scripts/glm5_cp_hicache_soak.py --model-path /tmp/tiny-glm5 --tp 2 --one-gpu --load-format dummy \\
@@ -50,6 +51,7 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     SMOKE_AUDIT_POOL_ENV,
     decode_read_audit,
     kv_audit_compare,
+    value_audit_compare,
 )
 from sglang_cp_shared_kv_testing.e2e import soak  # noqa: E402
 from sglang_cp_shared_kv_testing.e2e.request_plan import model_context_len, parse_token_id_range  # noqa: E402
@@ -258,19 +260,31 @@ def hicache_counters(server: SglangServer) -> Optional[HiCacheCounters]:
 
 def audit_failures(out_dir: Path, served: ServedDecode) -> tuple:
     """(figures, failures): the smoke's judgement of the shared-KV read audits (the decode read audit
-    required where the server decoded per owner), and the sampled pool dumps against themselves (no
-    reference server here)."""
+    required where the server decoded per owner), the value audit (``value_failures``), and the
+    sampled pool dumps against themselves (no reference server here)."""
     run_dir = audit_dir(out_dir)
+    value_figures, failures_of_values = value_failures(run_dir, served)
     totals = kv_audit_compare.read_audit_totals(run_dir)
     failures = kv_audit_compare.read_audit_failures(totals)
     decode_totals = decode_read_audit.totals(run_dir)
-    failures += decode_read_audit.failures(decode_totals) + served.unaudited(decode_totals)
+    failures += decode_read_audit.failures(decode_totals) + served.unaudited(decode_totals) + failures_of_values
     if not kv_audit_compare.wait_for_settled_dumps(run_dir, timeout_s=CHECK_TIMEOUT_S):
         failures.append(f"pool audit: dumps still being written {CHECK_TIMEOUT_S} s after the load")
     pool = kv_audit_compare.layer0_self_consistency(run_dir)
     failures += pool.failures
     pool_figures = {k: v for k, v in pool.to_json().items() if k != "failures"}
-    return {"read_audit": totals, "decode_read_audit": decode_totals, "pool_self_consistency": pool_figures}, failures
+    figures = {"read_audit": totals, "decode_read_audit": decode_totals, "pool_self_consistency": pool_figures}
+    return {**figures, **value_figures}, failures
+
+
+def value_failures(run_dir: Path, served: ServedDecode) -> tuple:
+    """(figures, failures) of the value audit. No stock server runs beside the soak: its tolerance is
+    the recorded stock figures' (``value_audit_compare.recorded_tolerance``), not a reference of this
+    call. Where the server captured decode CUDA graphs their replays must have been checked."""
+    values = value_audit_compare.totals(run_dir)
+    bounds = value_audit_compare.recorded_tolerance()
+    failures = value_audit_compare.failures_within(values, bounds, expect_graph_replays=served.graphs)
+    return {"value_audit": value_audit_compare.report(values), "value_tolerance": bounds}, failures
 
 
 def run(args, plan_for_capacity, out_dir: Path) -> dict:
@@ -382,7 +396,12 @@ def print_report(args, report: dict) -> None:
     verdict = "FAIL" if report["failures"] else "PASS"
     first = f": {report['failures'][0][:300]}" if report["failures"] else ""
     decode = f"decode {report['decode']['served']} (asked: {report['decode']['asked']})"
-    print(f"VERDICT: {verdict} soak {args.name}{' (plant ' + args.plant + ')' if args.plant else ''}, {decode}{first}")
+    audits = report.get("audits", {})
+    values = ""
+    if "value_audit" in audits:
+        values = "; " + value_audit_compare.verdict_text(audits["value_audit"], audits["value_tolerance"])
+    print(f"VERDICT: {verdict} soak {args.name}{' (plant ' + args.plant + ')' if args.plant else ''}, {decode}"
+          f"{values}{first}")
 
 
 def _raise_on_sigterm(signum, frame):

@@ -16,7 +16,9 @@ Judged: every restart prompt's whole prefix served from L3 (``meta_info.cached_t
 .storage``); the restored rows equal, byte for byte in every layer, the rows the write server
 dumped (the KV audit's pool dumps); the restart server's layer-0 rows against the recompute
 server's (the smoke's pool audit); the read audits of every server (the decode read audit where it
-decoded per owner); every server logged the decode asked for; no error line in any log. Reported:
+decoded per owner); every server's value audit within the recorded stock figures' tolerance (no
+stock server runs here: ``value_audit_compare.recorded_tolerance``; under graphs replayed rows
+checked); every server logged the decode asked for; no error line in any log. Reported:
 TTFT of the prefix from L3 vs recomputed, labelled "one GPU, time-sliced" with ``--one-gpu``. The
 verdict line names the decode the servers logged; a server that never answers ``/health`` makes it
 FAILED quoting that server's error. Exits 1 on a failure, 2 on bad arguments.
@@ -43,7 +45,7 @@ from typing import Dict, List, Optional
 
 from sglang_cp_shared_kv_testing.e2e import l3_restart, l3_servers
 from sglang_cp_shared_kv_testing.e2e.l3_restart import RECOMPUTE, RESTART, WRITE, L3RestartPlan, ServedRequest
-from sglang_cp_shared_kv_testing.e2e.l3_servers import kv_audit_compare
+from sglang_cp_shared_kv_testing.e2e.l3_servers import kv_audit_compare, value_audit_compare
 from sglang_cp_shared_kv_testing.e2e.request_plan import parse_token_id_range
 from sglang_cp_shared_kv_testing.e2e.server_log import served_decode
 from sglang_cp_shared_kv_testing.e2e.server_metrics import CACHED_TOKENS, parse_metrics
@@ -210,6 +212,10 @@ def judge(args, out_dir: Path, requests: List[ServedRequest], logs: Dict[str, Li
     for name in SERVERS:
         failures += l3_servers.shared_kv_server_failures(name, audit_dir(out_dir, name), logs, asked,
                                                          args.ignore_log_pattern, figures)  # fmt: skip
+    # No stock server runs here: every server's values are judged by the recorded stock figures.
+    audit_dirs = {name: audit_dir(out_dir, name) for name in SERVERS}
+    bounds = value_audit_compare.recorded_tolerance()
+    failures += l3_servers.value_failures(audit_dirs, bounds, asked.cuda_graphs, figures)
     figures["ttft"] = l3_restart.ttft_comparison(plan, requests)
     return failures
 

@@ -7,10 +7,12 @@ The oracle is ``--audit`` (the smoke plugin's KV audits, ``kv_audit``): every fi
 and indexer K are dumped by both servers; what the decode server holds for each prompt position must
 equal, byte for byte in every layer, what the prefill server held (transfer audit, every pair); the
 shared-KV prefill's dumps are compared with the shared-KV-off prefill's (layer-0 rows of another
-token fail) and its read audit checks every gathered row. With ``--audit`` greedy tokens are
-reported, not judged: stock sglang already answers the same request with different tokens on this
-model. ``--plant pd-send-wrong-page`` runs a deliberate page-pairing bug the transfer audit must
-catch.
+token fail) and its read audit checks every gathered row; the value audit checks every server's
+attention outputs against fp32 attention over the replicated context, the shared-KV pair's prefill
+and decode within the tolerance the stock pair's prefill and decode set (``value_checks``). With
+``--audit`` greedy tokens are reported, not judged: stock sglang already answers the same request
+with different tokens on this model. ``--plant pd-send-wrong-page`` runs a deliberate page-pairing
+bug the transfer audit must catch.
 
 Per mode (shared KV off, on, or both: off first) it launches on 127.0.0.1 the prefill server
 (``--tp`` ``--prefill-tp``, ``--disaggregation-mode prefill``, HiCache host caching) on
@@ -66,6 +68,7 @@ from cp_shared_kv_smoke_hooks import (  # noqa: E402
     SMOKE_LIFT_TP_RULE_ENV,
     SMOKE_PLANT_ENV,
     kv_audit_compare,
+    value_audit_compare,
 )
 from cp_shared_kv_smoke_hooks.planted_bugs import PLANTS  # noqa: E402
 
@@ -148,9 +151,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ignore-log-pattern", action="append", default=[], help="regex of log lines not to treat as errors")
     p.add_argument("--out-dir", default=None, help="server logs and report.json (default ./glm5_pd_smoke_<time>)")
     p.add_argument("--audit", action="store_true",
-                   help="KV audits (the oracle): pool dumps of every finished request on both servers, read "
-                        "audit on the shared-KV prefill; the shared-KV pair is judged by its dumps against "
-                        "the shared-KV-off pair's (this run's with --shared-kv both, else --reference-dir's)")
+                   help="KV and value audits (the oracle): pool dumps of every finished request on both servers, "
+                        "read audit on the shared-KV prefill; the shared-KV pair is judged by its dumps and values "
+                        "against the shared-KV-off pair's (this run's with --shared-kv both, else --reference-dir's; "
+                        "values without either: the recorded stock tolerance)")
     p.add_argument("--reference-dir", default=None,
                    help="out dir of an earlier --audit run with shared KV off: the reference dumps")
     p.add_argument("--plant", choices=PLANTS, default=None,
@@ -385,12 +389,12 @@ def run_pair(args, config: PDPairConfig, plan: RequestPlan, out_dir: Path) -> Ru
     if args.mtp:
         report.figures["mtp_accept_length"] = accept_length_summary(report.records)
     if args.audit:
-        audit_checks(args, config.shared_kv, out_dir, report)
+        audit_checks(args, config, out_dir, report)
     return report
 
 
-def audit_checks(args, shared_kv: bool, out_dir: Path, report: RunReport) -> None:
-    """The oracle, from the servers' pool dumps (``kv_audit``).
+def audit_checks(args, config: PDPairConfig, out_dir: Path, report: RunReport) -> None:
+    """The oracle, from the servers' pool dumps (``kv_audit``) and value audits (``value_checks``).
 
     * transfer audit, every pair: what the decode server holds for each prompt position equals, in
       every byte of every layer, what the prefill server held (merged over its CP ranks);
@@ -400,6 +404,8 @@ def audit_checks(args, shared_kv: bool, out_dir: Path, report: RunReport) -> Non
       complete draft pool); the shared-KV prefill's draft write and read audits and its
       cached-prefix ledger judge; the stock prefill's ledger is reported.
     """
+    shared_kv = config.shared_kv
+    value_checks(args, config, out_dir, report)
     transfer = kv_audit_compare.compare_runs(
         audit_dir(out_dir, shared_kv, "decode"), audit_dir(out_dir, shared_kv, "prefill")
     )
@@ -420,14 +426,53 @@ def audit_checks(args, shared_kv: bool, out_dir: Path, report: RunReport) -> Non
     totals = kv_audit_compare.read_audit_totals(audit_dir(out_dir, True, "prefill"))
     report.figures["read_audit"] = totals
     report.failures += kv_audit_compare.read_audit_failures(totals)
-    reference_root = Path(args.reference_dir) if args.reference_dir else out_dir
-    if args.reference_dir is None and args.shared_kv != "both":
+    reference_root = stock_pair_root(args, out_dir)
+    if reference_root is None:
         return
     prefill = kv_audit_compare.compare_runs(
         audit_dir(out_dir, True, "prefill"), audit_dir(reference_root, False, "prefill")
     )
     report.figures["pool_audit_prefill"] = prefill.to_json()
     report.failures += [f"prefill pool audit: {f}" for f in prefill.failures]
+
+
+def stock_pair_root(args, out_dir: Path) -> Optional[Path]:
+    """The out dir holding the stock pair's audits: this call's with ``--shared-kv both``, else
+    ``--reference-dir``'s, else none."""
+    if args.reference_dir:
+        return Path(args.reference_dir)
+    return out_dir if args.shared_kv == "both" else None
+
+
+def value_checks(args, config: PDPairConfig, out_dir: Path, report: RunReport) -> None:
+    """The value audit of both servers of the pair (``value_audit_compare``).
+
+    The stock pair's servers are the tolerance's source: each must have checked rows of its own. The
+    shared-KV pair's prefill is judged by the stock prefill's errors, its decode (a stock server in
+    both pairs: a difference means the transferred pages give other values) by the stock decode's;
+    without a stock pair in this call or ``--reference-dir``, by the recorded stock figures
+    (``recorded_tolerance``). The prefill server runs prefill forwards only; the decode server no
+    prefill (its requests arrive prebuilt), and under CUDA graphs its replayed decodes must have been
+    checked (not with MTP, whose replays are verify and draft forwards, as in the serve smoke).
+    """
+    expected = {
+        "prefill": {"expect_prefill": True},
+        "decode": {"expect_prefill": False, "expect_graph_replays": config.decode_cuda_graphs and not args.mtp},
+    }
+    reference_root = stock_pair_root(args, out_dir)
+    for side, expect in expected.items():
+        values = value_audit_compare.totals(audit_dir(out_dir, config.shared_kv, side))
+        if not config.shared_kv:
+            bounds = value_audit_compare.tolerance(values)
+        elif reference_root is not None:
+            bounds = value_audit_compare.tolerance(value_audit_compare.totals(audit_dir(reference_root, False, side)))
+        else:
+            bounds = value_audit_compare.recorded_tolerance()
+        shown = value_audit_compare.report(values)
+        report.figures[f"value_audit_{side}"] = shown
+        report.figures[f"value_tolerance_{side}"] = bounds
+        report.figures[f"values_{side}"] = value_audit_compare.verdict_text(shown, bounds)
+        report.failures += [f"{side} {f}" for f in value_audit_compare.failures_within(values, bounds, **expect)]
 
 
 def print_request(mode: str, prefill_tp: int, r: RequestRecord, tpot_s: Optional[float]) -> None:
@@ -455,6 +500,9 @@ def print_summary(reports: List[RunReport], comparison: List[str], args_audit: b
                     "cached_prefix_ledger", "mtp_accept_length"):
             if key in c:
                 print(f"{key}: {json.dumps(c[key])[:600]}")
+        for side in ("prefill", "decode"):
+            if f"values_{side}" in c:
+                print(f"{side} {c[f'values_{side}']}")
         for row in c.get("ttft", []):
             print(f"  prefix {row['prefix_tokens']}: recomputed {row['recomputed_ttft_ms']} ms, "
                   f"from host {row['from_host_ttft_ms']} ms")  # fmt: skip

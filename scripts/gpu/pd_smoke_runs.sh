@@ -9,7 +9,9 @@
 #   3. scripts/glm5_pd_smoke.py --audit --shared-kv both: the prefill server (--tp 2, GPUs 0,1,
 #      HiCache) with a stock decode server (--tp 1, GPU 1, CUDA graphs), shared KV off, then on; both
 #      servers with --grammar-backend none (xgrammar is not staged). The KV audits judge (transfer
-#      audit: decode bytes == prefill bytes; shared-KV prefill vs stock prefill; read audit).
+#      audit: decode bytes == prefill bytes; shared-KV prefill vs stock prefill; read audit), and the
+#      value audit (the shared-KV pair's prefill and decode within the tolerance the stock pair's
+#      prefill and decode set; the verdict lines show both sides' rows, max and tolerance).
 #      Mode `plant` instead runs one shared-KV pair with the planted page-pairing bug
 #      (pd-send-wrong-page): its transfer audit must FAIL.
 #      Mode `mtp` runs both pairs with MTP on both servers (--mtp: EAGLE with the NextN layer, 3/1/4,
@@ -145,14 +147,16 @@ timeout -s TERM -k 75 "$smoke_s" python3 scripts/glm5_pd_smoke.py --model-path "
 smoke_rc=$?
 echo "pd smoke: exit $smoke_rc ($(( $(date +%s) - start_s )) s in all)"
 pack_logs
-grep -E "^(\[pd-shared-kv-(on|off)\] (prefill|decode):|== |prefill logical|prefill physical|hicache activity|latency|  prefix|transfer_audit|read_audit|pool_audit|draft_read_audit|draft_write_audit|cached_prefix_ledger|mtp_accept_length|prefill log ERROR|decode log|FAIL|PASSED|FAILED|terminated)" \
+grep -E "^(\[pd-shared-kv-(on|off)\] (prefill|decode):|== |prefill logical|prefill physical|hicache activity|latency|  prefix|transfer_audit|read_audit|pool_audit|(prefill|decode) values|draft_read_audit|draft_write_audit|cached_prefix_ledger|mtp_accept_length|prefill log ERROR|decode log|FAIL|PASSED|FAILED|terminated)" \
   "$OUT/pd_smoke.log" | cut -c1-400
 if [[ -f "$OUT/report.json" ]]; then
   python3 - "$OUT/report.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 for run in r["runs"]:
-    print(f"verdict {run['mode']}: {len(run['failures'])} failures")
+    f = run["figures"]
+    values = "".join(f"; {side} {f[f'values_{side}']}" for side in ("prefill", "decode") if f.get(f"values_{side}"))
+    print(f"verdict {run['mode']}: {len(run['failures'])} failures{values}")
 print(f"greedy differences off vs on (reported, not judged): {len(r.get('greedy_differences', []))}")
 PY
 fi

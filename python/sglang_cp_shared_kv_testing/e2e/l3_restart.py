@@ -200,6 +200,8 @@ def verdict_line(cp_size: int, failures: Sequence[str], figures: Dict[str, Any])
     audits = (f"restored rows {restored.get('positions_differing', '?')} differing / "
               f"{restored.get('positions_checked', '?')}; pool {figures.get('pool_audit_wrong_rows', '?')} wrong rows / "
               f"{figures.get('pool_audit_positions', '?')}")  # fmt: skip
+    if figures.get("values"):
+        audits += f"; {figures['values']}"
     decode = decode_text(figures.get("decode", {}))
     if failures:
         return f"FAILED l3_restart_cp{cp_size}, {decode}: {len(failures)} failures, first: {failures[0][:300]}"

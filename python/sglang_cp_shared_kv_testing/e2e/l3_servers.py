@@ -6,7 +6,7 @@ KV audits on (``scripts/smoke_plugin``: the pool dumps by rid, the read audits, 
 they share is here: a server's environment, its start (or the stand-in's, ``--fake-server``), one
 greedy request read as a ``ServedRequest``, a stop that waits for the audit dumps, and what a server
 alone must show (``shared_kv_server_failures``): its read audits clean, the decode asked for logged,
-no error line in its log.
+no error line in its log; and the servers' value audits within a tolerance (``value_failures``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SMOKE_PLUGIN_DIR = REPO_ROOT / "scripts" / "smoke_plugin"
 if str(SMOKE_PLUGIN_DIR) not in sys.path:
     sys.path.insert(0, str(SMOKE_PLUGIN_DIR))
 from cp_shared_kv_smoke_hooks import SMOKE_AUDIT_DIR_ENV, SMOKE_DUMMY_INIT_ENV  # noqa: E402
-from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare  # noqa: E402
+from cp_shared_kv_smoke_hooks import decode_read_audit, kv_audit_compare, value_audit_compare  # noqa: E402
 
 from sglang_cp_shared_kv_testing.e2e import l3_restart  # noqa: E402
 from sglang_cp_shared_kv_testing.e2e.l3_restart import ServedRequest  # noqa: E402
@@ -127,6 +127,24 @@ def shared_kv_server_failures(name: str, audit_dir: Path, logs: Dict[str, List[s
     if name in logs:
         failures += served_decode_failures(asked, served)
     return [f"{name}: {f}" for f in failures] + log_only_failures(name, logs, ignore_log_patterns)
+
+
+def value_failures(audit_dirs: Dict[str, Path], bounds: Optional[Dict], expect_graph_replays: bool,
+                   figures: Dict) -> List[str]:  # fmt: skip
+    """The value audit of each shared-KV server (name: its audit dir) within ``bounds``: a stock
+    reference's tolerance, or the recorded stock figures' where the call runs no stock server
+    (``value_audit_compare``). Each server's figures, the bounds and a verdict line's text over all
+    of them go to ``figures``."""
+    failures, every = [], []
+    for name, audit_dir in audit_dirs.items():
+        values = value_audit_compare.totals(audit_dir)
+        figures[f"value_audit_{name}"] = value_audit_compare.report(values)
+        every += value_audit_compare.all_errors(values)
+        failures += [f"{name}: {f}" for f in value_audit_compare.failures_within(
+            values, bounds, expect_graph_replays=expect_graph_replays)]  # fmt: skip
+    figures["value_tolerance"] = bounds
+    figures["values"] = value_audit_compare.verdict_text({"all": value_audit_compare.summary(every)}, bounds)
+    return failures
 
 
 def log_only_failures(name: str, logs: Dict[str, List[str]], ignore_log_patterns: Sequence[str]) -> List[str]:

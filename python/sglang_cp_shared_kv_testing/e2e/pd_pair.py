@@ -132,6 +132,11 @@ class PDPairConfig:
         return {**self._both_env(), **self.decode_only_env, "CUDA_VISIBLE_DEVICES": self.decode_gpu}
 
     @property
+    def decode_cuda_graphs(self) -> bool:
+        """The stock decode server captures decode CUDA graphs unless its extra arguments say not."""
+        return "--disable-cuda-graph" not in self.decode_extra_args
+
+    @property
     def prefill_url(self) -> str:
         return f"http://{LOOPBACK}:{self.prefill_port}"
 

@@ -20,6 +20,7 @@
   ``tree_dump`` hook writes whenever ``/server_info`` reaches the schedulers (every rank handles
   that request at the same scheduler step, so their trees must be identical there);
 * the verdict (``soak_failures``): no server error, every rank alive, the KV audits clean, the
+  value audit within the recorded stock tolerance (no stock server runs beside the soak), the
   trees identical, no request lost.
 """
 
@@ -481,7 +482,7 @@ class SoakEvidence:
     health_ok: bool  # /health_generate answered 200 after the load
     schedulers_alive: int
     schedulers_expected: int
-    audit_failures: List[str]  # the smoke's read audit judgement (kv_audit_compare, decode_read_audit)
+    audit_failures: List[str]  # the smoke's audits' judgements (kv_audit_compare, decode_read_audit, values)
     tree_checkpoints: int
     tree_failures: List[str]
     idle_failures: List[str] = field(default_factory=list)  # requests still running or queued after the load
