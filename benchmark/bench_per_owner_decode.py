@@ -8,10 +8,13 @@ context (tokens per request), the work ONE rank does in one decode layer, timed 
   rank owns (its block table from ``owner_decode_tables``), the local top-k candidates
   (``decode_topk_merge.local_candidates``), the global selection from the ``cp_size * k`` candidates
   and this rank's attention indices, ``flash_mla_with_kvcache`` over the owned rows (-1 elsewhere),
-  and the merge arithmetic (global LSE, this rank's scaled partial: ``scaled_partial_of_gathered``).
-  The exchange is EMULATED in process: the other ranks' candidate scores and LSEs are precomputed
-  tensors concatenated with this rank's (no collective is timed; ``bench_per_owner_decode_exchange.py``
-  times the collectives).
+  and the merge arithmetic in the form ``--merge-form`` names (default ``rule``: the one per-owner
+  decode picks for the cp size and batch, ``attention_lse_merge.choose_merge_exchange`` with the
+  default setting): the scaled sum's (global LSE, this rank's scaled partial:
+  ``scaled_partial_of_gathered``) or the one exchange's (this rank's partial and LSE packed, every
+  rank's merged: ``pack_partial`` + ``merge_gathered``). The exchange is EMULATED in process: the
+  other ranks' candidate scores, LSEs or packed partials are precomputed tensors concatenated with
+  this rank's (no collective is timed; ``bench_per_owner_decode_exchange.py`` times the collectives).
   The owner tables are built once per forward and timed separately (``tables``).
 * page gather (the path decode takes without per-owner decode): a device copy of every page of the
   batch (KV rows and indexer pages) into a scratch, which stands for the gather's writes of the
@@ -24,10 +27,17 @@ context (tokens per request), the work ONE rank does in one decode layer, timed 
 Times: median over ``--iters`` runs of CUDA-event time per layer, after ``--warmup`` runs, twice:
 eager (host launch gaps included: what an eager decode pays) and as a CUDA graph replay of the same
 layer (device time only: what decode under CUDA graphs pays). Pass/fail: none; a table, per-owner /
-gather ratios last.
+gather ratios, then the merge form.
+
+``--merge-kernels`` times only the merge arithmetic of both forms, per cp size (default 2,4,8) and
+batch (default 1,2,4,...,128), eager and as a graph: the scaled sum's kernel on the gathered LSEs,
+and the one exchange's pack and merge kernel on a gathered buffer (the all-gather's output,
+precomputed: the collectives themselves are ``bench_per_owner_decode_exchange.py``'s), next to the
+form the rule picks. It needs no deep_gemm or FlashMLA.
 
     source scripts/gpu/remote_env.sh && python benchmark/bench_per_owner_decode.py     # H200, ~2 min
     python benchmark/bench_per_owner_decode.py --device cpu                            # dry run
+    python benchmark/bench_per_owner_decode.py --merge-kernels                         # H200, seconds
 
 Needs ``deep_gemm``, ``sgl_kernel``'s FlashMLA and fused top-k on the device (``deep_gemm`` is staged
 with ``build_stage.sh --serve``). ``--device cpu`` is a dry run of the plumbing: torch references of the kernels, tiny contexts
@@ -43,6 +53,8 @@ import time
 
 import torch
 
+from sglang_cp_shared_kv.settings import DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES as DEFAULT_ONE_EXCHANGE_BYTES
+
 HEADS, INDEX_HEADS, INDEX_DIM, PAGE = 64, 32, 128, 64
 KV_ROW_BYTES, INDEX_ROW_BYTES = 656, INDEX_DIM + 4
 SM_SCALE = 576**-0.5
@@ -51,8 +63,14 @@ SM_SCALE = 576**-0.5
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--cp-sizes", default="2,8", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--batches", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--cp-sizes", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                        help="default 2,8 (--merge-kernels: 2,4,8)")
+    parser.add_argument("--batches", default=None, type=lambda s: [int(x) for x in s.split(",")],
+                        help="default 1,32 (--merge-kernels: 1,2,4,...,128)")
+    parser.add_argument("--merge-form", choices=("rule", "all_gather", "scaled_sum"), default="rule",
+                        help="the per-owner layer's merge: the rule's pick (default), or one form")
+    parser.add_argument("--merge-kernels", action="store_true",
+                        help="time only the merge arithmetic of both forms (no indexer, attention, gather)")
     parser.add_argument("--contexts-k", default=None, type=lambda s: [int(x) for x in s.split(",")],
                         help="tokens per request, in units of 1024 (default 4,16,64,128; cpu: 1,2)")
     parser.add_argument("--breakdown", action="store_true",
@@ -63,6 +81,8 @@ def parse_args(argv=None):
     parser.add_argument("--json-out", default=None, help="write every case's numbers (for bench_stock_decode_layer.py)")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
+    args.cp_sizes = args.cp_sizes or ([2, 4, 8] if args.merge_kernels else [2, 8])
+    args.batches = args.batches or ([1, 2, 4, 8, 16, 32, 64, 128] if args.merge_kernels else [1, 32])
     args.contexts_k = args.contexts_k or ([1, 2] if cpu else [4, 16, 64, 128])
     args.topk = args.topk or (128 if cpu else 2048)
     args.iters = args.iters or (1 if cpu else 20)
@@ -238,8 +258,21 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
     shuffles = [torch.randperm(topk, generator=g).to(device) for _ in range(cp_size - 1)]
     others = torch.stack([first.scores[:, order] for order in shuffles])
     other_lses = torch.randn(cp_size - 1, batch, HEADS, generator=g).to(device)
+    other_outs = torch.randn(cp_size - 1, batch, HEADS, 512, generator=g).to(device, torch.bfloat16)
+    other_packed = torch.stack([merge.pack_partial(o, l) for o, l in zip(other_outs, other_lses)])
     selection = select_global(torch.cat([first.scores[None], others]), topk)
     attended = int((owned_attention_indices(selection, first, 0) >= 0).sum()) // batch  # setup only
+    merge_form = args.merge_form
+    if merge_form == "rule":
+        merge_form = merge.choose_merge_exchange(batch, HEADS, 512, 2, cp_size, DEFAULT_ONE_EXCHANGE_BYTES)
+
+    def merged(out, lse):
+        """The merge arithmetic of ``merge_form``, its exchange emulated."""
+        if merge_form == merge.ONE_EXCHANGE:
+            gathered = torch.cat([merge.pack_partial(out, lse)[None], other_packed])  # emulated all-gather
+            return merge.merge_gathered(gathered, out.shape[-1])
+        lses = torch.cat([lse.float()[None], other_lses])  # emulated all-gather
+        return merge.scaled_partial_of_gathered(out, lse, lses)  # then the sum all-reduce
 
     def per_owner_layer():
         logits = kernels.logits(
@@ -249,8 +282,7 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         gathered = torch.cat([candidates.scores[None], others])  # emulated all-gather
         indices = owned_attention_indices(select_global(gathered, topk), candidates, 0)
         out, lse = kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata)
-        lses = torch.cat([lse.float()[None], other_lses])  # emulated all-gather
-        return merge.scaled_partial_of_gathered(out, lse, lses)  # then the sum all-reduce
+        return merged(out, lse)
 
     def stages():
         """The per-owner layer in its parts (each on the previous part's inputs, precomputed)."""
@@ -268,7 +300,7 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
             "selection": lambda: owned_attention_indices(
                 select_global(torch.cat([candidates.scores[None], others]), topk), candidates, 0),
             "attention": lambda: kernels.attention(q, shard_kv, indices, nsa_lens, owner_metadata),
-            "merge": lambda: merge.scaled_partial_of_gathered(out, lse, torch.cat([lse.float()[None], other_lses])),
+            "merge": lambda: merged(out, lse),
         }
 
     def tables_per_forward():
@@ -313,6 +345,7 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
         "batch": batch,
         "context_k": context_tokens // 1024,
         "owned_rows_attended": attended,
+        "merge_form": merge_form,
         "per_owner_us": timer(per_owner_layer),
         "tables_us": timer(tables_per_forward),
         "gather_us": timer(gather_layer),
@@ -325,11 +358,64 @@ def run_case(args, kernels: Kernels, pool, cp_size: int, batch: int, context_tok
     }
 
 
+def run_merge_kernels(args, cp_size: int, batch: int) -> dict:
+    """Microseconds of one layer's merge arithmetic in each form for ``batch`` decode tokens at
+    ``cp_size``: this rank's work around the collectives, whose outputs are precomputed here."""
+    from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
+
+    device = args.device
+    timer = _timer(device, args.iters, args.warmup)
+    g = torch.Generator(device="cpu").manual_seed(cp_size * 1000 + batch)
+    outs = (torch.randn(cp_size, batch, HEADS, 512, generator=g) * 3).to(device, torch.bfloat16)
+    lses = (torch.randn(cp_size, batch, HEADS, generator=g) * 2).to(device)
+    out, lse = outs[0], lses[0]
+    gathered = torch.stack([merge.pack_partial(o, l) for o, l in zip(outs, lses)])  # the all-gather's output
+
+    def scaled_sum():
+        return merge.scaled_partial_of_gathered(out, lse, lses)  # then the sum all-reduce
+
+    def one_exchange():
+        merge.pack_partial(out, lse)  # the all-gather's input
+        return merge.merge_gathered(gathered, 512)
+
+    return {
+        "cp": cp_size,
+        "batch": batch,
+        "rule": merge.choose_merge_exchange(batch, HEADS, 512, 2, cp_size, DEFAULT_ONE_EXCHANGE_BYTES),
+        "scaled_sum_us": timer(scaled_sum),
+        "scaled_sum_graph_us": timer(_graphed(device, scaled_sum)),
+        "one_exchange_us": timer(one_exchange),
+        "one_exchange_graph_us": timer(_graphed(device, one_exchange)),
+    }
+
+
+def main_merge_kernels(args) -> int:
+    print(f"device={args.device} iters={args.iters} warmup={args.warmup}; merge arithmetic only, the "
+          f"collectives' outputs precomputed (GLM-5: 64 heads x 512, bf16)")
+    print("| cp | batch | scaled sum, eager / graph | one exchange (pack + merge), eager / graph | rule's pick |")
+    print("|---|---|---|---|---|")
+    results = []
+    for cp_size in args.cp_sizes:
+        for batch in args.batches:
+            r = run_merge_kernels(args, cp_size, batch)
+            results.append(r)
+            print(f"| {cp_size} | {batch} | {r['scaled_sum_us']:.1f} / {r['scaled_sum_graph_us']:.1f} us "
+                  f"| {r['one_exchange_us']:.1f} / {r['one_exchange_graph_us']:.1f} us | {r['rule']} |", flush=True)
+    if args.json_out:
+        import json
+
+        with open(args.json_out, "w") as out:
+            json.dump(results, out, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; use --device cpu")
         return 2
+    if args.merge_kernels:
+        return main_merge_kernels(args)
     kernels = Kernels(args.device, args.topk)
     start = time.monotonic()
     largest = max(args.batches) * max(args.contexts_k) * 1024
@@ -338,8 +424,8 @@ def main(argv=None) -> int:
         f"device={args.device} topk={args.topk} iters={args.iters} warmup={args.warmup}; exchange "
         f"emulated in process (per owner) / excluded (gather: a device copy of every page instead)"
     )
-    print("| cp | batch x context | per owner / layer, eager (rows attended) | (tables / forward) | page gather / layer, eager | (its copy) | per owner / gather, eager | per owner / layer, graph | (tables, graph) | page gather / layer, graph | per owner / gather, graph | replicated (stock) / layer, eager / graph |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| cp | batch x context | per owner / layer, eager (rows attended) | (tables / forward) | page gather / layer, eager | (its copy) | per owner / gather, eager | per owner / layer, graph | (tables, graph) | page gather / layer, graph | per owner / gather, graph | replicated (stock) / layer, eager / graph | merge form |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     for cp_size in args.cp_sizes:
         for batch in args.batches:
@@ -353,7 +439,7 @@ def main(argv=None) -> int:
                     f"| {r['per_owner_us'] / r['gather_us']:.2f} | {r['per_owner_graph_us']:.0f} us "
                     f"| {r['tables_graph_us']:.0f} us | {r['gather_graph_us']:.0f} us "
                     f"| {r['per_owner_graph_us'] / r['gather_graph_us']:.2f} "
-                    f"| {r['replicated_us']:.0f} / {r['replicated_graph_us']:.0f} us |",
+                    f"| {r['replicated_us']:.0f} / {r['replicated_graph_us']:.0f} us | {r['merge_form']} |",
                     flush=True,
                 )
                 if r["breakdown"]:

@@ -1,15 +1,23 @@
 """Latency of per-owner decode's per-layer exchanges, one GPU per rank over NCCL (GLM-5 shapes).
 
 Per layer, per-owner decode all-gathers the top-k candidates' scores (``[B, 2048]`` float32) and
-merges the partial attention outputs (``[B, 64, 512]`` bf16 + ``[B, 64]`` LSE). This times, per
-layer and batch size, each exchange as per-owner decode runs it (the candidates' all-gather,
-``attention_lse_merge.merge_by_scaled_sum``), the all-gather form it did not choose
-(``sglang_cp_shared_kv_testing.lse_merge_reference.merge_by_all_gather``) and the scaled sum moved
-after ``o_proj`` (the LSE all-gather plus a bf16 all-reduce of ``[B, 6144]``), next to the bytes
-``decode_step_bytes`` counts. Host time per call with a device sync (what a decode step waits for);
-median over ``--iters`` calls, rank 0 reported; ``x layers`` projects a 78-layer step.
+merges the partial attention outputs (``[B, 64, 512]`` bf16 + ``[B, 64]`` LSE) in one of two forms
+(``attention_lse_merge``): one all-gather of every rank's partial packed with its LSE
+(``merge_by_all_gather``, one collective) or the scaled sum (``merge_by_scaled_sum``: an LSE
+all-gather and a bf16 sum all-reduce, two collectives). This times, per batch size, each exchange as
+per-owner decode runs it, the scaled sum moved after ``o_proj`` (the LSE all-gather plus a bf16
+all-reduce of ``[B, 6144]``; not served), next to the bytes ``decode_step_bytes`` counts and the form
+the rule picks with the default setting (``choose_merge_exchange``). Host time per call with a
+device sync (what an eager decode step waits for); median over ``--iters`` calls, rank 0 reported;
+``x layers`` projects a 78-layer step. Under CUDA graphs the host launch cost goes, NCCL's latency
+stays.
+
+The summary line gives the largest batch at which the one exchange was measured faster than the
+scaled sum and the extra bytes per layer it received there: the measured counterpart of the
+modeled default of ``SGLANG_CP_SHARED_KV_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES``.
 
     python3 benchmark/bench_per_owner_decode_exchange.py --world 2              # 2 GPUs, NCCL
+    python3 benchmark/bench_per_owner_decode_exchange.py --world 4 --batches 1,8,32,128
     python3 benchmark/bench_per_owner_decode_exchange.py --device cpu --world 2  # gloo, plumbing only
 """
 
@@ -27,13 +35,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 FORMS = ("candidates", "all_gather", "scaled_sum", "scaled_sum_after_o_proj")
+COLLECTIVES = {"candidates": 1, "all_gather": 1, "scaled_sum": 2, "scaled_sum_after_o_proj": 2}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--batches", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     return parser.parse_args(argv)
@@ -41,6 +50,7 @@ def parse_args(argv=None):
 
 def _rank(rank, args, rendezvous, out_path):
     from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
+        merge_by_all_gather,
         merge_by_scaled_sum,
         process_group_collectives,
     )
@@ -49,7 +59,6 @@ def _rank(rank, args, rendezvous, out_path):
         candidate_bytes_per_token_layer,
         merge_bytes_per_token_layer,
     )
-    from sglang_cp_shared_kv_testing.lse_merge_reference import merge_by_all_gather
 
     cuda = args.device == "cuda"
     if cuda:
@@ -99,7 +108,28 @@ def _rank(rank, args, rendezvous, out_path):
     dist.destroy_process_group()
 
 
+def crossover(rows, world: int) -> str:
+    """The largest batch at which the one exchange was faster than the scaled sum (and the extra
+    bytes it received there), against the largest the rule's default allows."""
+    from sglang_cp_shared_kv_testing.decode_step_bytes import GLM5_FP8, served_merge_form
+
+    times = {(batch, form): (us, nbytes) for batch, form, us, nbytes in rows}
+    batches = sorted({batch for batch, _, _, _ in rows})
+    faster = [b for b in batches if times[(b, "all_gather")][0] < times[(b, "scaled_sum")][0]]
+    ruled = [b for b in batches if served_merge_form(GLM5_FP8, world, b) == "all_gather"]
+    measured = "at no batch measured"
+    if faster:
+        largest = max(faster)
+        extra = times[(largest, "all_gather")][1] - times[(largest, "scaled_sum")][1]
+        measured = f"up to batch {largest} ({extra:,.0f} extra bytes per layer there)"
+    allowed = f"batch {max(ruled)}" if ruled else "none"
+    return (f"one exchange measured faster {measured}; of the batches measured, the default setting "
+            f"(modeled) picks it up to {allowed}")
+
+
 def main(argv=None) -> int:
+    from sglang_cp_shared_kv_testing.decode_step_bytes import GLM5_FP8, served_merge_form
+
     args = parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
@@ -108,12 +138,16 @@ def main(argv=None) -> int:
         rendezvous, out_path = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "rows.tsv")
         mp.spawn(_rank, args=(args, rendezvous, out_path), nprocs=args.world, join=True)
         with open(out_path) as f:
-            rows = [line.rstrip("\n").split("\t") for line in f]
+            rows = [(int(b), form, float(us), float(n)) for b, form, us, n in (line.rstrip("\n").split("\t") for line in f)]
     layers = 78
     print(f"device={args.device} world={args.world} iters={args.iters} (median host time per layer call)")
-    print(f"{'batch':>5} {'exchange':<26} {'us/layer':>9} {'KB/layer':>9} {'ms x78 layers':>13}")
+    print(f"{'batch':>5} {'exchange':<26} {'collectives':>11} {'us/layer':>9} {'KB/layer':>9} "
+          f"{'ms x78 layers':>13} {'rule':>5}")
     for batch, form, us, nbytes in rows:
-        print(f"{batch:>5} {form:<26} {float(us):>9.1f} {float(nbytes) / 1e3:>9.1f} {float(us) * layers / 1e3:>13.2f}")
+        picked = "*" if form == served_merge_form(GLM5_FP8, args.world, batch) else ""
+        print(f"{batch:>5} {form:<26} {COLLECTIVES[form]:>11} {us:>9.1f} {nbytes / 1e3:>9.1f} "
+              f"{us * layers / 1e3:>13.2f} {picked:>5}")
+    print(crossover(rows, args.world))
     return 0
 
 

@@ -44,6 +44,7 @@ MTP_ENV = "SGLANG_CP_SHARED_KV_MTP"
 PREFETCH_SLOT_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFETCH_SLOT_TOKENS"
 PREFILL_SCRATCH_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PREFILL_SCRATCH_TOKENS"
 REQ_TO_PAGE_MIRROR_CHECK_ENV = "SGLANG_CP_SHARED_KV_CHECK_PAGE_MIRROR"
+MERGE_ONE_EXCHANGE_ENV = "SGLANG_CP_SHARED_KV_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES"
 # sglang's own variable (read by its PD transfer code on both servers); judged here with its rule.
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 # sglang's own variables choosing its tree cache (the scheduler's init_cache_with_memory_pool):
@@ -58,6 +59,7 @@ SETTINGS_ENVS = (
     PREFETCH_SLOT_TOKENS_ENV,
     PREFILL_SCRATCH_TOKENS_ENV,
     REQ_TO_PAGE_MIRROR_CHECK_ENV,
+    MERGE_ONE_EXCHANGE_ENV,
     ALL_CP_RANKS_ENV,
     CPP_RADIX_TREE_ENV,
     UNIFIED_RADIX_TREE_ENV,
@@ -69,6 +71,7 @@ GATHER = "gather"
 AUTO = "auto"
 DECODE_PATHS = (AUTO, GATHER, PER_OWNER)
 PREFETCH_SLOT_AUTO = "auto"
+MERGE_ONE_EXCHANGE_OFF = "off"  # every merge by the scaled sum (two collectives per layer)
 
 # ---- defaults (one constant each) ----
 DEFAULT_DECODE_PATH = AUTO
@@ -77,6 +80,14 @@ DEFAULT_MTP = False
 DEFAULT_PREFETCH_SLOT_TOKENS = 0  # 0: no slot 1, no layer-ahead prefetch
 DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (startup_rules.scratch_sizing)
 DEFAULT_CHECK_PAGE_MIRROR = False
+# Per-owner decode's merge in one all-gather (partial + LSE) instead of the scaled sum's two
+# collectives, while it receives at most this many bytes more per rank and layer than the scaled sum
+# (``per_owner_decode.attention_lse_merge.choose_merge_exchange``). MODELED, NOT MEASURED: the
+# collective it saves costs about 15 us of launch and NVLink latency (10-20 us), and an all-gather
+# receives about 200 GB/s per rank on H200 NVLink (150-300), so 15 us buys 3 MB. With GLM-5's
+# attention output that is every batch at CP 2 (both forms move the same bytes), up to 30 decode
+# tokens at CP 4 and up to 8 at CP 8.
+DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES = 3_000_000
 DEFAULT_ALL_CP_RANKS_TRANSFER = False  # sglang's default
 DEFAULT_CPP_RADIX_TREE = False  # sglang's default
 DEFAULT_UNIFIED_RADIX_TREE = False  # sglang's default
@@ -91,7 +102,8 @@ class CpSharedKVSettings:
 
     ``prefetch_slot_tokens``: requested tokens of the gather scratch's slot 1 (0: off), meaningful
     unless ``prefetch_slot_auto``; ``prefill_scratch_tokens``: slot 0's size when sized for prefill
-    batches (None: the default rule)."""
+    batches (None: the default rule); ``merge_one_exchange_max_extra_bytes``: bytes per rank and
+    layer the one-exchange merge may receive beyond the scaled sum's (None: never one exchange)."""
 
     decode_path: str = DEFAULT_DECODE_PATH
     decode_cuda_graph: bool = DEFAULT_DECODE_CUDA_GRAPH
@@ -100,6 +112,7 @@ class CpSharedKVSettings:
     prefetch_slot_tokens: int = DEFAULT_PREFETCH_SLOT_TOKENS
     prefill_scratch_tokens: Optional[int] = DEFAULT_PREFILL_SCRATCH_TOKENS
     check_page_mirror: bool = DEFAULT_CHECK_PAGE_MIRROR
+    merge_one_exchange_max_extra_bytes: Optional[int] = DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
     all_cp_ranks_transfer: bool = DEFAULT_ALL_CP_RANKS_TRANSFER
     cpp_radix_tree: bool = DEFAULT_CPP_RADIX_TREE  # sglang's; must be off (server_args)
     unified_radix_tree: bool = DEFAULT_UNIFIED_RADIX_TREE  # sglang's; off unless HiCache is on
@@ -114,10 +127,12 @@ class CpSharedKVSettings:
         scratch = (
             "default" if self.prefill_scratch_tokens is None else f"{self.prefill_scratch_tokens} tokens"
         )
+        one_exchange = self.merge_one_exchange_max_extra_bytes
+        merge = MERGE_ONE_EXCHANGE_OFF if one_exchange is None else f"up to {one_exchange} extra bytes"
         return (
             f"decode={self.decode_path}, decode CUDA graphs={_on_off(self.decode_cuda_graph)}, "
             f"MTP opt-in={_on_off(self.mtp)}, prefetch slot={prefetch}, prefill scratch={scratch}, "
-            f"page-mirror check={_on_off(self.check_page_mirror)}, "
+            f"page-mirror check={_on_off(self.check_page_mirror)}, one-exchange merge={merge}, "
             f"all CP ranks transfer={_on_off(self.all_cp_ranks_transfer)}"
         )
 
@@ -180,6 +195,19 @@ def _parse_prefill_scratch(raw: Optional[str]) -> Optional[int]:
     return tokens
 
 
+def _parse_merge_one_exchange(raw: Optional[str]) -> Optional[int]:
+    if raw is None or not raw.strip():
+        return DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
+    if raw.strip().lower() == MERGE_ONE_EXCHANGE_OFF:
+        return None
+    extra_bytes = _int_or_none(raw)
+    if extra_bytes is None or extra_bytes < 0:
+        raise ValueError(
+            f"{MERGE_ONE_EXCHANGE_ENV} must be a byte count >= 0 or {MERGE_ONE_EXCHANGE_OFF!r}, got {raw!r}"
+        )
+    return extra_bytes
+
+
 def _int_or_none(raw: str) -> Optional[int]:
     try:
         return int(raw.strip())
@@ -214,6 +242,7 @@ def parse_settings(environ: Mapping[str, str]) -> Tuple[CpSharedKVSettings, List
         problems.append(str(error))
     parse("prefill_scratch_tokens", _parse_prefill_scratch, environ.get(PREFILL_SCRATCH_TOKENS_ENV))
     parse_flag("check_page_mirror", REQ_TO_PAGE_MIRROR_CHECK_ENV, DEFAULT_CHECK_PAGE_MIRROR)
+    parse("merge_one_exchange_max_extra_bytes", _parse_merge_one_exchange, environ.get(MERGE_ONE_EXCHANGE_ENV))
     parse_flag("all_cp_ranks_transfer", ALL_CP_RANKS_ENV, DEFAULT_ALL_CP_RANKS_TRANSFER)
     parse_flag("cpp_radix_tree", CPP_RADIX_TREE_ENV, DEFAULT_CPP_RADIX_TREE)
     parse_flag("unified_radix_tree", UNIFIED_RADIX_TREE_ENV, DEFAULT_UNIFIED_RADIX_TREE)

@@ -3,8 +3,10 @@
 NCCL cannot put two ranks on one GPU and gloo cannot be captured, so the CP ranks are emulated
 inside one process: each rank's shard (KV rows in the decode impl's format: fp8 656-byte rows for
 ``flashmla_kv``, bf16 576-wide rows for ``flashmla_sparse`` and ``fa3``; indexer pages) and its
-``OwnerTableBuffers`` live side by side, and the exchanges are device ops (the candidate all-gather a ``torch.stack``,
-the LSE merge a sum over ranks). ``EmulatedDecodeLayer.step`` reads only static tensors, so it can
+``OwnerTableBuffers`` live side by side, and the exchanges are device ops (the candidate all-gather a ``torch.stack``;
+the merge in the form asked, ``merge_form``: the one exchange's packed partials stacked and merged
+by ``attention_lse_merge.merge_gathered``, the fused kernel on CUDA, or the scaled sum's LSE stack
+and sum over ranks). ``EmulatedDecodeLayer.step`` reads only static tensors, so it can
 be captured in one CUDA graph and replayed after ``load`` wrote a new batch into them and
 ``refresh`` rebuilt the owner tables (what the replay metadata hook does on a server).
 
@@ -150,8 +152,9 @@ class EmulatedDecodeLayer:
     ``decode_impl`` (its KV row format, attention call and LSE base)."""
 
     def __init__(self, cp_size, physical_pages, width_pages, bs, heads, topk, kernels: GraphKernels, device,
-                 decode_impl: str = "flashmla_kv"):
+                 decode_impl: str = "flashmla_kv", merge_form: str = merge.ONE_EXCHANGE):
         self.cp_size, self.physical_pages, self.topk, self.kernels = cp_size, physical_pages, topk, kernels
+        self.merge_form = merge_form
         self.decode_impl = decode_impl
         self.kv_dtype = calls.KV_DTYPE_OF_IMPL[decode_impl]
         self.attention = kernels.attention[decode_impl]
@@ -219,21 +222,23 @@ class EmulatedDecodeLayer:
         return self._layer([b.tables(self.bs) for b in self.buffers],
                            [b.schedules.get(self.bs) for b in self.buffers], forwards=self.forwards)[0]
 
-    def fresh_step(self) -> torch.Tensor:
-        """The same layer from tables built fresh from the static page table (not captured)."""
+    def fresh_step(self, merge_form: Optional[str] = None) -> torch.Tensor:
+        """The same layer from tables built fresh from the static page table (not captured), its
+        merge in ``merge_form`` (default: the layer's)."""
         tables = [build_owner_decode_tables(l, self.page_table, self.seq_lens) for l in self.layouts]
         schedules = [self.kernels.schedule(t.owned_seq_lens) for t in tables]
         metadata = self.attention.metadata(self._attention_lens())
-        return self._layer(tables, schedules, metadata)[0]
+        return self._layer(tables, schedules, metadata, merge_form=merge_form)[0]
 
     def selection(self) -> torch.Tensor:
         return self._layer([b.tables(self.bs) for b in self.buffers],
                            [b.schedules.get(self.bs) for b in self.buffers], forwards=self.forwards)[1]
 
-    def _layer(self, tables: List[OwnerDecodeTables], schedules, metadata=None, forwards=None):
+    def _layer(self, tables: List[OwnerDecodeTables], schedules, metadata=None, forwards=None, merge_form=None):
         """``forwards``: the ranks' per-owner forward states, whose columns the runtime derives
         (``OwnerForward.columns``, once per run); None derives them here (the fresh layer)."""
         metadata = self.attention_metadata if metadata is None else metadata
+        merge_form = self.merge_form if merge_form is None else merge_form
         width = self.width_pages * PAGE
         candidates = []
         for rank, t in enumerate(tables):
@@ -253,11 +258,15 @@ class EmulatedDecodeLayer:
                                            self._attention_lens(), metadata)
             outs.append(out)
             lses.append(merge.natural_lse(lse, self.lse_base))
+        positions = selected_positions(selection, torch.stack([c.positions for c in candidates]))
+        if merge_form == merge.ONE_EXCHANGE:  # every rank merges the same gathered bytes
+            gathered = torch.stack([merge.pack_partial(out, lse) for out, lse in zip(outs, lses)])
+            return merge.merge_gathered(gathered, outs[0].shape[-1]), positions
         lse_all = merge.global_lse(torch.stack(lses))  # the LSE all-gather
         merged = torch.zeros_like(outs[0])
         for out, lse in zip(outs, lses):  # the sum all-reduce, rank by rank
             merged = merged + merge.scaled_partial(out, lse, lse_all).to(out.dtype)
-        return merged, selected_positions(selection, torch.stack([c.positions for c in candidates]))
+        return merged, positions
 
     # ---- the replicated pool ----
 

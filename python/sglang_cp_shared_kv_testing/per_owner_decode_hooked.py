@@ -24,6 +24,12 @@ then fail:
   stale-tables          the second step reuses the first step's owner tables
   fa3-no-compaction     fa3 gets the owned indices in place (-1 between them) and their count
   lse-natural           the kernel's LSE taken as natural log whatever its base
+  packed-lse-misread    the one-exchange merge reads each rank's LSE from the wrong bytes of the
+                        gathered buffer (the last two partial values; the torch form, which CPU runs)
+
+``Scenario.merge_one_exchange_max_extra_bytes`` is the setting the spec carries (default: the
+settings' default, one exchange at these batch sizes; None: the scaled sum); every rank reports the
+merge forms it ran (``merge_forms``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from unittest import mock
 
 import torch
 
+from sglang_cp_shared_kv.settings import DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
 from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 from sglang_cp_shared_kv_testing.decode_topk_reference import (
     replicated_topk_positions,
@@ -59,6 +66,7 @@ PLANTS = (
     "stale-tables",
     "fa3-no-compaction",
     "lse-natural",
+    "packed-lse-misread",
 )
 
 
@@ -78,6 +86,8 @@ class Scenario:
     # sees them (static tables built at capture from capture-time contents, then the batch copied into
     # the static metadata and refreshed by the replay hook); "graph-stale": without that refresh.
     graph: str = "eager"
+    # The spec's setting: bytes the one-exchange merge may add per layer (None: the scaled sum).
+    merge_one_exchange_max_extra_bytes: Optional[int] = DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
     plant: str = "none"
     seed: int = 7
     # Count the host waits for the GPU of every decode step (``CudaSyncCounter``; CUDA only): the
@@ -390,6 +400,14 @@ def _apply_plants(stack: ExitStack, scenario: Scenario, rank: int, state) -> dic
         stack.enter_context(mock.patch.object(per_owner_decode, "compact_owned_indices", in_place))
     elif plant == "lse-natural" and state is not None:
         state.lse_base = math.e if state.lse_base == 2 else 2.0
+    elif plant == "packed-lse-misread":
+
+        def misread(gathered, dim):
+            n, tokens, heads, _ = gathered.shape
+            lses = gathered[..., dim - 2 : dim].contiguous().view(torch.float32).reshape(n, tokens, heads)
+            return gathered[..., :dim], lses
+
+        stack.enter_context(mock.patch.object(attention_lse_merge, "unpack_gathered", misread))
     return flags
 
 
@@ -445,15 +463,26 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             kv[: shard_rows.numel(), 0] = case.kv_rows[layer_id][shard_rows]
             kv[physical_last[own_last]] = 0  # the decode stores must write them
             pool.index_k_with_scale_buffer[layer_id][: batch.physical_pages] = case.index_pages[layer_id][pages]
+        settings = CpSharedKVSettings(
+            decode_path=PER_OWNER, merge_one_exchange_max_extra_bytes=scenario.merge_one_exchange_max_extra_bytes
+        )
         runtime = attach_runtime(
-            pool, layout, scratch, torch.distributed.group.WORLD,
-            settings=CpSharedKVSettings(decode_path=PER_OWNER), decode_impl=scenario.decode_impl,
+            pool, layout, scratch, torch.distributed.group.WORLD, settings=settings,
+            decode_impl=scenario.decode_impl,
         )  # fmt: skip
         backend = _make_backend(scenario, names, device)
         state = _attach(scenario, runtime, pool, backend)
         if state is None:
             raise RuntimeError(f"per-owner decode did not attach for {scenario.decode_impl}")
         flags = _apply_plants(stack, scenario, rank, state)
+        merge_forms = set()
+        choose = per_owner_decode.choose_merge_exchange
+
+        def recording_choice(*args):
+            merge_forms.add(choose(*args))
+            return choose(*args)
+
+        stack.enter_context(mock.patch.object(per_owner_decode, "choose_merge_exchange", recording_choice))
         indexer = object.__new__(nsa_indexer.Indexer)
         indexer.index_topk = scenario.topk
         indexer.sm_count = names["deep_gemm"].get_num_sms() if names["deep_gemm"] is not None else 1
@@ -517,6 +546,7 @@ def run_rank(rank: int, world_size: int, scenario: Scenario, device: str) -> dic
             "out": outs,  # [step][layer] [B, H, 512]
             "indices": indices_seen,  # [step][layer] [B, k] physical rows of this rank, -1 elsewhere
             "planned": any(planned),
+            "merge_forms": sorted(merge_forms),
             "empty_partials": empty_partials,
             "scratch_untouched": not bool(scratch.kv_buffer[0].view(torch.uint8).any()),
             "stored_locs": all_last[own_last].cpu(),

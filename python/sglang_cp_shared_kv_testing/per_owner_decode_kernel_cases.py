@@ -4,8 +4,9 @@
 ``attention_lse_merge`` are the reference. ``compare(device)`` runs both on the same inputs:
 candidate gathers with padding columns and an empty request; selections with many exact ties at the
 k-th score spread over the ranks, a request shorter than k, one with no tokens, widths above the
-kernel's block; partials with empty LSEs (+inf, -inf, NaN) and an all-empty token. Selections
-must be equal exactly, the scaled partials within two bf16 roundings.
+kernel's block; partials with empty LSEs (+inf, -inf, NaN) and an all-empty token, both as the
+scaled sum's term and as the one-exchange merge of the packed, gathered buffer. Selections must be
+equal exactly, the scaled partials and the merge within two bf16 roundings.
 
 On CPU the kernels run in Triton's interpreter, which reads ``TRITON_INTERPRET`` when triton is
 first imported, so run this module in a fresh process:
@@ -93,8 +94,19 @@ def compare(device: str, seed: int = 0) -> dict:
         worst = max(worst, float(((got_scaled.float() - want_scaled.float()).abs() / tolerance).max()))
     result["scaled_partial_worst_in_bf16_roundings"] = worst
     result["scaled_partial_nan"] = nan
+
+    # The one-exchange merge of the same partials, packed and gathered as the all-gather delivers them.
+    gathered = torch.stack([merge.pack_partial(out[rank], lses[rank]) for rank in range(cp_size)])
+    want_merged = merge.merge_partials(*merge.unpack_gathered(gathered, dim)).to(torch.bfloat16)
+    got_merged = kernels.merge_gathered(gathered.to(device), dim).cpu()
+    tolerance = want_merged.float().abs() * 2**-7 + 1e-30
+    merged_worst = float(((got_merged.float() - want_merged.float()).abs() / tolerance).max())
+    result["merge_gathered_worst_in_bf16_roundings"] = merged_worst
+    result["merge_gathered_nan"] = bool(got_merged.isnan().any()) or bool(want_merged.isnan().any())
+    result["merge_gathered_padded_zero"] = bool((got_merged[3] == 0).all())
     result["passed"] = (
         result["gather_equal"] and all(s["equal"] for s in selections) and worst <= 2.0 and not nan
+        and merged_worst <= 2.0 and not result["merge_gathered_nan"] and result["merge_gathered_padded_zero"]
     )
     return result
 

@@ -80,9 +80,13 @@ def attach_runtime(
     return runtime
 
 
-def per_owner_pool_state(layout, collectives=(None, None), decode_impl: str = "fa3") -> CpSharedKVState:
-    """``collectives``: per-owner decode's (all_gather, all_reduce_sum)."""
-    state = CpSharedKVState(SimpleNamespace(), SimpleNamespace(layout=layout))
+def per_owner_pool_state(
+    layout, collectives=(None, None), decode_impl: str = "fa3", settings: Optional[CpSharedKVSettings] = None
+) -> CpSharedKVState:
+    """``collectives``: per-owner decode's (all_gather, all_reduce_sum); ``settings``: the spec's
+    (default: the defaults)."""
+    spec = SimpleNamespace(layout=layout, settings=CpSharedKVSettings() if settings is None else settings)
+    state = CpSharedKVState(SimpleNamespace(), spec)
     runtime = SimpleNamespace(cp_group=None, plan="last prefill's plan")
     runtime.clear_plan = lambda: setattr(runtime, "plan", None)
     state.runtime = runtime

@@ -11,8 +11,9 @@ cp size and decode impl (``--decode-impls``):
 * per owner, for every rank: the rank's physical block table, indexer logits over its shard only,
   local candidates, the global selection from all ranks' candidates (the all-gather is a stack
   here), attention over the selected rows the rank owns (-1 elsewhere; fa3: compacted to the front,
-  their count as ``cache_seqlens``) with the LSE kept; the partials merged by the scaled sum (and
-  the all-gather form). The kernel's LSE, read in the base per-owner decode declares for the impl
+  their count as ``cache_seqlens``) with the LSE kept; the partials merged by the scaled sum and
+  by the one-exchange form (each rank's partial and LSE packed as ``attention_lse_merge.pack_partial``
+  packs them, the all-gather a stack, merged by ``merge_gathered``: the fused kernel on CUDA). The kernel's LSE, read in the base per-owner decode declares for the impl
   (``per_owner_decode.SERVED_DECODE_IMPLS``), must equal the torch reference's natural-log LSE.
 
 ``--hooked-cp-sizes`` (default 2,4) then runs decode steps through sglang's own decode methods with
@@ -274,7 +275,6 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
         replicated_topk_positions,
         same_selection_up_to_ties,
     )
-    from sglang_cp_shared_kv_testing.lse_merge_reference import merge_partials
     from sglang_cp_shared_kv_testing.per_owner_decode_cases import per_owner_topk, random_batch
 
     device = args.device
@@ -342,7 +342,8 @@ def run_case(args, cp_size: int, kernels: Kernels, decode_impl: str = "flashmla_
     merged = torch.zeros_like(outs[0])
     for out_r, lse_r in zip(outs, lses):  # the bf16 sum all-reduce, rank by rank
         merged = merged + merge.scaled_partial(out_r, lse_r, lse_all).to(out_r.dtype)
-    merged_gather, _ = merge_partials(torch.stack(outs), torch.stack(lses))
+    gathered = torch.stack([merge.pack_partial(out_r, lse_r) for out_r, lse_r in zip(outs, lses)])
+    merged_gather = merge.merge_gathered(gathered, outs[0].shape[-1])
 
     # Compare.
     selection = ranks[0].positions

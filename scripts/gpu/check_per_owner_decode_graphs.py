@@ -11,6 +11,11 @@ owner) and cp size:
    attention, LSE merge), replay it;
 2. load batch B (other lengths, pages and contents; same batch size), refresh, replay.
 
+Each merge form per-owner decode runs is captured (``--merge-forms``, default both): the one
+exchange (every rank's partial and LSE packed, gathered, merged by ``merge_gathered``: the fused
+kernel on CUDA) and the scaled sum. A one-exchange replay is also compared with the same layer run
+eagerly, fresh, with the scaled sum (today's merge before the one exchange; ``FRESH_TOL``).
+
 Each impl uses its KV row format and its attention call as the runtime makes it
 (``sglang_cp_shared_kv_testing/nsa_decode_kernel_calls.py``), with the LSE read in the base per-owner decode declares
 for it (``per_owner_decode.SERVED_DECODE_IMPLS``):
@@ -58,6 +63,7 @@ import time
 from sglang_cp_shared_kv_testing.nsa_decode_kernel_calls import DECODE_IMPLS
 
 PLANTS = ("none", "stale-tables")
+MERGE_FORMS = ("all_gather", "scaled_sum")  # attention_lse_merge.ONE_EXCHANGE, SCALED_SUM
 HEADS = 64
 TOPK = 2048
 # Replay vs the same layer run eagerly on fresh tables: sglang's radix top-k returns its columns in
@@ -80,6 +86,12 @@ def parse_args(argv=None):
         default=",".join(DECODE_IMPLS),
         type=lambda s: [x for x in s.split(",") if x],
         help="NSA decode impls to capture (flashmla_kv: fp8 KV; flashmla_sparse, fa3: bf16 KV)",
+    )
+    parser.add_argument(
+        "--merge-forms",
+        default="all_gather,scaled_sum",
+        type=lambda s: [x for x in s.split(",") if x],
+        help="merge forms to capture (all_gather: one exchange; scaled_sum: two)",
     )
     parser.add_argument("--plant", choices=PLANTS, default="none")
     parser.add_argument(
@@ -159,8 +171,8 @@ def cuda_kernels(decode_impls=DECODE_IMPLS):
     return GraphKernels(logits, schedule, attention, names, skipped)
 
 
-def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
-    """[batch A passed, batch B passed] of ``decode_impl`` at ``cp_size``."""
+def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv", merge_form="all_gather") -> list:
+    """[batch A passed, batch B passed] of ``decode_impl`` at ``cp_size``, merged in ``merge_form``."""
     import torch
 
     from sglang_cp_shared_kv_testing import cpu_graph_recorder
@@ -175,7 +187,7 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
     needed = sum(-(-s // emu.PAGE) for s in seq_lens_a + seq_lens_b)
     physical_pages = 2 + -(-needed // cp_size)
     layer = emu.EmulatedDecodeLayer(cp_size, physical_pages, width_pages, len(seq_lens_a), HEADS,
-                                    TOPK, kernels, device, decode_impl)
+                                    TOPK, kernels, device, decode_impl, merge_form)
     graph = None
     results = []
     for name, seq_lens in (("A", seq_lens_a), ("B", seq_lens_b)):
@@ -218,15 +230,19 @@ def run_cp(args, cp_size, kernels, decode_impl="flashmla_kv") -> list:
         ties = same_selection_up_to_ties(selection, positions_rep, logits_rep, batch.seq_lens.long(), TOPK)
         err_fresh = emu.rel_err(out, fresh, real)
         err_rep = emu.rel_err(out, expected, real)
+        # The one exchange against today's merge (the scaled sum), same layer, fresh and eager.
+        err_today = emu.rel_err(out, layer.fresh_step("scaled_sum"), real) if merge_form == "all_gather" else 0.0
         nan = bool(out.isnan().any())
         padded_max = float(out[~real].float().abs().max()) if bool((~real).any()) else 0.0
-        ok = err_fresh <= FRESH_TOL and err_rep <= REL_TOL and bool(ties[real].all()) and not nan
+        ok = (err_fresh <= FRESH_TOL and err_rep <= REL_TOL and err_today <= FRESH_TOL
+              and bool(ties[real].all()) and not nan)
         results.append(ok)
         if device == "cuda":
             torch.cuda.synchronize()
         print(
-            f"cp={cp_size} {decode_impl} batch {name} ({mode}): vs fresh tables rel err={err_fresh:.2e} "
-            f"(tol {FRESH_TOL:.0e}), vs replicated rel err={err_rep:.2e} (tol {REL_TOL:.0e}), "
+            f"cp={cp_size} {decode_impl} {merge_form} batch {name} ({mode}): vs fresh tables rel "
+            f"err={err_fresh:.2e} (tol {FRESH_TOL:.0e}), vs replicated rel err={err_rep:.2e} (tol {REL_TOL:.0e}), "
+            f"{f'vs the scaled sum rel err={err_today:.2e}, ' if merge_form == 'all_gather' else ''}"
             f"selection up to ties {int(ties[real].sum())}/{int(real.sum())}, nan={nan}, "
             f"padded rows max |out|={padded_max:.3g}"
             f"{' [rank 1 tables not refreshed]' if stale else ''} "
@@ -296,6 +312,9 @@ def main(argv=None) -> int:
     if unknown or not args.decode_impls:
         print(f"--decode-impls {args.decode_impls}: choose one or more of {DECODE_IMPLS}")
         return 2
+    if not args.merge_forms or any(form not in MERGE_FORMS for form in args.merge_forms):
+        print(f"--merge-forms {args.merge_forms}: choose one or more of {MERGE_FORMS}")
+        return 2
     if args.device == "cuda":
         kernels = cuda_kernels(args.decode_impls)
     else:
@@ -310,9 +329,10 @@ def main(argv=None) -> int:
         if impl not in kernels.attention:
             continue
         for cp_size in args.cp_sizes:
-            for ok in run_cp(args, cp_size, kernels, impl):
-                passed += ok
-                failed += not ok
+            for merge_form in args.merge_forms:
+                for ok in run_cp(args, cp_size, kernels, impl, merge_form):
+                    passed += ok
+                    failed += not ok
     if args.plant == "none":
         for cp_size in args.hooked_cp_sizes:
             for ok in run_hooked(args, cp_size, kernels):

@@ -49,8 +49,6 @@ GONE_FROM_THE_PRODUCT = (
     "decode_topk_merge.selected_positions",
     "decode_topk_merge.all_gather_candidates",
     "decode_topk_merge.GlobalSelection.selected_count",
-    "attention_lse_merge.merge_partials",
-    "attention_lse_merge.merge_by_all_gather",
     "peer_page_plan.PeerPagePlan.fill_locs",
     "peer_page_plan.PeerPagePlan.fill_lookup",
     "cp_hybrid_cache_controller.CpHybridCacheController.reserve_host_slots",

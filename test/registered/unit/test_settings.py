@@ -87,6 +87,24 @@ class TestParse(CustomTestCase):
         self.assertEqual(sorted(p.split(" ")[0] for p in problems), sorted(bad))
         self.assertEqual(settings, s.CpSharedKVSettings())  # bad values judged at their defaults
 
+    def test_merge_one_exchange_bytes(self):
+        """The one-exchange merge's byte budget: a byte count >= 0 or ``off`` (None: every merge by
+        the scaled sum); unset is the modeled default. Seen failing before the setting existed."""
+        name = s.MERGE_ONE_EXCHANGE_ENV
+        self.assertEqual(name, "SGLANG_CP_SHARED_KV_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES")
+        for raw, expected in (("", 3_000_000), ("0", 0), (" 123456 ", 123456), ("OFF", None), ("off", None)):
+            with self.subTest(raw=raw):
+                settings, problems = s.parse_settings({name: raw})
+                self.assertEqual(problems, [])
+                self.assertEqual(settings.merge_one_exchange_max_extra_bytes, expected)
+        for raw in ("-1", "1.5", "3MB", "on"):
+            with self.subTest(raw=raw):
+                settings, problems = s.parse_settings({name: raw})
+                self.assertEqual(len(problems), 1)
+                self.assertIn(f"{name} must be a byte count >= 0 or 'off', got {raw!r}", problems[0])
+                self.assertEqual(settings.merge_one_exchange_max_extra_bytes, 3_000_000)
+        self.assertIn("one-exchange merge=off", s.CpSharedKVSettings(merge_one_exchange_max_extra_bytes=None).describe())
+
     def test_strict_read_raises_listing_every_bad_value(self):
         env = {s.MTP_ENV: "on", s.PREFETCH_SLOT_TOKENS_ENV: "lots"}
         with mock.patch.dict(os.environ, env):

@@ -17,33 +17,36 @@ gets out = 0, lse = -inf, no NaN.
 
 Exchange (bytes received per rank, per token and layer; H heads, D = kv_lora_rank = 512 values
 per head: the absorbed-MLA attention output before the per-head up-projection ``w_vc``, which is
-what sglang's NSA decode returns):
+what sglang's NSA decode returns). Two forms, both moving the output in its dtype (bf16):
 
-* all-gather ``out_r`` (bf16) and ``lse_r`` (fp32), merge locally:
-  ``(cp - 1) * H * (2 D + 4)``; one collective per layer (out and lse in one buffer). Not chosen
-  (below); the tests' ``lse_merge_reference`` keeps it for the exchange benchmark.
-* ``merge_by_scaled_sum``: all-gather ``lse_r`` (``(cp - 1) * 4 H``), every rank computes the global
-  LSE and scales its own partial by ``exp(lse_r - lse)``, then one sum all-reduce of the scaled
-  partials in the output dtype (ring: ``2 (cp - 1) / cp * 2 H D``); two collectives per layer.
-  The scaled sum is linear per head, so the same all-reduce can move past ``w_vc`` and ``o_proj``
-  (every rank runs them for the whole batch anyway under NSA CP, attention TP 1) and then reduces
-  ``hidden`` values per token instead of ``H * D``.
+* ``merge_by_all_gather`` (ONE collective): each rank packs its partial and its LSE (fp32, its
+  bytes as two more bf16 values per head) in one buffer ``[T, H, D + 2]``, one all-gather, and every
+  rank merges the gathered partials itself: ``(cp - 1) * H * (2 D + 4)``.
+* ``merge_by_scaled_sum`` (TWO collectives): all-gather ``lse_r`` (``(cp - 1) * 4 H``), every rank
+  computes the global LSE and scales its own partial by ``exp(lse_r - lse)``, then one sum
+  all-reduce of the scaled partials (ring: ``2 (cp - 1) / cp * 2 H D``).
 
-GLM-5 (H 64, D 512, hidden 6144), per token and layer: all-gather 65.8 KB (cp 2) / 460.5 KB
-(cp 8); scaled sum 65.8 KB / 116.5 KB; scaled sum after ``o_proj`` 12.5 KB / 23.3 KB.
-``decode_step_bytes`` holds these formulas. Choice: the scaled sum. At cp 2 it moves the same bytes
-as the all-gather, at cp 8 four times fewer, and it is the form that moves past ``o_proj`` without
-changing its math; its price is a second (small) collective per layer, which matters only when
-latency, not bytes, bounds the step (batch 1). Both results are identical on every rank (NCCL
-reduces each element once and broadcasts it; the all-gather form merges identical bytes with the
-same ops), so replicated layers stay in lockstep.
+GLM-5 (H 64, D 512), per token and layer: all-gather 65.8 KB at cp 2, 197.4 KB at cp 4, 460.5 KB at
+cp 8; scaled sum 65.8 / 99.1 / 116.5 KB. At cp 2 both move the same bytes and the all-gather saves a
+collective; above, it saves the collective's latency at the price of more bytes, which pays only for
+small batches. ``choose_merge_exchange`` decides per decode batch by the bytes one exchange may add
+(``SGLANG_CP_SHARED_KV_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES``; the default is modeled, not measured:
+``settings``), a function of the batch's shape and the settings alone: every rank, running the same
+batch (under CUDA graphs the same captured batch size), takes the same form.
+
+Both results are identical on every rank, so replicated layers stay in lockstep: the all-gather form
+merges the same gathered bytes with the same ops in the same rank order on every rank; NCCL's
+all-reduce reduces each element once and broadcasts it. The two forms are not bitwise equal to each
+other (the all-gather form sums in float32, the scaled sum in the output dtype), only within the
+checks' tolerance. The scaled sum is linear per head, so its all-reduce could move past ``w_vc`` and
+``o_proj`` (``hidden`` values per token instead of ``H * D``; not done).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,10 +91,85 @@ def _as_empty_or_finite(lses: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(lses.float(), nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
 
 
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """The merged output, float32 [T, H, D], of every rank's partial ``outs`` [n, T, H, D] and natural
+    ``lses`` [n, T, H], summed in rank order."""
+    lse = global_lse(lses)
+    merged = scaled_partial(outs[0], lses[0], lse)
+    for rank in range(1, outs.shape[0]):
+        merged = merged + scaled_partial(outs[rank], lses[rank], lse)
+    return merged
+
+
 # ---- the exchanges (collectives are injected: torch.distributed, or an emulation) ----
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]  # [...] -> [cp_size, ...]
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]  # [...] -> [...], summed over ranks
+
+ONE_EXCHANGE = "all_gather"  # merge_by_all_gather: one collective
+SCALED_SUM = "scaled_sum"  # merge_by_scaled_sum: two collectives
+MERGE_COLLECTIVES = {ONE_EXCHANGE: 1, SCALED_SUM: 2}
+LSE_BYTES = 4  # float32
+
+
+def merge_received_bytes(
+    form: str, tokens: int, heads: int, dim: int, out_bytes: int, cp_size: int
+) -> float:
+    """Bytes one rank receives in one layer's merge of ``tokens`` decode tokens (ring collectives:
+    an all-gather of ``s`` bytes per rank delivers ``(cp - 1) s``, an all-reduce of ``s`` bytes
+    ``2 (cp - 1) / cp * s``)."""
+    if form == ONE_EXCHANGE:
+        return (cp_size - 1) * tokens * heads * (dim * out_bytes + LSE_BYTES)
+    if form == SCALED_SUM:
+        lse_gather = (cp_size - 1) * tokens * heads * LSE_BYTES
+        return lse_gather + 2 * (cp_size - 1) / cp_size * tokens * heads * dim * out_bytes
+    raise ValueError(f"unknown merge form {form!r}; one of {tuple(MERGE_COLLECTIVES)}")
+
+
+def choose_merge_exchange(
+    tokens: int, heads: int, dim: int, out_bytes: int, cp_size: int, max_extra_bytes: Optional[int]
+) -> str:
+    """``ONE_EXCHANGE`` while it receives at most ``max_extra_bytes`` more than the scaled sum in
+    this layer (None: never), else ``SCALED_SUM``. Host integers only (shapes, settings): the same
+    on every rank of a batch, fixed for a captured batch size."""
+    if max_extra_bytes is None:
+        return SCALED_SUM
+    shape = (tokens, heads, dim, out_bytes, cp_size)
+    extra = merge_received_bytes(ONE_EXCHANGE, *shape) - merge_received_bytes(SCALED_SUM, *shape)
+    return ONE_EXCHANGE if extra <= max_extra_bytes else SCALED_SUM
+
+
+def merge_by_all_gather(out_r: torch.Tensor, lse_r: torch.Tensor, all_gather: AllGather) -> torch.Tensor:
+    """Merged output in ``out_r``'s dtype from one all-gather of this rank's partial packed with its
+    natural ``lse_r`` (``pack_partial``); every rank merges the same gathered bytes identically."""
+    return merge_gathered(all_gather(pack_partial(out_r, lse_r)), out_r.shape[-1])
+
+
+def pack_partial(out_r: torch.Tensor, lse_r: torch.Tensor) -> torch.Tensor:
+    """``[T, H, D + w]`` in ``out_r``'s dtype: the partial's values, then the float32 LSE's bytes as
+    ``w = 4 / itemsize`` values of that dtype (2 for bf16)."""
+    tokens, heads, _ = out_r.shape
+    lse_as_out = lse_r.float().contiguous().view(out_r.dtype).reshape(tokens, heads, -1)
+    return torch.cat([out_r, lse_as_out], dim=-1)
+
+
+def unpack_gathered(gathered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's partial ``[n, T, H, D]`` (a view) and natural LSE ``[n, T, H]`` float32 from the
+    all-gathered packed buffers ``[n, T, H, D + w]``."""
+    n, tokens, heads, _ = gathered.shape
+    lses = gathered[..., dim:].contiguous().view(torch.float32).reshape(n, tokens, heads)
+    return gathered[..., :dim], lses
+
+
+def merge_gathered(gathered: torch.Tensor, dim: int) -> torch.Tensor:
+    """The merged output in the gathered dtype, ``[T, H, D]``: one fused kernel on CUDA
+    (``fused_kernels``), the torch form elsewhere."""
+    if gathered.is_cuda:
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import fused_kernels  # Triton: CUDA
+
+        return fused_kernels.merge_gathered(gathered, dim)
+    outs, lses = unpack_gathered(gathered, dim)
+    return merge_partials(outs, lses).to(gathered.dtype)
 
 
 def merge_by_scaled_sum(

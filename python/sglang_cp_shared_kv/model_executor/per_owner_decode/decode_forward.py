@@ -16,7 +16,9 @@ In a decode forward each rank scores and attends over its own physical pool only
    as they are. ``skip_topk`` layers reuse them (no exchange).
 3. The decode impl's kernel call, AROUND (one hook per impl): sglang's own call, with the LSE it
    drops kept (the kernel is wrapped for the duration of the call), then the LSE merge over the
-   attention CP group (``attention_lse_merge``, scaled sum): every rank returns the same output.
+   attention CP group (``attention_lse_merge``: one all-gather of every rank's partial and LSE, or
+   the scaled sum's two collectives where that form would move too many more bytes, by
+   ``choose_merge_exchange``): every rank returns the same output.
 
    * ``_forward_flashmla_kv`` (fp8 KV, H200 default): ``flash_mla_with_kvcache`` skips -1 indices
      and returns a natural-log LSE [B, H_padded, 1].
@@ -52,6 +54,9 @@ from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_cp_shared_kv.observability.cp_shared_kv_metrics import metrics as cp_metrics
 from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import (
+    ONE_EXCHANGE,
+    choose_merge_exchange,
+    merge_by_all_gather,
     merge_by_scaled_sum,
     natural_lse,
     process_group_collectives,
@@ -111,7 +116,8 @@ class OwnerForward:
 
 class PerOwnerDecode:
     """Per-owner decode of one pool; constructing it attaches it to the pool's ``CpSharedKVState``
-    (``state.per_owner``), whose runtime (attached first) gives the CP group."""
+    (``state.per_owner``), whose runtime (attached first) gives the CP group and whose spec the
+    settings (read once, at startup)."""
 
     def __init__(self, state, schedule_fn=None, decode_impl: str = "flashmla_kv"):
         if decode_impl not in SERVED_DECODE_IMPLS:
@@ -120,6 +126,8 @@ class PerOwnerDecode:
         self.lse_base = SERVED_DECODE_IMPLS[decode_impl]
         self.layout = state.spec.layout
         self.cp_rank = self.layout.cp_rank
+        # Bytes the one-exchange merge may add per layer (None: always the scaled sum).
+        self.merge_one_exchange_max_extra_bytes = state.spec.settings.merge_one_exchange_max_extra_bytes
         self.all_gather, self.all_reduce_sum = process_group_collectives(state.runtime.cp_group)
         # (owned_seq_lens int32 [B]) -> deep_gemm schedule metadata; None where deep_gemm is absent.
         self.schedule_fn = schedule_fn
@@ -164,10 +172,18 @@ class PerOwnerDecode:
         return owned_attention_indices(selection, candidates, self.cp_rank)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """This rank's partial [T, H, D] and LSE [T, H] (kernel's base) -> the merged output."""
+        """This rank's partial [T, H, D] and LSE [T, H] (kernel's base) -> the merged output. The
+        form follows the batch's shape (``choose_merge_exchange``): fixed per captured batch size."""
         lse = natural_lse(lse, self.lse_base)
         if cp_metrics() is not None:
             cp_metrics().per_owner_exchanges.inc()
+        tokens, heads, dim = out.shape
+        form = choose_merge_exchange(
+            tokens, heads, dim, out.element_size(), self.layout.cp_size,
+            self.merge_one_exchange_max_extra_bytes,
+        )
+        if form == ONE_EXCHANGE:
+            return merge_by_all_gather(out, lse, self.all_gather)
         return merge_by_scaled_sum(out, lse, self.all_gather, self.all_reduce_sum)
 
 

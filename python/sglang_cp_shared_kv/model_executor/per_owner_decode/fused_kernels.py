@@ -15,7 +15,9 @@ same gathered bytes, so the results stay identical across ranks.
   first, then this rank's own in its order), -1 elsewhere. One program per request; no host sync.
 * ``scaled_partial``: the global natural LSE from the gathered per-rank LSEs and this rank's
   partial scaled by ``exp(lse_r - lse)`` in the output dtype, exactly 0 for an empty partial
-  (non-finite LSE), as ``attention_lse_merge.scaled_partial``.
+  (non-finite LSE), as ``attention_lse_merge.scaled_partial`` (the scaled sum's term);
+* ``merge_gathered``: the merged output from every rank's all-gathered packed partial and LSE (the
+  one-exchange merge), summed in rank order in float32, as ``attention_lse_merge.merge_partials``.
 
 The torch reference checks them: on CPU through Triton's interpreter (``TRITON_INTERPRET=1``, a
 unit test) and on the GPU in ``scripts/gpu/check_cp_per_owner_decode.py``.
@@ -166,3 +168,52 @@ def scaled_partial(out_r, lse_r, lses):
             lses.shape[0], out_r.stride(0), result.stride(0), D=dim, BLOCK_D=triton.next_power_of_2(dim),
         )
     return result.view(tokens, heads, dim)
+
+
+@triton.jit
+def _merge_gathered_kernel(
+    values_ptr, lse_words_ptr, result_ptr, tokens_heads, cp_size, row_values, row_words, lse_word,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    th = tl.program_id(0)  # token * heads + head
+    neg_inf = float("-inf")
+    peak = neg_inf
+    for rank in range(0, cp_size):
+        x = tl.load(lse_words_ptr + (rank * tokens_heads + th) * row_words + lse_word)
+        x = tl.where((x == x) & (x < float("inf")), x, neg_inf)  # empty (NaN, +-inf) -> -inf
+        peak = tl.maximum(peak, x)
+    safe_peak = tl.where(peak > neg_inf, peak, 0.0)
+    total = 0.0
+    for rank in range(0, cp_size):
+        x = tl.load(lse_words_ptr + (rank * tokens_heads + th) * row_words + lse_word)
+        x = tl.where((x == x) & (x < float("inf")), x, neg_inf)
+        total += tl.exp(x - safe_peak)
+    lse = tl.maximum(tl.where(total > 0, safe_peak + tl.log(total), neg_inf), -3.4028234663852886e38)
+    d = tl.arange(0, BLOCK_D)
+    merged = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for rank in range(0, cp_size):
+        row = rank * tokens_heads + th
+        x = tl.load(lse_words_ptr + row * row_words + lse_word)
+        x = tl.where((x == x) & (x < float("inf")), x, neg_inf)
+        weight = tl.exp(x - lse)
+        values = tl.load(values_ptr + row * row_values + d, mask=d < D, other=0.0).to(tl.float32)
+        merged += tl.where(weight > 0, values * weight, 0.0)  # an empty partial is never read
+    tl.store(result_ptr + th * D + d, merged.to(result_ptr.dtype.element_ty), mask=d < D)
+
+
+def merge_gathered(gathered, dim: int):
+    """The merged output ``[T, H, dim]`` in ``gathered``'s dtype from every rank's packed partial
+    ``gathered`` [cp_size, T, H, dim + w] (``attention_lse_merge.pack_partial``: the values, then
+    the float32 LSE's bytes). The LSEs are read in place, through a float32 view of the buffer."""
+    cp_size, tokens, heads, width = gathered.shape
+    gathered = gathered.contiguous()
+    if (dim * gathered.element_size()) % 4:
+        raise ValueError(f"merge_gathered: the LSE after {dim} values of {gathered.dtype} is not 4-byte aligned")
+    words = gathered.view(torch.float32)  # [cp_size, T, H, width * itemsize / 4]
+    result = torch.empty((tokens, heads, dim), dtype=gathered.dtype, device=gathered.device)
+    if tokens * heads:
+        _merge_gathered_kernel[(tokens * heads,)](
+            gathered, words, result, tokens * heads, cp_size, width, words.shape[-1],
+            dim * gathered.element_size() // 4, D=dim, BLOCK_D=triton.next_power_of_2(dim),
+        )
+    return result

@@ -11,14 +11,19 @@ sglang's paged indexer (deep_gemm replaced by its torch reference) and ``forward
 owner-filtered store, ``get_key_buffer``, the impl's kernel replaced by its torch reference). The
 parent checks every rank's output equals the others' and the replicated attention's (bf16
 tolerance), padded rows give exactly 0, the ranks' indices cover the replicated selection exactly
-once, the decode rows were stored, and the scratch stayed untouched.
+once, the decode rows were stored, and the scratch stayed untouched. The merge runs in the form the
+rule picks with the default setting (one all-gather of partial + LSE at these batch sizes, asserted
+from what every rank ran); once more with the setting off (the scaled sum, today's merge before the
+one exchange) for fa3, whose outputs the one-exchange run's must equal within the tolerance.
 
 Planted bugs (``per_owner_decode_hooked.PLANTS``, applied to the run only), each made this test fail;
 each but the two kernel-convention plants also runs on a batch without the case it targets, where
 it passes, so the case is what catches it: a ``skip_topk`` layer's partial not merged; the
 selection's padding attending row 0 (short requests); the dummy page owned by rank 0 (padded
 requests); an empty partial's LSE entering the global LSE (a rank owning none of a request's rows);
-the second step reusing the first step's tables; fa3 without the compaction; the kernel's LSE base.
+the second step reusing the first step's tables; fa3 without the compaction; the kernel's LSE base;
+the one exchange reading each rank's LSE from the wrong bytes of the gathered buffer (passes with
+the scaled sum, which reads no packed buffer).
 Earlier plants, also caught (then reverted): the attention hook returning the partial without the
 merge; the indexer hook keeping the logical ``real_page_table``; the getters never told to serve the
 physical pool (then ``serves_physical``, now ``CpSharedKVState.reads_physical_pool``, always False);
@@ -27,6 +32,8 @@ physical pool (then ``serves_physical``, now ``CpSharedKVState.reads_physical_po
 
 import os
 import unittest
+
+import torch
 from types import SimpleNamespace
 from unittest import mock
 
@@ -70,13 +77,16 @@ PLANT_CASES = {
     "stale-tables": ("fa3", "indices_cover_selection", dict(steps=1)),
     "fa3-no-compaction": ("fa3", "passed_tolerance", None),
     "lse-natural": ("flashmla_sparse", "passed_tolerance", None),
+    "packed-lse-misread": ("flashmla_kv", "passed_tolerance", dict(merge_one_exchange_max_extra_bytes=None)),
 }
 
 
 class TestPerOwnerDecodeGloo(CustomTestCase):
     def _check_passes(self, results, comparison, sc):
-        self.assertTrue(hooked.passed(comparison), comparison)
+        self.assertTrue(hooked.passed(comparison), comparison)  # every rank's output identical, too
         self.assertLess(comparison["rel_err"], 1e-2)
+        form = "all_gather" if sc.merge_one_exchange_max_extra_bytes is not None else "scaled_sum"
+        self.assertEqual([r["merge_forms"] for r in results], [[form]] * len(results))
         out = results[0]["out"]
         self.assertEqual(len(out), sc.steps)
         self.assertEqual(tuple(out[0][0].shape), (sc.batch_size, hooked.HEADS, 512))
@@ -87,9 +97,16 @@ class TestPerOwnerDecodeGloo(CustomTestCase):
         scenarios = [scenario(impl) for impl, _ in IMPLS]
         # per-owner decode attached by the plugin's own hooks (ModelRunner.init_attention_backend)
         scenarios.append(scenario("flashmla_kv", hooks="plugin"))
-        for sc, (results, comparison) in zip(scenarios, hooked.run_scenarios(2, scenarios, "cpu", REL_TOL)):
-            with self.subTest(cp_size=2, impl=sc.decode_impl, hooks=sc.hooks):
+        scenarios.append(scenario("fa3", merge_one_exchange_max_extra_bytes=None))  # the scaled sum
+        outcomes = hooked.run_scenarios(2, scenarios, "cpu", REL_TOL)
+        for sc, (results, comparison) in zip(scenarios, outcomes):
+            with self.subTest(cp_size=2, impl=sc.decode_impl, hooks=sc.hooks, merge=sc.merge_one_exchange_max_extra_bytes):
                 self._check_passes(results, comparison, sc)
+        one_exchange, scaled_sum = outcomes[2][0][0]["out"], outcomes[-1][0][0]["out"]  # fa3, rank 0
+        for step_one, step_sum in zip(one_exchange, scaled_sum):
+            for layer_one, layer_sum in zip(step_one, step_sum):  # relative L2 per request, as compared
+                diff = (layer_one.float() - layer_sum.float()).flatten(1).norm(dim=1)
+                self.assertLessEqual(float((diff / layer_sum.float().flatten(1).norm(dim=1).clamp_min(1e-12)).max()), REL_TOL)
         sc = scenario("flashmla_kv")
         results, comparison = hooked.run_scenario(3, sc, "cpu", REL_TOL)
         with self.subTest(cp_size=3, impl="flashmla_kv"):

@@ -10,7 +10,9 @@ Plants seen failing (then reverted): the refresh not copying ``owned_seq_lens``
 (``test_refresh_rewrites_the_same_storage``); the replay hook not refreshing
 (``test_capture_then_replay_reads_refreshed_tables``);
 the rule accepting graphs with ``SGLANG_CP_SHARED_KV_DECODE=gather``
-(``test_graphs_refused_wherever_decode_gathers``).
+(``test_graphs_refused_wherever_decode_gathers``); ``merge_partials`` multiplying an empty
+partial's garbage by its zero weight, and ``unpack_gathered`` reading the LSE from the last two
+partial values (``test_a_replayed_one_exchange_merge_equals_the_scaled_sum``).
 """
 
 import dataclasses
@@ -31,7 +33,9 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables imp
     build_owner_decode_tables,
 )
 from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
+from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
+from sglang_cp_shared_kv.settings import CpSharedKVSettings
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
 from sglang_cp_shared_kv_testing import cpu_graph_recorder
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
@@ -250,6 +254,80 @@ class TestCapturedRuns(CustomTestCase):
                 runs.append(forward.columns(5 * PAGE)[0])
         self.assertIs(runs[0], runs[2])  # one run: derived once, shared by its layers
         self.assertIsNot(runs[2], runs[3])  # the next run derives its own
+
+
+class EmulatedPeers:
+    """The other ranks of a CP group as static buffers (graph inputs, refreshed before a replay):
+    this rank is rank 0; the collectives put the peers' contributions, computed from the buffers
+    inside the recorded run, beside this rank's."""
+
+    def __init__(self, outs: torch.Tensor, lses: torch.Tensor):
+        self.outs, self.lses = outs, lses  # [cp - 1, T, H, D] bf16, [cp - 1, T, H] natural
+        self.gathered_lses = None
+        self.calls = []
+
+    def all_gather(self, tensor):
+        self.calls.append("all_gather")
+        if tensor.dim() == 3:  # the one exchange's packed partial
+            peers = [merge.pack_partial(out, lse) for out, lse in zip(self.outs, self.lses)]
+            return torch.stack([tensor, *peers])
+        self.gathered_lses = torch.cat([tensor[None], self.lses])  # the scaled sum's LSEs
+        return self.gathered_lses
+
+    def all_reduce_sum(self, tensor):
+        self.calls.append("all_reduce")
+        total = tensor.float()
+        for out, lse in zip(self.outs, self.lses):
+            total = total + merge.scaled_partial_of_gathered(out, lse, self.gathered_lses).float()
+        return total.to(tensor.dtype)
+
+
+def _partials(seed, cp_size=4, tokens=4, heads=8, dim=64):
+    """Every rank's partial and natural LSE; rank 0 owns none of token 1 (+inf LSE, NaN output),
+    rank 2 none of token 0 (-inf), token 3 is padded (no rank owns any of it)."""
+    g = torch.Generator().manual_seed(seed)
+    outs = (torch.randn(cp_size, tokens, heads, dim, generator=g) * 3).to(torch.bfloat16)
+    lses = torch.randn(cp_size, tokens, heads, generator=g) * 2
+    lses[0, 1], lses[2, 0], lses[:, 3] = float("inf"), float("-inf"), float("inf")
+    outs = torch.where(torch.isfinite(lses)[..., None], outs, float("nan")).to(torch.bfloat16)
+    return outs, lses
+
+
+class TestCapturedMerge(CustomTestCase):
+    """``PerOwnerDecode.merge`` recorded as a graph captures it (``cpu_graph_recorder``) at a batch
+    whose form the rule makes one exchange, then replayed over new partials (this rank's and the
+    peers'): equal to today's merge (the scaled sum) run eagerly on them, within the checks' bf16
+    tolerance, with empty partials' garbage never read and a padded token exactly 0."""
+
+    def _merge_state(self, peers, max_extra_bytes):
+        settings = CpSharedKVSettings(merge_one_exchange_max_extra_bytes=max_extra_bytes)
+        return per_owner_pool_state(CpSharedKVLayout(4, 0, PAGE), (peers.all_gather, peers.all_reduce_sum),
+                                    settings=settings).per_owner  # fmt: skip
+
+    def test_a_replayed_one_exchange_merge_equals_the_scaled_sum(self):
+        outs, lses = _partials(0)
+        out, lse = outs[0].clone(), lses[0].clone()  # this rank's static partial
+        peers = EmulatedPeers(outs[1:].clone(), lses[1:].clone())
+        decode = self._merge_state(peers, CpSharedKVSettings().merge_one_exchange_max_extra_bytes)
+        decode.merge(out, lse)  # warm-up
+        peers.calls.clear()
+        with cpu_graph_recorder.RecordedRun() as capture:
+            captured = decode.merge(out, lse)
+        self.assertEqual(peers.calls, ["all_gather"])  # one exchange, fixed for this batch size
+        at_capture = captured.clone()
+
+        new_outs, new_lses = _partials(1)
+        out.copy_(new_outs[0]), lse.copy_(new_lses[0])
+        peers.outs.copy_(new_outs[1:]), peers.lses.copy_(new_lses[1:])
+        capture.replay()
+
+        today_peers = EmulatedPeers(new_outs[1:], new_lses[1:])
+        today = self._merge_state(today_peers, None).merge(new_outs[0], new_lses[0])
+        self.assertEqual(today_peers.calls, ["all_gather", "all_reduce"])
+        self.assertFalse(captured.isnan().any())
+        torch.testing.assert_close(captured.float(), today.float(), rtol=2e-2, atol=2e-2)
+        self.assertTrue(torch.equal(captured[3], torch.zeros_like(captured[3])))
+        self.assertGreater(float((captured.float() - at_capture.float()).abs().max()), 1.0)
 
 
 class TestCollectivesAndBinding(CustomTestCase):

@@ -2,9 +2,10 @@
 layer's ops after a warm-up and a "replay" re-runs them on the same tensors, ``cpu_graph_recorder``,
 as a CUDA graph would), for every decode impl it captures (flashmla_kv over fp8
 KV; flashmla_sparse with its base-2 LSE and fa3 over the compacted owned indices, both over bf16
-KV): it passes on both batches, and its stale-buffer plant (rank 1's owner tables not refreshed
-before the second batch) fails the second batch only. Its summary counts skipped impls and a run
-that checked nothing does not pass.
+KV), in both merge forms (one exchange, the scaled sum): it passes on both batches, the one
+exchange within the fresh-table tolerance of the scaled sum, and its stale-buffer plant (rank 1's
+owner tables not refreshed before the second batch) fails the second batch only. Its summary counts
+skipped impls and a run that checked nothing does not pass.
 
 The script is only run on a lent GPU, so this is what notices when a change breaks it, or when it
 stops catching the bug it exists to catch. Planted in the emulation (then reverted), each failed
@@ -16,13 +17,15 @@ import io
 import unittest
 from unittest import mock
 
+import torch
+
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
 from sglang_cp_shared_kv_testing.per_owner_decode_graph_emulation import reference_kernels
 from sglang_cp_shared_kv_testing.repo_scripts import load_script
 
-register_cpu_ci(est_time=90, suite="stage-a-test-cpu")
+register_cpu_ci(est_time=160, suite="stage-a-test-cpu")
 
 IMPLS = ("flashmla_kv", "flashmla_sparse", "fa3")
 
@@ -32,16 +35,33 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
     def setUpClass(cls):
         cls.check = load_script("scripts/gpu/check_per_owner_decode_graphs.py")
 
-    def _run(self, impl, plant="none", padded_rows=1):
+    def _run(self, impl, plant="none", padded_rows=1, merge_form="all_gather"):
         args = self.check.parse_args(["--device", "cpu", "--cp-sizes", "2", "--plant", plant,
                                       "--padded-rows", str(padded_rows)])  # fmt: skip
-        return self.check.run_cp(args, 2, reference_kernels(), impl)
+        return self.check.run_cp(args, 2, reference_kernels(), impl, merge_form)
 
     def test_both_batches_pass_for_every_impl(self):
         self.assertEqual(self.check.parse_args([]).decode_impls, list(IMPLS))
+        self.assertEqual(self.check.parse_args([]).merge_forms, ["all_gather", "scaled_sum"])
         for impl in IMPLS:
             with self.subTest(impl=impl):
                 self.assertEqual(self._run(impl), [True, True])
+        self.assertEqual(self._run("fa3", merge_form="scaled_sum"), [True, True])
+
+    def test_the_one_exchange_replay_is_held_to_the_scaled_sum(self):
+        """Planted: the one exchange's gathered LSEs read from the last two partial values (the
+        packed buffer misread): the recorded replays fail on both batches, as does the comparison
+        with the scaled sum (today's merge)."""
+        from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
+
+        def misread(gathered, dim):
+            n, tokens, heads, _ = gathered.shape
+            lses = gathered[..., dim - 2 : dim].contiguous().view(torch.float32).reshape(n, tokens, heads)
+            return gathered[..., :dim], lses
+
+        with mock.patch.object(merge, "unpack_gathered", misread):
+            self.assertEqual(self._run("fa3"), [False, False])
+            self.assertEqual(self._run("fa3", merge_form="scaled_sum"), [True, True])
 
     def test_several_padded_rows_pass_and_still_catch_stale_tables(self):
         """--padded-rows (the served crash replayed batch 6 in the graph of 8: two padded rows on
@@ -86,7 +106,7 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
         # fa3 as where its kernel library is missing (the script takes its CPU kernels from here)
         with mock.patch.object(emu, "reference_kernels", without_fa3):
             for impls, code, summary in (
-                ("flashmla_sparse,fa3", 0, "check: 2 passed, 0 failed, 1 impls skipped"),
+                ("flashmla_sparse,fa3", 0, "check: 4 passed, 0 failed, 1 impls skipped"),
                 ("fa3", 1, "check: 0 passed, 0 failed, 1 impls skipped"),
             ):
                 out = io.StringIO()
@@ -96,6 +116,7 @@ class TestCheckPerOwnerDecodeGraphsOnCpu(CustomTestCase):
                     self.assertIn("SKIPPED fa3: fa3 does not run here: test", out.getvalue())
                     self.assertIn(summary, out.getvalue())
         self.assertEqual(self.check.main(base + ["--decode-impls", "flashmla_kv,tilelang"]), 2)
+        self.assertEqual(self.check.main(base + ["--merge-forms", "all_gather,sum"]), 2)
 
 
 if __name__ == "__main__":
