@@ -82,12 +82,14 @@ DEFAULT_PREFILL_SCRATCH_TOKENS = None  # None: context length + one chunk (start
 DEFAULT_CHECK_PAGE_MIRROR = False
 # Per-owner decode's merge in one all-gather (partial + LSE) instead of the scaled sum's two
 # collectives, while it receives at most this many bytes more per rank and layer than the scaled sum
-# (``per_owner_decode.attention_lse_merge.choose_merge_exchange``). MODELED, NOT MEASURED: the
-# collective it saves costs about 15 us of launch and NVLink latency (10-20 us), and an all-gather
-# receives about 200 GB/s per rank on H200 NVLink (150-300), so 15 us buys 3 MB. With GLM-5's
-# attention output that is every batch at CP 2 (both forms move the same bytes), up to 30 decode
-# tokens at CP 4 and up to 8 at CP 8.
-DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES = 3_000_000
+# (``per_owner_decode.attention_lse_merge.choose_merge_exchange``). Off by default (None: the scaled
+# sum, the merge every served run used) until the one exchange has been timed and served on GPUs.
+# MODELED_...: the value to start from, modeled, not measured: the collective it saves costs about
+# 15 us of launch and NVLink latency (10-20 us), and an all-gather receives about 200 GB/s per rank
+# on H200 NVLink (150-300), so 15 us buys 3 MB. With GLM-5's attention output that is every batch at
+# CP 2 (both forms move the same bytes), up to 30 decode tokens at CP 4 and up to 8 at CP 8.
+DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES = None
+MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES = 3_000_000
 DEFAULT_ALL_CP_RANKS_TRANSFER = False  # sglang's default
 DEFAULT_CPP_RADIX_TREE = False  # sglang's default
 DEFAULT_UNIFIED_RADIX_TREE = False  # sglang's default

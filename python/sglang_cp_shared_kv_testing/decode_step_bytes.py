@@ -30,7 +30,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge imp
     choose_merge_exchange,
     merge_received_bytes,
 )
-from sglang_cp_shared_kv.settings import DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
+from sglang_cp_shared_kv.settings import MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
 
 CANDIDATE_SCORE_BYTES = 4  # float32: only the scores travel (rows and positions stay local)
 INDEX_K_BYTES_PER_TOKEN = 132  # fp8 K (128) + fp32 scale, as NSATokenToKVPool stores it
@@ -80,7 +80,7 @@ def merge_bytes_per_token_layer(shapes: DecodeShapes, cp_size: int, form: str) -
 
 def served_merge_form(
     shapes: DecodeShapes, cp_size: int, batch: int,
-    max_extra_bytes: Optional[int] = DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES,
+    max_extra_bytes: Optional[int] = MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES,
 ) -> str:
     """The form per-owner decode runs for ``batch`` decode tokens (its rule, the setting given;
     None: the scaled sum, as before the one-exchange form)."""

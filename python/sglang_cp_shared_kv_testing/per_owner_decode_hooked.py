@@ -28,7 +28,7 @@ then fail:
                         gathered buffer (the last two partial values; the torch form, which CPU runs)
 
 ``Scenario.merge_one_exchange_max_extra_bytes`` is the setting the spec carries (default: the
-settings' default, one exchange at these batch sizes; None: the scaled sum); every rank reports the
+modeled value, one exchange at these batch sizes; None: the scaled sum, the settings' default); every rank reports the
 merge forms it ran (``merge_forms``).
 """
 
@@ -45,7 +45,7 @@ from unittest import mock
 
 import torch
 
-from sglang_cp_shared_kv.settings import DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
+from sglang_cp_shared_kv.settings import MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
 from sglang_cp_shared_kv_testing import nsa_decode_reference as ref
 from sglang_cp_shared_kv_testing.decode_topk_reference import (
     replicated_topk_positions,
@@ -87,7 +87,7 @@ class Scenario:
     # the static metadata and refreshed by the replay hook); "graph-stale": without that refresh.
     graph: str = "eager"
     # The spec's setting: bytes the one-exchange merge may add per layer (None: the scaled sum).
-    merge_one_exchange_max_extra_bytes: Optional[int] = DEFAULT_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
+    merge_one_exchange_max_extra_bytes: Optional[int] = MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
     plant: str = "none"
     seed: int = 7
     # Count the host waits for the GPU of every decode step (``CudaSyncCounter``; CUDA only): the

@@ -49,11 +49,13 @@ def _table_row(text: str, name: str):
     return None
 
 
-def _expected_default_text(default) -> str:
+def _expected_default_text(name: str, default) -> str:
     if isinstance(default, bool):
         return "on" if default else OFF
+    if default is None and name == s.PREFILL_SCRATCH_TOKENS_ENV:
+        return "context length"  # the prefill scratch rule (startup_rules.scratch_sizing)
     if default is None:
-        return "context length"  # the prefill scratch rule (prefill_scratch.default_prefill_scratch_tokens)
+        return f"`{s.MERGE_ONE_EXCHANGE_OFF}`"  # the one-exchange merge's budget, unset: off
     return f"`{default}`"
 
 
@@ -88,7 +90,7 @@ class TestSettingsDocumented(CustomTestCase):
             row = _table_row(page, name)
             if row is None:
                 continue  # reported by the test above
-            expected = _expected_default_text(default)
+            expected = _expected_default_text(name, default)
             if not row[1].startswith(expected):
                 wrong[name] = (row[1], expected)
         self.assertEqual(wrong, {}, "docs/configuration.md default -> what settings.py defaults to")

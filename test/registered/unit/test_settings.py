@@ -89,10 +89,14 @@ class TestParse(CustomTestCase):
 
     def test_merge_one_exchange_bytes(self):
         """The one-exchange merge's byte budget: a byte count >= 0 or ``off`` (None: every merge by
-        the scaled sum); unset is the modeled default. Seen failing before the setting existed."""
+        the scaled sum); unset is off, the served merge, until the one exchange is timed and served
+        (the modeled value is opt-in). Seen failing before the setting existed, and with the modeled
+        value as the default."""
         name = s.MERGE_ONE_EXCHANGE_ENV
         self.assertEqual(name, "SGLANG_CP_SHARED_KV_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES")
-        for raw, expected in (("", 3_000_000), ("0", 0), (" 123456 ", 123456), ("OFF", None), ("off", None)):
+        self.assertIsNone(s.CpSharedKVSettings().merge_one_exchange_max_extra_bytes)
+        for raw, expected in (("", None), ("0", 0), (" 123456 ", 123456), ("OFF", None), ("off", None),
+                              (str(s.MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES), 3_000_000)):  # fmt: skip
             with self.subTest(raw=raw):
                 settings, problems = s.parse_settings({name: raw})
                 self.assertEqual(problems, [])
@@ -102,8 +106,8 @@ class TestParse(CustomTestCase):
                 settings, problems = s.parse_settings({name: raw})
                 self.assertEqual(len(problems), 1)
                 self.assertIn(f"{name} must be a byte count >= 0 or 'off', got {raw!r}", problems[0])
-                self.assertEqual(settings.merge_one_exchange_max_extra_bytes, 3_000_000)
-        self.assertIn("one-exchange merge=off", s.CpSharedKVSettings(merge_one_exchange_max_extra_bytes=None).describe())
+                self.assertIsNone(settings.merge_one_exchange_max_extra_bytes)
+        self.assertIn("one-exchange merge=off", s.CpSharedKVSettings().describe())
 
     def test_strict_read_raises_listing_every_bad_value(self):
         env = {s.MTP_ENV: "on", s.PREFETCH_SLOT_TOKENS_ENV: "lots"}

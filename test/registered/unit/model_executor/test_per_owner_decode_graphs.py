@@ -35,7 +35,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables imp
 from sglang_cp_shared_kv.model_executor.peer_page_reads import refuse_cuda_graph
 from sglang_cp_shared_kv.model_executor.per_owner_decode import attention_lse_merge as merge
 from sglang_cp_shared_kv.model_executor.per_owner_decode import decode_forward as per_owner
-from sglang_cp_shared_kv.settings import CpSharedKVSettings
+from sglang_cp_shared_kv.settings import MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES, CpSharedKVSettings
 from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward import _STATE_ATTR
 from sglang_cp_shared_kv_testing import cpu_graph_recorder
 from sglang_cp_shared_kv_testing.per_owner_decode_cases import random_batch
@@ -308,7 +308,7 @@ class TestCapturedMerge(CustomTestCase):
         outs, lses = _partials(0)
         out, lse = outs[0].clone(), lses[0].clone()  # this rank's static partial
         peers = EmulatedPeers(outs[1:].clone(), lses[1:].clone())
-        decode = self._merge_state(peers, CpSharedKVSettings().merge_one_exchange_max_extra_bytes)
+        decode = self._merge_state(peers, MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES)
         decode.merge(out, lse)  # warm-up
         peers.calls.clear()
         with cpu_graph_recorder.RecordedRun() as capture:

@@ -23,7 +23,7 @@ from sglang_cp_shared_kv.model_executor.per_owner_decode.decode_topk_merge impor
 from sglang_cp_shared_kv.model_executor.per_owner_decode.owner_decode_tables import (
     build_owner_decode_tables,
 )
-from sglang_cp_shared_kv.settings import CpSharedKVSettings
+from sglang_cp_shared_kv.settings import MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES, CpSharedKVSettings
 from sglang_cp_shared_kv_testing.decode_step_bytes import (
     GLM5_BF16,
     GLM5_FP8,
@@ -118,7 +118,7 @@ class TestDecodeStepBytes(CustomTestCase):
             for batch in (1, 8, 32, 128):
                 one_layer = DecodeShapes(**{**GLM5_FP8.__dict__, "layers": 1})
                 before = run_step(one_layer, cp_size, batch, max_extra_bytes=None)
-                after = run_step(one_layer, cp_size, batch, max_extra_bytes=CpSharedKVSettings().merge_one_exchange_max_extra_bytes)
+                after = run_step(one_layer, cp_size, batch, max_extra_bytes=MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES)
                 form = served_merge_form(one_layer, cp_size, batch)
                 with self.subTest(cp_size=cp_size, batch=batch):
                     self.assertEqual(before[0], 3)
