@@ -8,8 +8,10 @@ whatever ``python3`` the PATH finds first, often one without sglang: the test co
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +23,7 @@ def put_this_interpreter_first_on_path() -> Path:
     venv's interpreter finds its venv from the path it is started by, and a link in another folder
     would start the base interpreter without the venv's packages."""
     folder = Path(tempfile.mkdtemp(prefix="cp-shared-kv-tests-python-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # gone with the test process
     for name in ("python3", "python"):
         script = folder / name
         script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
