@@ -18,7 +18,11 @@ from typing import Sequence
 def run_interpreted(args: Sequence[str], timeout_s: float) -> dict:
     """``python *args`` under the interpreter -> its last JSON line; AssertionError (with the
     process's output) if it exits non-zero or prints none."""
-    env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1")
+    return run_json_check(args, timeout_s, dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1"))
+
+
+def run_json_check(args: Sequence[str], timeout_s: float, env: dict) -> dict:
+    """``python *args`` in ``env`` -> its last JSON line, as ``run_interpreted``."""
     proc = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s
     )
