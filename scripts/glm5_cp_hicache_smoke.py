@@ -78,7 +78,7 @@ from sglang_cp_shared_kv_testing.e2e.smoke_report import (
     ttft_summary,
 )
 from sglang_cp_shared_kv.settings import DECODE_PATH_ENV, GATHER, GRAPH_DECODE_ENV, PER_OWNER
-from sglang_cp_shared_kv.settings import PREFETCH_SLOT_TOKENS_ENV
+from sglang_cp_shared_kv.settings import MERGE_ONE_EXCHANGE_ENV, PREFETCH_SLOT_TOKENS_ENV, parse_settings
 from sglang_cp_shared_kv_testing.e2e import teacher_forced
 from sglang_cp_shared_kv_testing.e2e.one_gpu import one_gpu_env, with_one_gpu_args
 from sglang_cp_shared_kv_testing.e2e.tiny_glm5 import check_model_has_nextn
@@ -150,6 +150,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "failure from a shared-KV one")
     p.add_argument("--prefetch-slot-tokens", default=None,
                    help=f"shared-KV server only: {PREFETCH_SLOT_TOKENS_ENV} (e.g. auto: the layer-ahead prefetch on)")
+    p.add_argument("--merge-one-exchange-max-extra-bytes", default=None, metavar="BYTES|off",
+                   help=f"shared-KV server only: {MERGE_ONE_EXCHANGE_ENV} (per-owner decode's one-exchange merge, "
+                        "opt-in); the value audit then requires checked rows merged by it, replayed ones too "
+                        "under graphs, and without it none")
     p.add_argument("--server-env", action="append", default=[], type=env_assignment, metavar="KEY=VALUE",
                    help="one more environment variable of the shared-KV server (e.g. CUDA_LAUNCH_BLOCKING=1)")
     p.add_argument("--one-gpu", action="store_true",
@@ -178,6 +182,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--stock-cuda-graphs needs --shared-kv off (the shared-KV server's graphs: --decode per-owner-graphs)")
     if args.decode != "gather" and args.shared_kv == "off":
         p.error(f"--decode {args.decode} needs --shared-kv on or both (it sets the shared-KV server's decode)")
+    if args.merge_one_exchange_max_extra_bytes is not None:
+        _, problems = parse_settings({MERGE_ONE_EXCHANGE_ENV: args.merge_one_exchange_max_extra_bytes})
+        if problems:
+            p.error(f"--merge-one-exchange-max-extra-bytes: {problems[0]}")
+        if args.shared_kv == "off":
+            p.error("--merge-one-exchange-max-extra-bytes needs --shared-kv on or both (it sets the shared-KV server's merge)")
     try:
         args.token_id_range = parse_token_id_range(args.token_id_range)
     except ValueError:
@@ -278,6 +288,8 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[GRAPH_DECODE_ENV] = "1" if args.decode == "per-owner-graphs" else "0"
     if shared_kv and args.prefetch_slot_tokens is not None:
         extra[PREFETCH_SLOT_TOKENS_ENV] = args.prefetch_slot_tokens
+    if shared_kv and args.merge_one_exchange_max_extra_bytes is not None:
+        extra[MERGE_ONE_EXCHANGE_ENV] = args.merge_one_exchange_max_extra_bytes
     if args.one_gpu:
         extra.update(one_gpu_env())
     if shared_kv:
@@ -431,6 +443,14 @@ def audit_checks(args, config: ServeConfig, out_dir: Path, report: RunReport) ->
         report.failures += value_audit_compare.failures(
             values, reference_values, expect_graph_replays=config.cuda_graphs and not args.mtp
         )
+        report.failures += value_audit_compare.merge_form_failures(values, one_exchange_asked(args, out_dir))
+
+
+def one_exchange_asked(args, out_dir: Path) -> bool:
+    """Whether the shared-KV server's environment (inherited, the flag, ``--server-env``) asks for
+    the one-exchange merge, as the server reads it."""
+    settings, _ = parse_settings({**os.environ, **server_env(args, True, out_dir)})
+    return settings.merge_one_exchange_max_extra_bytes is not None
 
 
 def draft_checks(shared_kv: bool, run_dir: Path, report: RunReport) -> None:

@@ -67,10 +67,17 @@
 #                 of gathered pages (gather path), all against ref_bf16 (run here too). At CP 2 on one GPU
 #                 the six servers fit one call; SMOKE_ONLY splits them (the reference's report is reused
 #                 from SMOKE_RUNS_DIR when it is not selected).
+#   one-exchange  per-owner decode's one-exchange merge (opt-in, SGLANG_CP_SHARED_KV_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
+#                 at SMOKE_ONE_EXCHANGE_BYTES, default the modeled value: every batch at CP 2) with the value
+#                 audit: the server as a user launches it plus the setting (sglang's graphs,
+#                 on_bf16_one_exchange_default), per owner eagerly (on_bf16_one_exchange_eager), and the
+#                 merge-skew plant under graphs, all against ref_bf16 (run here too). Each clean run must
+#                 have judged rows merged by the one exchange (replayed ones under graphs); the plant must
+#                 be caught by the value audit alone.
 #   Every shared-KV run but the defaults mode's names its decode path (SGLANG_CP_SHARED_KV_DECODE
 #   gather or per_owner), so none depends on the server's default (auto).
 #
-# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|values|defaults|ttft-chunks|stock-graphs|padded-graphs   (results under $OUT)
+# Usage: bash scripts/gpu/serve_smoke_runs.sh correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|values|one-exchange|defaults|ttft-chunks|stock-graphs|padded-graphs   (results under $OUT)
 #
 # Environment (all optional):
 #   SMOKE_TP=2|4|8          --tp of every server (= CP size); 8 GPUs needed for 8, 4 for 4
@@ -90,6 +97,7 @@
 #                           audit's per-forward all-gather of each audited layer's pool over sockets dominated
 #                           the shared-KV servers' time; layers 0 and 1 cover both prefetch slots)
 #   SMOKE_GRAPH_ARGS="..."  the graph runs' sglang graph arguments (default --cuda-graph-bs 1 2 .. 16)
+#   SMOKE_ONE_EXCHANGE_BYTES=N   the one-exchange mode's setting (default: the modeled value, settings.py)
 #   SMOKE_DRY_RUN=1         each smoke prints its server commands and request plan and launches
 #                           nothing (no GPU needed, remote_env.sh not sourced)
 #   SMOKE_NEXTN_MODEL_DIR   the mtp modes' model (default /tmp/tiny-glm5-nextn; tiny model only)
@@ -107,7 +115,7 @@
 # Output: per run one line "PASSED|FAILED name: ..." (smoke_verdicts.py) and a VERDICT line; the full
 # logs under $OUT (smoke_logs.tgz, server_logs.tgz, reports.tgz).
 set -uo pipefail
-MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|values|defaults|ttft-chunks|stock-graphs|padded-graphs}"
+MODE="${1:?correctness|confirm|plants|perf|mtp|mtp-plants|decode|onegpu-core|values|one-exchange|defaults|ttft-chunks|stock-graphs|padded-graphs}"
 TP="${SMOKE_TP:-2}"
 SERIAL="${SMOKE_SERIAL:-}"
 ONE_GPU="${SMOKE_ONE_GPU:-}"
@@ -255,6 +263,16 @@ case "$MODE" in
       --extra-server-args "$BF16_WT $GRAPHS"
     on_bf16 plant_value-merge-skew --plant value-merge-skew --decode per-owner --extra-server-args "$BF16_WT"
     on_bf16 plant_value-gathered-scale --plant value-gathered-scale --decode gather --extra-server-args "$BF16_WT"
+    wait ;;
+  one-exchange)  # the opt-in one-exchange merge served with values, and a value plant caught in it
+    one_exchange="${SMOKE_ONE_EXCHANGE_BYTES:-$(python3 -c 'from sglang_cp_shared_kv.settings import MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES as b; print(b)')}"
+    ref_bf16
+    on_bf16 on_bf16_one_exchange_default --decode server-default --merge-one-exchange-max-extra-bytes "$one_exchange" \
+      --extra-server-args "$BF16_WT"
+    on_bf16 on_bf16_one_exchange_eager --decode per-owner --merge-one-exchange-max-extra-bytes "$one_exchange" \
+      --extra-server-args "$BF16_WT"
+    on_bf16 plant_value-merge-skew_one_exchange_graphs --plant value-merge-skew --decode per-owner-graphs \
+      --merge-one-exchange-max-extra-bytes "$one_exchange" --extra-server-args "$BF16_WT $GRAPHS"
     wait ;;
   defaults)  # a burst of 48: batches of 17-48 replay sglang's graphs of 24 .. 48 (padded between)
     spawn smoke ref_bf16_burst48 --shared-kv off --audit --burst 48 --extra-server-args "$BF16_WT"

@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import List, Tuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smoke_plugin"))
+from cp_shared_kv_smoke_hooks import value_audit_compare  # noqa: E402
+
 
 def audit_text(figures: dict) -> str:
     parts = []
@@ -42,7 +45,8 @@ def audit_text(figures: dict) -> str:
         replays = values.get("graph_replays_by_bs") or {}
         parts.append(f"values {every['rows']} rows, max rel err {every['max']:.2g}, p99 {every['p99']:.2g}"
                      + (f" (tolerance {figures['value_tolerance']['max']:.2g})" if figures.get("value_tolerance") else "")
-                     + (f", graph replays by batch size {replays}" if replays else ""))  # fmt: skip
+                     + (f", graph replays by batch size {replays}" if replays else "")
+                     + value_audit_compare.merge_text(values))  # fmt: skip
     forced = figures.get("teacher_forced_verdict")
     if forced and forced["shared_vs_stock"]["tokens"]:
         parts.append(f"teacher-forced |dlogprob| mean {forced['shared_vs_stock']['mean']:.3f} nats "

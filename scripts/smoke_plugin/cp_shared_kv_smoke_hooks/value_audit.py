@@ -30,8 +30,14 @@ During the capture of each batch size the audited layers' inputs and outputs (te
 rewrites) are kept; after each replay of that size the check runs on them with the replay's batch.
 sglang's eager warm-up runs before a capture are skipped (their batch is a dummy).
 
+Per-owner decode merges the ranks' partial outputs in one of two forms (one exchange, or the scaled
+sum: ``attention_lse_merge``); the form each checked decode row was merged by is recorded as it ran
+(hooks on the two merge functions), so a run shows which merge its values judged, replays included
+(a captured graph replays the form of its capture).
+
 Each rank writes ``value_audit.rank<r>.json``: per kind of forward the rows compared and their
-errors, the replays checked by batch size, and problems that made a check impossible. Smoke servers
+errors, the replays checked by batch size, the checked rows by merge form, and problems that made a
+check impossible. Smoke servers
 only: it reads back to the host and runs a collective per checked layer.
 """
 
@@ -50,12 +56,16 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.plugins.hook_registry import HookType
+from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import ONE_EXCHANGE, SCALED_SUM
 
 logger = logging.getLogger(__name__)
 
 _BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
 _INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
 _GRAPH_RUNNER = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner"
+_PER_OWNER_DECODE = "sglang_cp_shared_kv.model_executor.per_owner_decode.decode_forward"
+# The merge functions per-owner decode calls (by their module's globals), by the form they are.
+MERGE_FORM_OF = {"merge_by_all_gather": ONE_EXCHANGE, "merge_by_scaled_sum": SCALED_SUM}
 # Query rows of the checked request checked per prefill chunk and rank: spread over its rows, the last one included.
 PREFILL_ROWS = 8
 KV_LORA_RANK, ROPE_DIM, INDEX_HEAD_DIM = 512, 64, 128
@@ -267,6 +277,7 @@ class LayerCall:
     pool: object
     topk: int
     fp8: bool
+    merge_form: Optional[str] = None  # per-owner decode: the form its merge ran (captured: replayed)
 
 
 class ValueAudit:
@@ -277,6 +288,8 @@ class ValueAudit:
         self.layers_checked: Dict[str, int] = dict.fromkeys(KINDS, 0)
         self.problems = dict.fromkeys(PROBLEM_KEYS, 0)
         self.graph_replays_by_bs: Dict[str, int] = {}
+        self.merge_form: Optional[str] = None  # the form of the merge that ran last in this process
+        self.rows_by_merge_form: Dict[str, Dict[str, int]] = {}  # kind -> form -> rows checked
         # (pool id, layer id) -> (index q, weights) of the forward running now, from the indexer
         self.index_inputs: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_graph_warmup = False
@@ -301,7 +314,12 @@ class ValueAudit:
     def audits_layer(self, pool, layer_id: int) -> bool:
         return layer_id - pool.start_layer < self.audited_layers(pool)
 
+    def merged_by(self, form: str) -> None:
+        self.merge_form = form
+
     def attention_call(self, backend, layer, forward_batch, q, q_rope, out) -> None:
+        # A per-owner layer merges inside the attention call that returned ``out``: its form.
+        merge_form, self.merge_form = self.merge_form, None
         pool = forward_batch.token_to_kv_pool
         if not self.audits_layer(pool, layer.layer_id):
             return
@@ -328,6 +346,7 @@ class ValueAudit:
             pool=pool,
             topk=int(backend.nsa_index_topk),
             fp8=pool.kv_buffer[0].element_size() == 1,
+            merge_form=merge_form,
         )
         if capturing():
             if self.capture_key is not None:
@@ -402,6 +421,9 @@ class ValueAudit:
         if not bool(torch.isfinite(errors).all()):
             self.problems["non_finite_output"] += int((~torch.isfinite(errors)).sum())
         self.errors[call.kind] += [round(float(e), 7) if math.isfinite(e) else 1e9 for e in errors.tolist()]
+        if call.merge_form is not None:
+            forms = self.rows_by_merge_form.setdefault(call.kind, {})
+            forms[call.merge_form] = forms.get(call.merge_form, 0) + errors.numel()
         self.layers_checked[call.kind] += 1
         self.save()
 
@@ -411,6 +433,7 @@ class ValueAudit:
             "layers_checked": {k: v for k, v in self.layers_checked.items() if v},
             "problems": self.problems,
             "graph_replays_by_bs": self.graph_replays_by_bs,
+            "rows_by_merge_form": self.rows_by_merge_form,
         }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
@@ -489,6 +512,13 @@ def register_hooks(registry, audit_dir: Path, audited_layers) -> None:
 
         return around
 
+    def merged_by(form):
+        def before(*args, **kwargs):
+            audit().merged_by(form)
+            return None
+
+        return before
+
     def around_capture_one_batch_size(original, runner, bs, *args, **kwargs):
         audit().begin_capture(runner, bs)
         try:
@@ -506,4 +536,6 @@ def register_hooks(registry, audit_dir: Path, audited_layers) -> None:
     for name in ("forward_decode", "forward_extend"):
         registry.register(f"{_BACKEND}.{name}", checking(getattr(NativeSparseAttnBackend, name)), HookType.AROUND)
     registry.register(f"{_GRAPH_RUNNER}.capture_one_batch_size", around_capture_one_batch_size, HookType.AROUND)
+    for name, form in MERGE_FORM_OF.items():
+        registry.register(f"{_PER_OWNER_DECODE}.{name}", merged_by(form), HookType.BEFORE)
     registry.register(f"{_GRAPH_RUNNER}.replay", after_replay, HookType.AFTER)

@@ -17,6 +17,10 @@ it touches by far more than that; a run in which nothing was checked fails too.
 A driver with no stock server in its call (the soak, the L3 restart, a PD or serve run without a
 reference) judges by the same factors over the largest stock errors recorded so far
 (``recorded_tolerance``): a figure of other calls, not a reference of this one.
+
+Per-owner decode rows carry the merge form they ran (``rows_by_merge_form``): a run with the
+one-exchange merge asked must have judged rows it merged (replayed ones too, under graphs), and one
+without must have none (``merge_form_failures``): the values judged are those of the merge asked.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import json
 import math
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from sglang_cp_shared_kv.model_executor.per_owner_decode.attention_lse_merge import ONE_EXCHANGE, SCALED_SUM
 
 MAX_FACTOR = 3.0
 P99_FACTOR = 2.0
@@ -43,7 +49,8 @@ GRAPH_KIND = "decode_graph"
 def totals(run_dir: Path) -> Dict:
     """Every rank's value audit file of ``run_dir`` joined: errors per kind, problems, replays by
     batch size (summed over ranks), ranks found."""
-    out: Dict = {"errors": {}, "layers_checked": {}, "problems": {}, "graph_replays_by_bs": {}, "ranks": 0}
+    out: Dict = {"errors": {}, "layers_checked": {}, "problems": {}, "graph_replays_by_bs": {},
+                 "rows_by_merge_form": {}, "ranks": 0}  # fmt: skip
     for path in sorted(Path(run_dir).glob("value_audit.rank*.json")):
         data = json.loads(path.read_text())
         out["ranks"] += 1
@@ -52,6 +59,10 @@ def totals(run_dir: Path) -> Dict:
         for key in ("layers_checked", "problems", "graph_replays_by_bs"):
             for name, value in data.get(key, {}).items():
                 out[key][name] = out[key].get(name, 0) + value
+        for kind, forms in data.get("rows_by_merge_form", {}).items():
+            joined = out["rows_by_merge_form"].setdefault(kind, {})
+            for form, rows in forms.items():
+                joined[form] = joined.get(form, 0) + rows
     return out
 
 
@@ -78,7 +89,40 @@ def report(t: Dict) -> Dict:
     out["all"] = summary(all_errors(t))
     out["problems"] = {k: v for k, v in t["problems"].items() if v}
     out["graph_replays_by_bs"] = dict(sorted(t["graph_replays_by_bs"].items(), key=lambda kv: int(kv[0])))
+    out["rows_by_merge_form"] = merged_rows(t.get("rows_by_merge_form", {}))
     return out
+
+
+def merged_rows(rows_by_merge_form: Dict[str, Dict[str, int]]) -> Dict[str, int]:
+    """Checked rows per merge form over every kind of forward (replays included)."""
+    out: Dict[str, int] = {}
+    for forms in rows_by_merge_form.values():
+        for form, rows in forms.items():
+            out[form] = out.get(form, 0) + rows
+    return dict(sorted(out.items()))
+
+
+def merge_form_failures(run: Dict, one_exchange_asked: bool) -> List[str]:
+    """Why the merge the values were judged on is not the one asked (empty: it is). Asked: some
+    checked rows were merged by the one exchange, and under graphs some replayed rows; not asked:
+    none was (the scaled sum, the default). Not value failures ("merge form: ..."): a value plant
+    counts as caught only by the values themselves."""
+    forms = run.get("rows_by_merge_form", {})
+    one = merged_rows(forms).get(ONE_EXCHANGE, 0)
+    if not one_exchange_asked:
+        if one:
+            return [f"merge form: {one} checked value-audit rows merged by the one exchange, which was not asked"]
+        return []
+    if not forms:
+        return ["merge form: the one-exchange merge was asked but no checked row was merged per owner"]
+    found = []
+    if not one:
+        scaled = merged_rows(forms).get(SCALED_SUM, 0)
+        found.append(f"merge form: the one-exchange merge was asked but all {scaled} merged rows checked "
+                     "were merged by the scaled sum")  # fmt: skip
+    elif run["errors"].get(GRAPH_KIND) and not forms.get(GRAPH_KIND, {}).get(ONE_EXCHANGE):
+        found.append("merge form: the one-exchange merge was asked but no replayed row checked was merged by it")
+    return found
 
 
 def limits(reference_max: float, reference_p99: float, source: str, reference_rows: Optional[int] = None) -> Dict:
@@ -158,4 +202,12 @@ def verdict_text(shown: Dict, bounds: Optional[Dict]) -> str:
     if not every["rows"]:
         return "values: no row checked"
     limit = f" (tolerance {bounds['max']:.2g}, {bounds['source']})" if bounds else " (no tolerance)"
-    return f"values {every['rows']} rows, max rel err {every['max']:.2g}, p99 {every['p99']:.2g}{limit}"
+    return f"values {every['rows']} rows, max rel err {every['max']:.2g}, p99 {every['p99']:.2g}{limit}{merge_text(shown)}"
+
+
+def merge_text(shown: Dict) -> str:
+    """``report``'s merged rows by form, for a verdict line ('' where nothing was merged per owner)."""
+    forms = shown.get("rows_by_merge_form") or {}
+    if not forms:
+        return ""
+    return "; merged rows: " + ", ".join(f"{rows} by {form}" for form, rows in forms.items())

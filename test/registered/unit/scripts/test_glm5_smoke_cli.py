@@ -46,6 +46,30 @@ class TestSmokeCli(ScriptCliCase, CustomTestCase):
         self.assertNotEqual(on["SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"], off["SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR"])
         self.assertNotIn("SGLANG_CP_SHARED_KV_SMOKE_PLANT", os.environ)
 
+    def test_the_one_exchange_merge_is_asked_as_the_shared_server_reads_it(self):
+        """The flag sets the setting on the shared-KV server only; what the value audit then expects
+        follows the server's whole environment (flag, --server-env, inherited). Seen failing with
+        the inherited environment left out of the judgement."""
+        from sglang_cp_shared_kv.settings import MERGE_ONE_EXCHANGE_ENV
+
+        base = ["--model-path", self.model_dir, "--load-format", "dummy", "--audit"]
+        out = Path("/tmp/out")
+        args = self.script.parse_args(base + ["--merge-one-exchange-max-extra-bytes", "3000000"])
+        self.assertEqual(self.script.server_env(args, True, out)[MERGE_ONE_EXCHANGE_ENV], "3000000")
+        self.assertNotIn(MERGE_ONE_EXCHANGE_ENV, self.script.server_env(args, False, out))
+        self.assertTrue(self.script.one_exchange_asked(args, out))
+        with mock.patch.dict(os.environ, {MERGE_ONE_EXCHANGE_ENV: "0"}):
+            self.assertTrue(self.script.one_exchange_asked(self.script.parse_args(base), out))
+            off = self.script.parse_args(base + ["--server-env", f"{MERGE_ONE_EXCHANGE_ENV}=off"])
+            self.assertFalse(self.script.one_exchange_asked(off, out))
+        with mock.patch.dict(os.environ, {}, clear=False):
+            os.environ.pop(MERGE_ONE_EXCHANGE_ENV, None)
+            self.assertFalse(self.script.one_exchange_asked(self.script.parse_args(base), out))
+        for bad in (["--merge-one-exchange-max-extra-bytes", "-5"],
+                    ["--merge-one-exchange-max-extra-bytes", "0", "--shared-kv", "off"]):  # fmt: skip
+            rc, _ = self.run_main(*base, "--dry-run", *bad)
+            self.assertEqual(rc, 2, bad)
+
     def dry_run_commands(self, *argv, model_dir=None):
         rc, out = self.run_main("--model-path", model_dir or self.model_dir, "--load-format", "dummy", "--dry-run", *argv)
         self.assertEqual(rc, 0, out)

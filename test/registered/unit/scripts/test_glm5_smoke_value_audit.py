@@ -11,6 +11,11 @@
   Seen failing with the replay check skipped (``after_replay`` returning early).
 * The verdict derives its tolerance from the stock reference's errors; a run without rows, without
   graph-replay rows where graphs ran, or with impossible checks fails.
+* Each checked per-owner row carries the merge form that ran in its attention call (a replay: its
+  capture's); a run with the one-exchange merge asked fails without rows merged by it (replayed ones
+  too where graphs replayed), one without it fails with any; such a failure is no value plant's
+  catch. Seen failing with the form kept across attention calls (a prefill row after a decode layer
+  counted as merged) and with the replay's rows left without their capture's form.
 * The planted bugs act as the docstring says: the graph-stale LSE is a no-op eagerly and feeds the
   warm-up's LSE to a capture; the gathered-scale plant scales the gathered region only.
 """
@@ -180,7 +185,7 @@ class _StockDecode:
 
 
 class TestGraphReplayIsJudged(CustomTestCase):
-    def _replayed_errors(self, refresh_out: bool):
+    def _replayed_errors(self, refresh_out: bool, merge_form=None):
         case = _StockDecode()
         layer = SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, v_head_dim=512, head_dim=576, scaling=SCALING)
         backend = SimpleNamespace(nsa_index_topk=64, forward_metadata=SimpleNamespace(
@@ -194,8 +199,11 @@ class TestGraphReplayIsJudged(CustomTestCase):
             audit.begin_capture(runner, 2)
             with mock.patch.object(value_audit, "capturing", return_value=True):
                 audit.keep_index_inputs(case.pool, 0, index_q, weights)
+                if merge_form is not None:  # per-owner decode merged inside this attention call
+                    audit.merged_by(merge_form)
                 audit.attention_call(backend, layer, case.forward_batch(), q[..., :512], q[..., 512:], out)
             audit.end_capture()
+            self.assertIsNone(audit.merge_form)  # taken by the call it ran in
             self.assertEqual(audit.errors["decode"], [])  # nothing judged during the capture
             # Replay: the graph rewrites its tensors in place with this batch's values.
             new_q, new_index_q, new_weights, new_out = case.layer_inputs()
@@ -207,6 +215,8 @@ class TestGraphReplayIsJudged(CustomTestCase):
             for _ in range(2):
                 audit.after_replay(runner, case.forward_batch(), backend.forward_metadata)
             saved = json.loads(audit.path.read_text())
+            if merge_form is not None:
+                return saved["rows_by_merge_form"]
             return saved["errors"]["decode_graph"], saved["graph_replays_by_bs"]
 
     def test_replayed_outputs_are_checked(self):
@@ -219,10 +229,31 @@ class TestGraphReplayIsJudged(CustomTestCase):
         errors, _ = self._replayed_errors(refresh_out=False)
         self.assertGreater(min(errors), 0.5)
 
+    def test_replayed_rows_carry_the_merge_form_of_their_capture(self):
+        for form in (value_audit.ONE_EXCHANGE, value_audit.SCALED_SUM):
+            self.assertEqual(self._replayed_errors(refresh_out=True, merge_form=form), {"decode_graph": {form: 2}})
 
-def _totals(errors_by_kind, problems=None, ranks=1):
+    def test_a_call_without_a_merge_records_no_form(self):
+        case = _StockDecode()
+        layer = SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, v_head_dim=512, head_dim=576, scaling=SCALING)
+        backend = SimpleNamespace(nsa_index_topk=64, forward_metadata=SimpleNamespace(
+            cache_seqlens_int32=torch.tensor(case.seq_lens, dtype=torch.int32)))  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            audit = value_audit.ValueAudit(Path(tmp), 0, lambda pool: 1)
+            for merged in (value_audit.ONE_EXCHANGE, None):  # a merged call, then one without a merge
+                q, index_q, weights, out = case.layer_inputs()
+                audit.keep_index_inputs(case.pool, 0, index_q, weights)
+                if merged:
+                    audit.merged_by(merged)
+                audit.attention_call(backend, layer, case.forward_batch(), q[..., :512], q[..., 512:], out)
+            saved = json.loads(audit.path.read_text())
+        self.assertEqual(len(saved["errors"]["decode"]), 2)
+        self.assertEqual(saved["rows_by_merge_form"], {"decode": {value_audit.ONE_EXCHANGE: 1}})
+
+
+def _totals(errors_by_kind, problems=None, ranks=1, merge_forms=None):
     return {"errors": errors_by_kind, "layers_checked": {}, "problems": problems or {}, "graph_replays_by_bs": {},
-            "ranks": ranks}  # fmt: skip
+            "rows_by_merge_form": merge_forms or {}, "ranks": ranks}  # fmt: skip
 
 
 class TestVerdict(CustomTestCase):
@@ -254,11 +285,39 @@ class TestVerdict(CustomTestCase):
         with tempfile.TemporaryDirectory() as tmp:
             for rank, errors in enumerate(([0.1], [0.2, 0.3])):
                 data = {"errors": {"decode": errors}, "layers_checked": {"decode": 1}, "problems": {"row_map_mismatch": rank},
-                        "graph_replays_by_bs": {"16": 2}}  # fmt: skip
+                        "graph_replays_by_bs": {"16": 2}, "rows_by_merge_form": {"decode": {"all_gather": len(errors)}}}  # fmt: skip
                 (Path(tmp) / f"value_audit.rank{rank}.json").write_text(json.dumps(data))
             t = value_audit_compare.totals(Path(tmp))
         self.assertEqual((t["ranks"], t["errors"]["decode"], t["graph_replays_by_bs"]), (2, [0.1, 0.2, 0.3], {"16": 4}))
         self.assertEqual(t["problems"], {"row_map_mismatch": 1})
+        self.assertEqual(t["rows_by_merge_form"], {"decode": {"all_gather": 3}})
+        self.assertEqual(value_audit_compare.report(t)["rows_by_merge_form"], {"all_gather": 3})
+
+
+class TestMergeFormVerdict(CustomTestCase):
+    ONE, SUM = value_audit.ONE_EXCHANGE, value_audit.SCALED_SUM
+    ERRORS = {"extend": [0.001], "decode": [0.002], "decode_graph": [0.002]}
+
+    def _failures(self, forms, asked, errors=None):
+        run = _totals(errors or self.ERRORS, merge_forms=forms)
+        return value_audit_compare.merge_form_failures(run, one_exchange_asked=asked)
+
+    def test_asked_needs_rows_merged_by_the_one_exchange_replays_included(self):
+        self.assertEqual(self._failures({"decode": {self.ONE: 4}, "decode_graph": {self.ONE: 6}}, True), [])
+        self.assertIn("all 10 merged rows", self._failures({"decode": {self.SUM: 4}, "decode_graph": {self.SUM: 6}}, True)[0])
+        self.assertIn("no replayed row", self._failures({"decode": {self.ONE: 4}, "decode_graph": {self.SUM: 6}}, True)[0])
+        self.assertIn("no checked row was merged per owner", self._failures({}, True)[0])
+        eager = {"extend": [0.001], "decode": [0.002]}  # no graphs ran: eager rows are enough
+        self.assertEqual(self._failures({"decode": {self.ONE: 4}}, True, errors=eager), [])
+
+    def test_not_asked_allows_no_row_merged_by_the_one_exchange(self):
+        self.assertEqual(self._failures({"decode": {self.SUM: 4}, "decode_graph": {self.SUM: 6}}, False), [])
+        self.assertEqual(self._failures({}, False), [])  # the gather path merges nothing
+        self.assertIn("2 checked value-audit rows", self._failures({"decode_graph": {self.ONE: 2, self.SUM: 1}}, False)[0])
+
+    def test_a_merge_form_failure_is_not_a_value_failure(self):
+        for found in (self._failures({}, True), self._failures({"decode": {self.ONE: 1}}, False)):
+            self.assertTrue(found[0].startswith("merge form:"), found)
 
 
 class TestVerdictLines(CustomTestCase):
@@ -283,18 +342,22 @@ class TestVerdictLines(CustomTestCase):
             ("plant_value-b", ["read audit: 3 of 9 kv rows read hold another token"], {}),
             ("plant_value-c", [], {}),
             ("plant_other", ["read audit: 1 wrong"], {}),
+            ("plant_value-d", ["merge form: the one-exchange merge was asked but no checked row was merged per owner"], {}),
         ])  # fmt: skip
-        self.assertEqual([ok for _, ok in lines], [True, False, False, True])
+        self.assertEqual([ok for _, ok in lines], [True, False, False, True, False])
+        self.assertIn("not a value-only failure", lines[4][0])
         self.assertIn("caught by the value audit alone", lines[0][0])
         self.assertIn("not a value-only failure", lines[1][0])
         self.assertIn("PLANT NOT CAUGHT", lines[2][0])
 
     def test_a_clean_line_shows_values_and_replays_by_batch_size(self):
-        figures = {"value_audit": {"all": {"rows": 120, "max": 0.004, "p99": 0.003}, "graph_replays_by_bs": {"2": 5, "16": 1}},
+        figures = {"value_audit": {"all": {"rows": 120, "max": 0.004, "p99": 0.003}, "graph_replays_by_bs": {"2": 5, "16": 1},
+                                   "rows_by_merge_form": {"all_gather": 40}},
                    "value_tolerance": {"max": 0.012}}  # fmt: skip
         ((line, ok),) = self._lines([("on_x", [], figures)])
         self.assertTrue(ok)
         self.assertIn("values 120 rows, max rel err 0.004, p99 0.003 (tolerance 0.012), graph replays by batch size", line)
+        self.assertIn("merged rows: 40 by all_gather", line)
 
 
 class TestValuePlants(CustomTestCase):

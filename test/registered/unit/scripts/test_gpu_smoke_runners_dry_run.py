@@ -241,6 +241,39 @@ class TestOneGpuRunnersDryRun(CustomTestCase):
                 self.assertEqual("--disable-cuda-graph" in argv, graphs == "0", name)
                 self.assertIn("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR", env_vars, name)
 
+    def test_one_exchange_mode_asks_every_shared_server_for_the_merge_and_the_reference_for_none(self):
+        """Mode one-exchange: the one-exchange merge setting (the modeled value from settings.py, or
+        SMOKE_ONE_EXCHANGE_BYTES) on the user's launch (sglang's graphs), per owner eagerly and the
+        merge-skew plant under graphs; never on the stock reference. Seen failing with the driver
+        writing the setting under another variable name (the servers' environment lacked it)."""
+        from sglang_cp_shared_kv.settings import MERGE_ONE_EXCHANGE_ENV, MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES
+
+        runs = {
+            "on_bf16_one_exchange_default": (None, None, True),
+            "on_bf16_one_exchange_eager": (None, "per_owner", False),
+            "plant_value-merge-skew_one_exchange_graphs": ("value-merge-skew", "per_owner", True),
+        }
+        for asked, want in ((None, str(MODELED_MERGE_ONE_EXCHANGE_MAX_EXTRA_BYTES)), ("123", "123")):
+            with self.subTest(asked=asked), tempfile.TemporaryDirectory() as tmp:
+                tmp = Path(tmp)
+                env = {"SMOKE_DRY_RUN": "1", "SMOKE_ONE_GPU": "1",
+                       "SMOKE_RUNS_DIR": str(tmp / "runs"), "SMOKE_MODEL_DIR": str(tmp / "model")}  # fmt: skip
+                if asked:
+                    env["SMOKE_ONE_EXCHANGE_BYTES"] = asked
+                proc = run_runner("scripts/gpu/serve_smoke_runs.sh", ["one-exchange"], env, tmp)
+                for name in ["ref_bf16", *runs]:
+                    self.assertIn(f"{name}: exit 0", proc.stdout, proc.stderr[-2000:])
+                (_, _, ref_env, _), = servers_in((tmp / "out" / "ref_bf16.log").read_text())
+                self.assertNotIn(MERGE_ONE_EXCHANGE_ENV, ref_env)
+                for name, (plant, path, graphs) in runs.items():
+                    (_, _, env_vars, argv), = servers_in((tmp / "out" / f"{name}.log").read_text())
+                    self.assert_one_gpu(env_vars, argv, name)
+                    self.assertEqual(env_vars.get(MERGE_ONE_EXCHANGE_ENV), want, name)
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_SMOKE_PLANT"), plant, name)
+                    self.assertEqual(env_vars.get("SGLANG_CP_SHARED_KV_DECODE"), path, name)
+                    self.assertEqual("--disable-cuda-graph" in argv, not graphs, name)
+                    self.assertIn("SGLANG_CP_SHARED_KV_SMOKE_AUDIT_DIR", env_vars, name)
+
     def test_ttft_chunks_mode_pairs_stock_and_shared_kv_at_two_chunk_sizes_without_audits(self):
         """Mode ttft-chunks: stock and shared KV at chunked prefill 2048 and 8192, no audit on any
         server (the read audit's per-forward collectives are not the product's path).
