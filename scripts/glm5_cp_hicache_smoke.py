@@ -288,8 +288,9 @@ def server_env(args, shared_kv: bool, out_dir: Path) -> Dict[str, str]:
         extra[GRAPH_DECODE_ENV] = "1" if args.decode == "per-owner-graphs" else "0"
     if shared_kv and args.prefetch_slot_tokens is not None:
         extra[PREFETCH_SLOT_TOKENS_ENV] = args.prefetch_slot_tokens
-    if shared_kv and args.merge_one_exchange_max_extra_bytes is not None:
-        extra[MERGE_ONE_EXCHANGE_ENV] = args.merge_one_exchange_max_extra_bytes
+    one_exchange = getattr(args, "merge_one_exchange_max_extra_bytes", None)  # other drivers' args lack it
+    if shared_kv and one_exchange is not None:
+        extra[MERGE_ONE_EXCHANGE_ENV] = one_exchange
     if args.one_gpu:
         extra.update(one_gpu_env())
     if shared_kv:
