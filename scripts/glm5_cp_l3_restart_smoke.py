@@ -54,7 +54,6 @@ from sglang_cp_shared_kv_testing.e2e.server_process import (
     ServerError,
     ServerStartError,
     SglangServer,
-    add_decode_options,
     decode_asked,
     decode_setup,
     shared_kv_serve_config,
@@ -68,22 +67,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True, help="a model dir, e.g. the tiny GLM-5 (make_tiny_glm5_config.py)")
     p.add_argument("--tp", type=int, default=2, help="--tp of every server (= CP size: 2, 4 or 8)")
-    p.add_argument("--prefix-tokens", type=int, default=8192, help="tokens of each stored prefix (whole pages)")
-    p.add_argument("--suffix-tokens", type=int, default=256, help="new tokens after the prefix on the restart")
-    p.add_argument("--prefixes", type=int, default=3, help="prefixes (the first warms up, the others are timed)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--physical-tokens-per-rank", type=int, default=16384, help="--max-total-tokens (per rank)")
-    p.add_argument("--hicache-ratio", type=float, default=2.0)
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--load-format", default=None, help="'dummy' for the tiny config")
-    p.add_argument("--dummy-init", choices=["unit-gain", "stock"], default="unit-gain")
-    p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (every server)")
-    p.add_argument("--ignore-log-pattern", action="append", default=[],
-                   help="regex of server log lines not to treat as errors (as the serve smoke's)")
-    p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
-    add_decode_options(p)
+    l3_servers.add_server_options(p, suffix_on="the restart")
     p.add_argument("--startup-timeout", type=float, default=420)
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--storage-wait-s", type=float, default=60,

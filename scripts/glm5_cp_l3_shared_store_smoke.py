@@ -63,7 +63,6 @@ from sglang_cp_shared_kv_testing.e2e.server_process import (
     ServerError,
     ServerStartError,
     SglangServer,
-    add_decode_options,
     decode_asked,
     decode_setup,
     free_port,
@@ -87,22 +86,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="a model dir, e.g. the tiny GLM-5 (make_tiny_glm5_config.py)")
     p.add_argument("--tp-a", type=int, default=2, help="--tp of server a, which computes (= its CP size)")
     p.add_argument("--tp-b", type=int, default=2, help="--tp of server b, which hits, and of the reference (2, 4 or 8)")
-    p.add_argument("--prefix-tokens", type=int, default=8192, help="tokens of each stored prefix (whole pages)")
-    p.add_argument("--suffix-tokens", type=int, default=256, help="new tokens after the prefix on b")
-    p.add_argument("--prefixes", type=int, default=3, help="prefixes (the first warms up, the others are timed)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--physical-tokens-per-rank", type=int, default=16384, help="--max-total-tokens (per rank)")
-    p.add_argument("--hicache-ratio", type=float, default=2.0)
-    p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--load-format", default=None, help="'dummy' for the tiny config")
-    p.add_argument("--dummy-init", choices=["unit-gain", "stock"], default="unit-gain")
-    p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (every server)")
-    p.add_argument("--ignore-log-pattern", action="append", default=[],
-                   help="regex of server log lines not to treat as errors (as the serve smoke's)")
-    p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
-    add_decode_options(p)
+    l3_servers.add_server_options(p, suffix_on="b")
     p.add_argument("--holder-segment-gb", type=float, default=4.0,
                    help="host memory the holder mounts for the store (every object lives there)")
     p.add_argument("--router", action="store_true", help="a router phase: sglang_router in front of a and b")

@@ -34,6 +34,7 @@ from sglang_cp_shared_kv_testing.e2e.server_process import (  # noqa: E402
     ServeConfig,
     ServerStartError,
     SglangServer,
+    add_decode_options,
     free_port,
     generate_greedy,
     served_decode_failures,
@@ -42,6 +43,28 @@ from sglang_cp_shared_kv_testing.e2e.smoke_report import log_failures  # noqa: E
 
 FAKE_SERVER = [sys.executable, "-m", "sglang_cp_shared_kv_testing.e2e.fake_sglang_server"]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def add_server_options(parser, suffix_on: str) -> None:
+    """The options both L3 drivers give their servers and requests (the prompts, the pools, the
+    model's load, the decode); ``suffix_on`` names the server the suffix is sent to."""
+    p = parser
+    p.add_argument("--prefix-tokens", type=int, default=8192, help="tokens of each stored prefix (whole pages)")
+    p.add_argument("--suffix-tokens", type=int, default=256, help=f"new tokens after the prefix on {suffix_on}")
+    p.add_argument("--prefixes", type=int, default=3, help="prefixes (the first warms up, the others are timed)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--physical-tokens-per-rank", type=int, default=16384, help="--max-total-tokens (per rank)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--load-format", default=None, help="'dummy' for the tiny config")
+    p.add_argument("--dummy-init", choices=["unit-gain", "stock"], default="unit-gain")
+    p.add_argument("--token-id-range", default="0:256", help="LOW:HIGH, prompt token ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-server-args", default="", help="more sglang serve arguments (every server)")
+    p.add_argument("--ignore-log-pattern", action="append", default=[],
+                   help="regex of server log lines not to treat as errors (as the serve smoke's)")
+    p.add_argument("--one-gpu", action="store_true", help="test-only: every rank of every server on device 0")
+    add_decode_options(p)
 
 
 def smoke_env(args, audit_dir: Path) -> Dict[str, str]:
